@@ -1,0 +1,267 @@
+"""The config schema: every default once, YAML files over it, `--set key=value` over those.
+
+A config is an `ml_collections.ConfigDict` whose every key is declared in `defaults()`. Values keep the
+type of their default (ints widen to floats; `None` defaults name their type in `_NULLABLE`), so a typo or a
+wrong type costs one `error:` line before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import ml_collections
+import yaml
+
+from scaletrain import tokenizer
+from scaletrain.errors import ConfigError
+
+MESH_AXES = ("data", "fsdp", "expert", "pipeline", "tensor")
+
+
+def defaults() -> ml_collections.ConfigDict:
+    """The schema: each key, its type (that of its default) and its default. docs/config.md explains each."""
+    return ml_collections.ConfigDict(
+        {
+            "run_dir": "runs/default",
+            "seed": 0,
+            "steps": 100,
+            "model": {
+                "vocab_size": 384,
+                "d_model": 128,
+                "num_layers": 2,
+                "num_heads": 4,
+                "num_kv_heads": 2,
+                "head_dim": 32,
+                "d_ff": 512,
+                "norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "rope_scaling": "none",
+                "rope_scaling_factor": 8.0,
+                "rope_low_freq_factor": 1.0,
+                "rope_high_freq_factor": 4.0,
+                "rope_original_max_position": 8192,
+                "tie_embeddings": False,
+                "init_std": 0.02,
+                "param_dtype": "float32",
+                "dtype": "bfloat16",
+                "remat": "none",
+            },
+            "data": {
+                "source": "stdlib",
+                "path": "",
+                "jsonl_field": "text",
+                "seq_len": 256,
+            },
+            "train": {
+                "global_batch": 16,
+                "grad_accum_steps": 1,
+                "log_every_steps": 1,
+            },
+            "optim": {
+                "learning_rate": 3e-3,
+                "warmup_steps": 20,
+                "min_lr_ratio": 0.1,
+                "b1": 0.9,
+                "b2": 0.95,
+                "eps": 1e-8,
+                "weight_decay": 0.1,
+                "decay_norms": False,
+                "decay_embeddings": False,
+                "grad_clip_norm": 1.0,
+            },
+            "mesh": {
+                **{axis: 1 for axis in MESH_AXES},
+                **{f"dcn_{axis}": 1 for axis in MESH_AXES},
+            },
+            "sharding": {"preset": "fsdp"},
+            "checkpoint": {
+                "every_steps": 50,
+                "max_to_keep": 3,
+                "async_save": True,
+            },
+            "hardware": {"peak_flops_per_device": None},
+        }
+    )
+
+
+# Keys whose default is None, and the type they hold when set.
+_NULLABLE = {"hardware.peak_flops_per_device": float}
+
+CHOICES = {
+    "model.rope_scaling": ("none", "llama3"),
+    "model.param_dtype": ("float32", "bfloat16"),
+    "model.dtype": ("float32", "bfloat16"),
+    "model.remat": ("none", "full", "save_dots"),
+    "data.source": ("stdlib", "synthetic", "files"),
+    "sharding.preset": ("fsdp", "dp", "zero1", "zero2"),
+}
+
+_POSITIVE = (
+    "steps", "model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads", "model.num_kv_heads",
+    "model.head_dim", "model.d_ff", "data.seq_len", "train.global_batch", "train.grad_accum_steps",
+    "train.log_every_steps", "checkpoint.every_steps", "checkpoint.max_to_keep", "model.rope_original_max_position",
+)
+_NON_NEGATIVE = ("seed", "optim.learning_rate", "optim.warmup_steps", "optim.weight_decay", "optim.eps",
+                 "optim.grad_clip_norm", "model.norm_eps", "model.init_std")
+_UNIT_INTERVAL = ("optim.min_lr_ratio", "optim.b1", "optim.b2")
+
+
+def flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in cfg.items():
+        if isinstance(v, ml_collections.ConfigDict):
+            keys += flat_keys(v, f"{prefix}{k}.")
+        else:
+            keys.append(f"{prefix}{k}")
+    return keys
+
+
+def _unknown_key(key: str, known: Iterable[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _get(cfg: ml_collections.ConfigDict, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    """Return `value` as the type of `default`, or raise a ConfigError that says what was expected."""
+    want = _NULLABLE.get(key, type(default))
+    if value is None:
+        if key in _NULLABLE:
+            return None
+        raise ConfigError(f"{key} must be a {want.__name__}, got null")
+    if want is bool:
+        if isinstance(value, bool):
+            return value
+    elif want is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif want is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif want is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{key} must be a {'number' if want in (int, float) else want.__name__}"
+                      f"{' (integer)' if want is int else ''}, got {value!r}")
+
+
+def _set(cfg: ml_collections.ConfigDict, key: str, value: Any, known: list[str]) -> None:
+    if key not in known:
+        raise _unknown_key(key, known)
+    *parents, leaf = key.split(".")
+    node = cfg
+    for part in parents:
+        node = node[part]
+    coerced = _coerce(key, value, node[leaf])
+    with node.unlocked():  # replaces the field's type-checked reference: _coerce has checked it
+        del node[leaf]
+        node[leaf] = coerced
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`key=value` with `value` a YAML scalar."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set expects KEY=VALUE (e.g. mesh.fsdp=4), got '{text}'")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        raise ConfigError(f"--set {key}: '{raw}' is not a YAML scalar") from None
+    if isinstance(value, (dict, list)):
+        raise ConfigError(f"--set {key}: expected a scalar value, got '{raw}'")
+    return key.strip(), value
+
+
+def load(path: str | Path | None = None, overrides: Iterable[str] = ()) -> ml_collections.ConfigDict:
+    """defaults() <- YAML file <- --set overrides, each key checked; then validated."""
+    cfg = defaults()
+    known = flat_keys(cfg)
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' not found; expected a YAML file such as configs/llama_tiny.yaml")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping of keys, got {type(tree).__name__}")
+        for key, value in _flatten(tree).items():
+            _set(cfg, key, value, known)
+    for text in overrides:
+        _set(cfg, *parse_override(text), known)
+    validate(cfg)
+    cfg.lock()
+    return cfg
+
+
+def validate(cfg: ml_collections.ConfigDict) -> None:
+    """Checks that need no devices. Mesh and divisibility checks live with the mesh and sharding rules."""
+    for key, options in CHOICES.items():
+        if _get(cfg, key) not in options:
+            raise ConfigError(f"{key} must be one of {', '.join(options)}; got '{_get(cfg, key)}'")
+    for key in _POSITIVE:
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be > 0, got {_get(cfg, key)}")
+    for key in _NON_NEGATIVE:
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key} must be >= 0, got {_get(cfg, key)}")
+    for key in _UNIT_INTERVAL:
+        if not 0 <= _get(cfg, key) <= 1:
+            raise ConfigError(f"{key} must be in [0, 1], got {_get(cfg, key)}")
+    for key in flat_keys(cfg.mesh):
+        degree = cfg.mesh[key]
+        if degree == 0 or degree < -1:
+            raise ConfigError(f"mesh.{key} must be a positive degree or -1 (fill), got {degree}")
+    m = cfg.model
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
+    if m.head_dim % 2:
+        raise ConfigError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
+    if m.vocab_size < _min_vocab(cfg):
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's {_min_vocab(cfg)} ids")
+    if cfg.train.global_batch % cfg.train.grad_accum_steps:
+        raise ConfigError(f"train.global_batch={cfg.train.global_batch} must be divisible by "
+                          f"train.grad_accum_steps={cfg.train.grad_accum_steps}")
+    if cfg.data.source == "files" and not cfg.data.path:
+        raise ConfigError("data.source=files needs data.path (a .txt/.jsonl file, a directory or a glob)")
+
+
+def _min_vocab(cfg: ml_collections.ConfigDict) -> int:
+    return 1 if cfg.data.source == "synthetic" else tokenizer.VOCAB_SIZE
+
+
+def to_yaml(cfg: ml_collections.ConfigDict) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def config_hash(cfg: ml_collections.ConfigDict) -> str:
+    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:16]

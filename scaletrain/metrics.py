@@ -1,0 +1,101 @@
+"""Where step metrics go: run_dir/metrics.jsonl, TensorBoard scalars in run_dir/tb, and the console."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+class Progress:
+    """One live line on a terminal; on a pipe, about twenty plain lines per run."""
+
+    def __init__(self, total_steps: int, stream=sys.stdout):
+        self.total, self.stream = total_steps, stream
+        self.live = stream.isatty()
+        self.every = max(1, total_steps // 20)
+        self.line_open = False
+
+    def update(self, record: dict, eta_s: float) -> None:
+        step = record["step"]
+        mfu = "   -  " if record["mfu"] is None else f"{100 * record['mfu']:5.1f}%"
+        line = (f"step {step:>{len(str(self.total))}}/{self.total}  loss {record['loss']:.4f}  "
+                f"{record['tokens_per_sec']:,.0f} tok/s  MFU {mfu}  step {record['step_time_s'] * 1e3:.0f} ms  "
+                f"ETA {_fmt_duration(eta_s)}")
+        if self.live:
+            width = int(40 * step / self.total)
+            self.stream.write(f"\r[{'#' * width}{'.' * (40 - width)}] {line}\033[K")
+            self.line_open = True
+        elif step % self.every == 0 or step == self.total or step == 1:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.line_open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.line_open = False
+
+
+class MetricsLog:
+    """Writes one record per logged step; only the main process writes."""
+
+    def __init__(self, run_dir: Path, total_steps: int, resume_step: int, enabled: bool,
+                 tensorboard: bool = True):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.progress = Progress(total_steps)
+        self.start_step = resume_step
+        self.start_time = time.perf_counter()
+        if not enabled:
+            return
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._truncate_after(resume_step)
+        self.file = self.path.open("a")
+        self.tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(run_dir) / "tb"), flush_secs=10)
+
+    def _truncate_after(self, step: int) -> None:
+        """A resumed run redoes the steps after its checkpoint: drop their old records so each step has one."""
+        if not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a kill
+        self.path.write_text("".join(k + "\n" for k in kept))
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"train/{k}", v, record["step"])
+        done = record["step"] - self.start_step
+        elapsed = time.perf_counter() - self.start_time
+        self.progress.update(record, elapsed / max(done, 1) * (self.total_steps - record["step"]))
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        self.progress.close()

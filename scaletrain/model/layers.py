@@ -1,0 +1,51 @@
+"""Parameter creation with logical axes, RMSNorm and the embedding table."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from scaletrain.sharding import constrain
+
+# Flax would otherwise try to shard each variable as it is created, which needs a mesh; we resolve
+# logical names to mesh axes ourselves (sharding.py), from shapes, before anything is materialised.
+nnx.use_eager_sharding(False)
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str, ...], dtype, std: float) -> nnx.Param:
+    """A normal(0, std) parameter annotated with its logical axis names."""
+    assert len(shape) == len(logical), (shape, logical)
+    value = std * jax.random.normal(rngs.params(), shape, dtype)
+    return nnx.Param(value, out_sharding=logical)
+
+
+def ones(shape: tuple[int, ...], logical: tuple[str, ...], dtype) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, dtype), out_sharding=logical)
+
+
+class RMSNorm(nnx.Module):
+    """y = x / rms(x) * g, computed in float32 whatever the compute dtype."""
+
+    def __init__(self, dim: int, eps: float, param_dtype):
+        self.eps = eps
+        self.scale = ones((dim,), ("embed",), param_dtype)
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        x = x_btd.astype(jnp.float32)
+        inv_rms = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * inv_rms * self.scale[...].astype(jnp.float32)).astype(x_btd.dtype)
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab: int, dim: int, rngs: nnx.Rngs, param_dtype, std: float):
+        self.table = param(rngs, (vocab, dim), ("vocab", "embed"), param_dtype, std)
+
+    def __call__(self, tokens_bt: jax.Array, dtype) -> jax.Array:
+        x_btd = jnp.take(self.table[...].astype(dtype), tokens_bt, axis=0)
+        return constrain(x_btd, ("batch", "seq", "embed"))
+
+    def attend(self, x_btd: jax.Array) -> jax.Array:
+        """Tied output projection: logits against the embedding table, accumulated in float32."""
+        return jnp.einsum("btd,vd->btv", x_btd, self.table[...].astype(x_btd.dtype),
+                          preferred_element_type=jnp.float32)

@@ -1,0 +1,120 @@
+"""The Llama decoder: embedding, a scanned stack of identical blocks, final norm, output projection."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from scaletrain import remat
+from scaletrain.model import rope
+from scaletrain.model.attention import Attention, attention_mask
+from scaletrain.model.layers import Embed, RMSNorm, param
+from scaletrain.model.mlp import MLP
+from scaletrain.sharding import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    d_ff: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    param_dtype: Any = jnp.float32
+    dtype: Any = jnp.bfloat16
+    remat: str = "none"
+
+    @classmethod
+    def from_config(cls, model_cfg) -> "ModelConfig":
+        values = {f.name: model_cfg[f.name] for f in dataclasses.fields(cls)}
+        values["param_dtype"] = jnp.dtype(values["param_dtype"])
+        values["dtype"] = jnp.dtype(values["dtype"])
+        return cls(**values)
+
+    @property
+    def out_std(self) -> float:
+        """Output projections start smaller so the residual stream's variance does not grow with depth."""
+        return self.init_std / math.sqrt(2 * self.num_layers)
+
+    def inverse_frequencies(self):
+        return rope.inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, self.rope_scaling_factor,
+                                        self.rope_low_freq_factor, self.rope_high_freq_factor,
+                                        self.rope_original_max_position)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x_btd, sin_bth, cos_bth, mask):
+        x_btd = x_btd + self.attn(self.attn_norm(x_btd), sin_bth, cos_bth, mask)
+        return x_btd + self.mlp(self.mlp_norm(x_btd))
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, rngs, cfg.param_dtype, cfg.init_std)
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_layers(rngs):
+            return Block(cfg, rngs)
+
+        self.layers = make_layers(rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
+        if not cfg.tie_embeddings:
+            self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype,
+                                 cfg.init_std)
+
+    def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
+        """float32 logits [b, t, vocab] for int32 tokens; positions and segment ids come from packing."""
+        cfg = self.cfg
+        x_btd = self.embed(tokens_bt, cfg.dtype)
+        sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies())
+        mask = attention_mask(segment_ids_bt)
+        graphdef, stacked = nnx.split(self.layers)
+
+        def layer(x_btd, layer_params):
+            x_btd = checkpoint_name(constrain(x_btd, ("batch", "seq", "embed")), "decoder_layer_input")
+            return nnx.merge(graphdef, layer_params)(x_btd, sin_bth, cos_bth, mask), None
+
+        x_btd, _ = jax.lax.scan(remat.apply(layer, cfg.remat), x_btd, stacked)
+        x_btd = self.final_norm(x_btd)
+        if cfg.tie_embeddings:
+            logits = self.embed.attend(x_btd)
+        else:
+            logits = jnp.einsum("btd,dv->btv", x_btd, self.lm_head[...].astype(x_btd.dtype),
+                                preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "seq", "vocab"))
+
+
+def abstract(cfg: ModelConfig) -> tuple[nnx.GraphDef, dict, dict]:
+    """(graphdef, parameter shapes, logical axes), as plain nested dicts, without allocating anything."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0))))
+    logical = jax.tree.map(lambda v: tuple(v.out_sharding), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(logical)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
+    return nnx.to_pure_dict(nnx.state(Llama(cfg, nnx.Rngs(key))))

@@ -1,0 +1,1 @@
+"""The one cost model: parameters, FLOPs, (later) memory and communication, and the hardware table."""

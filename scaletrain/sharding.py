@@ -1,0 +1,136 @@
+"""Logical axis names, sharding rule presets, and their resolution to NamedShardings.
+
+Model code annotates parameters and activations with the logical names below; a preset maps each name to
+mesh axes, separately for parameters at rest, gradients, optimizer state and activations. Data parallel,
+FSDP (ZeRO-3), ZeRO-1 and ZeRO-2 are rule tables, not model changes. docs/sharding.md is the table in prose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from scaletrain.errors import ConfigError
+
+LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "experts",
+                "stage")
+
+# The config key that sets each logical dim: named in divisibility errors.
+SIZE_KEY = {
+    "batch": "train.global_batch / train.grad_accum_steps",
+    "seq": "data.seq_len",
+    "embed": "model.d_model",
+    "heads": "model.num_heads",
+    "kv_heads": "model.num_kv_heads",
+    "head_dim": "model.head_dim",
+    "mlp": "model.d_ff",
+    "vocab": "model.vocab_size",
+    "layers": "model.num_layers",
+}
+
+RuleTable = Mapping[str, Any]
+
+# Activations: batch over every data-parallel axis, Megatron-style tensor axes (a no-op at tensor=1).
+_ACTIVATIONS: RuleTable = {"batch": ("data", "fsdp"), "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
+                           "vocab": "tensor", "experts": "expert", "stage": "pipeline"}
+_TENSOR_ONLY: RuleTable = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor",
+                           "experts": "expert", "stage": "pipeline"}
+_FSDP: RuleTable = {**_TENSOR_ONLY, "embed": "fsdp"}
+_ZERO: RuleTable = {**_TENSOR_ONLY, "embed": ("data", "fsdp")}
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Where each logical axis lives, for each kind of array."""
+
+    params: RuleTable
+    grads: RuleTable
+    opt_state: RuleTable
+    activations: RuleTable
+
+
+PRESETS: dict[str, Rules] = {
+    # Parameters, gradients and optimizer state replicated over data and fsdp; gradients all-reduced.
+    "dp": Rules(params=_TENSOR_ONLY, grads=_TENSOR_ONLY, opt_state=_TENSOR_ONLY, activations=_ACTIVATIONS),
+    # ZeRO-3: everything sharded over fsdp (data stays a replica axis: hybrid sharding when both are > 1).
+    "fsdp": Rules(params=_FSDP, grads=_FSDP, opt_state=_FSDP, activations=_ACTIVATIONS),
+    # ZeRO-1: optimizer state sharded over every data-parallel axis; gradients all-reduced, params replicated.
+    "zero1": Rules(params=_TENSOR_ONLY, grads=_TENSOR_ONLY, opt_state=_ZERO, activations=_ACTIVATIONS),
+    # ZeRO-2: gradients reduce-scattered into the optimizer state's layout too.
+    "zero2": Rules(params=_TENSOR_ONLY, grads=_ZERO, opt_state=_ZERO, activations=_ACTIVATIONS),
+}
+
+
+def preset(name: str) -> Rules:
+    return PRESETS[name]
+
+
+def _mesh_axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spec(logical: tuple[str | None, ...], table: RuleTable, mesh: Mesh) -> P:
+    """Logical names -> PartitionSpec; mesh axes of size 1 are dropped so specs stay readable."""
+    out = []
+    for name in logical:
+        axes = tuple(a for a in _mesh_axes(table.get(name)) if mesh.shape[a] > 1)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*out)
+
+
+def check_divisible(what: str, shape: tuple[int, ...], logical: tuple[str | None, ...], table: RuleTable,
+                    mesh: Mesh) -> None:
+    for dim, name in zip(shape, logical):
+        axes = [a for a in _mesh_axes(table.get(name)) if mesh.shape[a] > 1]
+        ways = math.prod(mesh.shape[a] for a in axes)
+        if dim % ways:
+            degrees = " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in axes)
+            key = SIZE_KEY.get(name, f"the '{name}' dim of {what}")
+            raise ConfigError(f"{key}={dim} is not divisible by {degrees} which shards it "
+                              f"(logical axis '{name}' of {what}); choose sizes or degrees that divide")
+
+
+def is_logical(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
+
+
+def tree_shardings(abstract: Any, logical: Any, table: RuleTable, mesh: Mesh) -> Any:
+    """NamedShardings for a tree of arrays given the same tree of logical-name tuples; checks divisibility."""
+
+    def one(path, names, x):
+        check_divisible(jax.tree_util.keystr(path), x.shape, names, table, mesh)
+        return NamedSharding(mesh, spec(names, table, mesh))
+
+    return jax.tree_util.tree_map_with_path(one, logical, abstract, is_leaf=is_logical)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+# Activation constraints: the step function enters this context while it is traced, so model code can say
+# constrain(x, ("batch", "seq", "embed")) without knowing the mesh.
+_ACTIVE: list[tuple[Mesh, RuleTable]] = []
+
+
+@contextlib.contextmanager
+def activation_rules(mesh: Mesh, table: RuleTable) -> Iterator[None]:
+    _ACTIVE.append((mesh, table))
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+    if not _ACTIVE:
+        return x
+    mesh, table = _ACTIVE[-1]
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(logical, table, mesh)))

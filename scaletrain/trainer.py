@@ -1,0 +1,188 @@
+"""The training loop: build (mesh, shardings, jitted init and step), then init or resume, step, log, checkpoint.
+
+`build` is separate from `run` so that tests, benchmarks and ahead-of-time compiles use exactly the
+objects a training run uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from scaletrain import config as config_lib
+from scaletrain import data as data_lib
+from scaletrain import mesh as mesh_lib
+from scaletrain import model as model_lib
+from scaletrain import optim, sharding
+from scaletrain.checkpoint import Checkpointer
+from scaletrain.errors import ConfigError
+from scaletrain.metrics import MetricsLog
+from scaletrain.planner import flops, hardware
+from scaletrain.train_step import TrainState, make_train_step
+
+BATCH_KEYS = {"tokens": jnp.int32, "targets": jnp.int32, "positions": jnp.int32, "segment_ids": jnp.int32,
+              "loss_mask": jnp.float32}
+
+
+@dataclasses.dataclass
+class Setup:
+    cfg: Any
+    mesh: Mesh
+    model_cfg: model_lib.ModelConfig
+    state_shardings: TrainState
+    abstract_state: TrainState  # ShapeDtypeStructs carrying their shardings
+    batch_sharding: NamedSharding
+    init: Callable[[jax.Array], TrainState]
+    step: Callable[[TrainState, dict], tuple[TrainState, dict]]
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        shape = (self.cfg.train.global_batch, self.cfg.data.seq_len)
+        return {k: jax.ShapeDtypeStruct(shape, dt, sharding=self.batch_sharding) for k, dt in BATCH_KEYS.items()}
+
+
+def _check_parallelism(cfg, mesh: Mesh) -> None:
+    if cfg.model.num_layers % mesh.shape["pipeline"]:
+        raise ConfigError(f"model.num_layers={cfg.model.num_layers} is not divisible by "
+                          f"mesh.pipeline={mesh.shape['pipeline']}")
+    for axis in ("pipeline", "expert"):
+        if mesh.shape[axis] > 1:
+            raise ConfigError(f"mesh.{axis}={mesh.shape[axis]}: {axis} parallelism is not implemented yet; "
+                              f"use the data, fsdp and tensor axes")
+    micro = cfg.train.global_batch // cfg.train.grad_accum_steps
+    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    if micro % ways:
+        raise ConfigError(f"the microbatch train.global_batch / train.grad_accum_steps = {micro} is not divisible "
+                          f"by mesh.data x mesh.fsdp = {ways} (with DCN degrees), which shard the batch")
+
+
+def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
+    """Everything a run needs, from shapes only: no array is allocated here. Raises ConfigError."""
+    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+    _check_parallelism(cfg, mesh)
+    rules = sharding.preset(cfg.sharding.preset)
+    model_cfg = model_lib.ModelConfig.from_config(cfg.model)
+    graphdef, abstract_params, logical = model_lib.abstract(model_cfg)
+
+    param_shardings = sharding.tree_shardings(abstract_params, logical, rules.params, mesh)
+    grad_shardings = sharding.tree_shardings(abstract_params, logical, rules.grads, mesh)
+    opt_param_shardings = sharding.tree_shardings(abstract_params, logical, rules.opt_state, mesh)
+    tx, lr = optim.make(cfg.optim, cfg.steps, logical)
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    # Optimizer leaves shaped like a parameter (Adam's moments) take that parameter's optimizer-state layout.
+    opt_shardings = optax.tree_utils.tree_map_params(
+        tx, lambda _, s: s, abstract_opt, opt_param_shardings,
+        transform_non_params=lambda _: sharding.replicated(mesh))
+    state_shardings = TrainState(params=param_shardings, opt_state=opt_shardings,
+                                 step=sharding.replicated(mesh), rng=sharding.replicated(mesh))
+
+    def init(key: jax.Array) -> TrainState:
+        params_key, rng = jax.random.split(key)
+        params = model_lib.init_params(model_cfg, params_key)
+        return TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32), rng=rng)
+
+    abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                  jax.eval_shape(init, jax.random.PRNGKey(0)), state_shardings)
+    batch_sharding = NamedSharding(mesh, sharding.spec(("batch", "seq"), rules.activations, mesh))
+    step = make_train_step(graphdef, tx, lr, cfg.train.grad_accum_steps, mesh, rules, grad_shardings)
+    return Setup(
+        cfg=cfg, mesh=mesh, model_cfg=model_cfg, state_shardings=state_shardings, abstract_state=abstract_state,
+        batch_sharding=batch_sharding,
+        init=jax.jit(init, out_shardings=state_shardings),
+        step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+                     out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0),
+    )
+
+
+class _Preemption:
+    """SIGTERM asks the loop to finish its step, save and exit 0."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def restore(self):
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+def run(cfg) -> int:
+    """Train to cfg.steps, resuming from the newest checkpoint in cfg.run_dir. Returns the exit status."""
+    setup = build(cfg)
+    main = jax.process_index() == 0
+    run_dir = Path(cfg.run_dir)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
+    iterator = data_lib.make_iterator(cfg)
+
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.max_to_keep, cfg.checkpoint.async_save)
+    restored = ckpt.restore_latest(setup.abstract_state)
+    if restored is None:
+        start, state = 0, setup.init(jax.random.PRNGKey(cfg.seed))
+    else:
+        start, state, data_state = restored
+        iterator.set_state(data_state)
+    mesh_desc = " x ".join(f"{a}={n}" for a, n in setup.mesh.shape.items() if n > 1) or "1 device"
+    params = flops.param_count(setup.model_cfg)
+    if main:
+        print(f"scaletrain: {params.total / 1e6:.2f}M parameters on {jax.device_count()} "
+              f"{jax.devices()[0].platform} devices ({mesh_desc}, {cfg.sharding.preset}); "
+              + (f"resumed at step {start}" if restored else "starting at step 0"), flush=True)
+    if start >= cfg.steps:
+        ckpt.close()
+        return 0
+
+    t0 = time.perf_counter()
+    step_fn = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
+    if main:
+        print(f"compiled the train step in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+    flops_per_step = flops.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens_per_step
+    peak = hardware.peak_flops(jax.devices(), cfg.hardware.peak_flops_per_device)
+    log = MetricsLog(run_dir, cfg.steps, start, enabled=main)
+    preemption = _Preemption()
+    pending = None  # (step, device metrics): read only after the next step is dispatched
+    last_read = time.perf_counter()
+
+    def read(step: int, metrics: dict) -> None:
+        nonlocal last_read
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        dt, last_read = now - last_read, now
+        if step % cfg.train.log_every_steps == 0 or step == cfg.steps:
+            log.log({"step": step, **values, "tokens_per_sec": tokens_per_step / dt, "step_time_s": dt,
+                     "mfu": flops_per_step / dt / peak if peak else None})
+
+    step = start
+    try:
+        while step < cfg.steps:
+            batch = data_lib.to_global(next(iterator), setup.batch_sharding)
+            state, metrics = step_fn(state, batch)
+            step += 1
+            if pending is not None:
+                read(*pending)
+            pending = (step, metrics)
+            if step % cfg.checkpoint.every_steps == 0 or step == cfg.steps or preemption.requested:
+                ckpt.save(step, state, iterator.get_state())
+            if preemption.requested:
+                break
+        read(*pending)
+        ckpt.wait()
+    finally:
+        preemption.restore()
+        log.close()
+        ckpt.close()
+    if main and preemption.requested:
+        print(f"preempted: saved step {step}; rerun the same command to resume", flush=True)
+    return 0

@@ -1,0 +1,42 @@
+"""8 simulated CPU devices for every test, set before JAX initialises."""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_overrides(run_dir: Path | str, **extra) -> list[str]:
+    """--set arguments for a 2-layer, width-64 model that compiles in seconds."""
+    values = {
+        "run_dir": str(run_dir), "model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4,
+        "model.num_kv_heads": 2, "model.head_dim": 16, "model.d_ff": 128, "model.vocab_size": 384,
+        "model.dtype": "float32", "data.seq_len": 32, "train.global_batch": 8, "optim.warmup_steps": 1,
+        **extra,
+    }
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def run_cli(args: list[str], timeout: float = 300, **kwargs):
+    """Run `python train.py ARGS` (or `-m scaletrain` when args[0] is a command) in a subprocess."""
+    import subprocess
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def stdlib_dataset():
+    """The built-in corpus, loaded once for the whole session."""
+    from scaletrain import config, data
+
+    return data.make_dataset(config.load(None, ["data.seq_len=32"]))

@@ -1,0 +1,62 @@
+import pytest
+import yaml
+
+from scaletrain import config
+from scaletrain.errors import ConfigError
+from tests.conftest import ROOT
+
+
+def test_defaults_validate_and_configs_load():
+    config.validate(config.defaults())
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        cfg = config.load(path)
+        assert cfg.model.num_heads % cfg.model.num_kv_heads == 0, path
+
+
+def test_yaml_then_set_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("steps: 7\nmodel:\n  d_model: 96\noptim:\n  learning_rate: 3e-4\n")
+    cfg = config.load(path, ["model.d_model=64", "mesh.fsdp=-1", "optim.learning_rate=1e-3", "run_dir=runs/x"])
+    assert cfg.steps == 7 and cfg.model.d_model == 64 and cfg.mesh.fsdp == -1 and cfg.run_dir == "runs/x"
+    assert cfg.optim.learning_rate == pytest.approx(1e-3)
+    assert isinstance(cfg.optim.learning_rate, float)
+
+
+def test_unknown_key_names_the_closest_valid_key(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config key 'mesh.fdsp'; did you mean 'mesh.fsdp'"):
+        config.load(None, ["mesh.fdsp=4"])
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  num_layer: 2\n")
+    with pytest.raises(ConfigError, match="did you mean 'model.num_layers'"):
+        config.load(path)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("steps=abc", "steps must be a number"),
+    ("steps=1.5", "steps must be a number \\(integer\\)"),
+    ("model.tie_embeddings=3", "must be a bool"),
+    ("steps=0", "steps must be > 0"),
+    ("optim.b2=1.5", "must be in \\[0, 1\\]"),
+    ("mesh.data=-2", "positive degree or -1"),
+    ("model.remat=some", "must be one of none, full, save_dots"),
+    ("model.num_kv_heads=3", "multiple of model.num_kv_heads"),
+    ("model.vocab_size=200", "smaller than the byte tokenizer"),
+    ("train.grad_accum_steps=3", "divisible by train.grad_accum_steps"),
+    ("steps", "expects KEY=VALUE"),
+])
+def test_bad_values_are_config_errors(override, message):
+    with pytest.raises(ConfigError, match=message):
+        config.load(None, [override])
+
+
+def test_resolved_config_round_trips():
+    cfg = config.load(ROOT / "configs" / "llama_tiny.yaml", ["steps=3"])
+    text = config.to_yaml(cfg)
+    assert yaml.safe_load(text)["steps"] == 3
+    assert config.config_hash(cfg) == config.config_hash(config.load(ROOT / "configs" / "llama_tiny.yaml",
+                                                                     ["steps=3"]))
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="not found"):
+        config.load("configs/nope.yaml")
