@@ -66,7 +66,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
         grads = jax.tree.map(lambda g: g / count, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": total / count, "grad_norm": optax.global_norm(grads), "learning_rate": lr(state.step)}
+        metrics = {"loss": total / count, "grad_norm": optax.tree.norm(grads), "learning_rate": lr(state.step)}
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=state.rng), metrics
 
     return step
