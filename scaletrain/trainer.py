@@ -49,6 +49,11 @@ class Setup:
 
 
 def _check_parallelism(cfg, mesh: Mesh) -> None:
+    """The divisibility users trip over most, said plainly; sharding.tree_shardings checks every array too."""
+    tensor = mesh.shape["tensor"]
+    for key in ("num_heads", "num_kv_heads", "d_ff", "vocab_size"):
+        if cfg.model[key] % tensor:
+            raise ConfigError(f"model.{key}={cfg.model[key]} is not divisible by mesh.tensor={tensor}")
     if cfg.model.num_layers % mesh.shape["pipeline"]:
         raise ConfigError(f"model.num_layers={cfg.model.num_layers} is not divisible by "
                           f"mesh.pipeline={mesh.shape['pipeline']}")
@@ -118,12 +123,12 @@ class _Preemption:
 def run(cfg) -> int:
     """Train to cfg.steps, resuming from the newest checkpoint in cfg.run_dir. Returns the exit status."""
     setup = build(cfg)
+    iterator = data_lib.make_iterator(cfg)  # bad data paths fail here, before anything is written
     main = jax.process_index() == 0
     run_dir = Path(cfg.run_dir)
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
-    iterator = data_lib.make_iterator(cfg)
 
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.max_to_keep, cfg.checkpoint.async_save)
     restored = ckpt.restore_latest(setup.abstract_state)

@@ -1,0 +1,36 @@
+"""Bad input: exit status 2 and one `error:` line on stderr, no traceback, nothing written (CONTRACT.md)."""
+
+import pytest
+
+from tests.conftest import run_cli, tiny_overrides
+
+
+def _args(tmp_path, *extra):
+    sets = tiny_overrides(tmp_path / "run", **{"mesh.fsdp": -1, "steps": 2}) + list(extra)
+    return ["--config", "configs/llama_tiny.yaml", "--cpu-devices", "8"] + [a for s in sets for a in ("--set", s)]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["mesh.fdsp=4"], "unknown config key 'mesh.fdsp'; did you mean 'mesh.fsdp'?"),
+    (["steps=abc"], "steps must be a number"),
+    (["mesh.fsdp=4"], "multiply to 4"),
+    (["mesh.tensor=4", "model.num_heads=6", "model.num_kv_heads=6"], "model.num_heads=6 is not divisible by mesh.tensor=4"),
+    (["mesh.pipeline=8", "model.num_layers=2"], "model.num_layers=2 is not divisible by mesh.pipeline=8"),
+    (["data.source=files", "data.path=/nonexistent/corpus.jsonl"], "data.path '/nonexistent/corpus.jsonl' matches no files"),
+    (["train.global_batch=12"], "not divisible by mesh.data x mesh.fsdp = 8"),
+])
+def test_invalid_input_exits_2_with_one_error_line(tmp_path, extra, message):
+    result = run_cli(_args(tmp_path, *extra))
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == [lines[0]] and lines[0].startswith("error: "), result.stderr
+    assert message in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_config_file_and_bad_flag(tmp_path):
+    result = run_cli(["--config", "configs/missing.yaml"])
+    assert result.returncode == 2 and result.stderr.startswith("error: config file 'configs/missing.yaml' not found")
+    result = run_cli(["--config", "configs/llama_tiny.yaml", "--bogus"])
+    assert result.returncode == 2 and result.stderr.startswith("error: unrecognized arguments: --bogus")

@@ -1,0 +1,86 @@
+"""Kill a training run (SIGKILL, SIGTERM), rerun the same command: every step's loss is bitwise identical."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT, run_cli, tiny_overrides
+
+STEPS = 30
+
+
+def _command(run_dir):
+    sets = tiny_overrides(run_dir, **{"mesh.fsdp": -1, "steps": STEPS, "checkpoint.every_steps": 4})
+    return ["--config", "configs/llama_tiny.yaml", "--cpu-devices", "8"] + [a for s in sets for a in ("--set", s)]
+
+
+def _losses(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    for r in records:
+        assert {"step", "loss", "grad_norm", "learning_rate", "tokens_per_sec", "step_time_s", "mfu"} <= set(r)
+    return [r["loss"] for r in records]
+
+
+def _start(run_dir):
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *_command(run_dir)], cwd=ROOT,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finished_checkpoints(run_dir):
+    ckpts = run_dir / "checkpoints"
+    return [int(p.name) for p in ckpts.iterdir() if p.name.isdigit()] if ckpts.exists() else []
+
+
+def _wait_for_step(proc, run_dir, step, timeout=240):
+    """Until `step` is logged and some checkpoint is complete, so that the rerun really resumes."""
+    deadline = time.time() + timeout
+    path = run_dir / "metrics.jsonl"
+    while time.time() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= step and _finished_checkpoints(run_dir):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    result = run_cli(_command(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert (run_dir / "config.yaml").exists() and (run_dir / "tb").is_dir()
+    losses = _losses(run_dir)
+    assert len(losses) == STEPS and losses[-1] < losses[0]
+    return losses
+
+
+def test_sigkill_then_rerun_is_bitwise_identical(tmp_path, uninterrupted):
+    proc = _start(tmp_path)
+    _wait_for_step(proc, tmp_path, 7)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    result = run_cli(_command(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "resumed at step" in result.stdout
+    assert _losses(tmp_path) == uninterrupted
+
+
+def test_sigterm_saves_exits_0_and_resumes_at_the_next_step(tmp_path, uninterrupted):
+    proc = _start(tmp_path)
+    _wait_for_step(proc, tmp_path, 5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    saved = max(_finished_checkpoints(tmp_path))
+    assert saved < STEPS and f"preempted: saved step {saved}" in out
+    result = run_cli(_command(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert f"resumed at step {saved}" in result.stdout
+    assert _losses(tmp_path) == uninterrupted
