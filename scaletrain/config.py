@@ -104,6 +104,7 @@ _POSITIVE = (
     "steps", "model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads", "model.num_kv_heads",
     "model.head_dim", "model.d_ff", "data.seq_len", "train.global_batch", "train.grad_accum_steps",
     "train.log_every_steps", "checkpoint.every_steps", "checkpoint.max_to_keep", "model.rope_original_max_position",
+    "model.rope_theta", "model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
 )
 _NON_NEGATIVE = ("seed", "optim.learning_rate", "optim.warmup_steps", "optim.weight_decay", "optim.eps",
                  "optim.grad_clip_norm", "model.norm_eps", "model.init_std")
@@ -241,7 +242,13 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         degree = cfg.mesh[key]
         if degree == 0 or degree < -1:
             raise ConfigError(f"mesh.{key} must be a positive degree or -1 (fill), got {degree}")
+    peak = cfg.hardware.peak_flops_per_device
+    if peak is not None and peak <= 0:
+        raise ConfigError(f"hardware.peak_flops_per_device must be > 0 (or null to look it up), got {peak}")
     m = cfg.model
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+                          f"model.rope_low_freq_factor={m.rope_low_freq_factor}")
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
     if m.head_dim % 2:
