@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from scaletrain.loss import cross_entropy
 from scaletrain.sharding import activation_rules, constrain
 
 
@@ -24,7 +25,7 @@ class TrainState:
 def loss_sum(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Summed masked next-token cross-entropy, and the number of tokens it sums over."""
     logits_btv = nnx.merge(graphdef, params)(batch["tokens"], batch["positions"], batch["segment_ids"])
-    xent_bt = optax.softmax_cross_entropy_with_integer_labels(logits_btv, batch["targets"])
+    xent_bt = cross_entropy(logits_btv, batch["targets"])
     mask_bt = batch["loss_mask"]
     return jnp.sum(xent_bt * mask_bt), jnp.sum(mask_bt)
 

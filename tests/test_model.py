@@ -142,3 +142,14 @@ def test_tied_embeddings_have_no_lm_head():
     model = Llama(dataclasses.replace(CFG, tie_embeddings=True), nnx.Rngs(0))
     out = model(jnp.zeros((1, 4), jnp.int32), jnp.arange(4)[None], jnp.ones((1, 4), jnp.int32))
     assert out.shape == (1, 4, 300)
+
+
+def test_project_equals_einsum():
+    from scaletrain.model.layers import project
+
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(2, 3, 4, 5)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(4, 5, 6)), jnp.float32)
+    np.testing.assert_allclose(project(x, w, in_dims=2), jnp.einsum("btnh,nhd->btd", x, w), rtol=1e-5)
+    w2 = jnp.asarray(rng.normal(size=(5, 2, 3)), jnp.float32)
+    np.testing.assert_allclose(project(x, w2), jnp.einsum("btnh,hkd->btnkd", x, w2), rtol=1e-5)

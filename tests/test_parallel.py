@@ -33,6 +33,14 @@ def reference(batches):
     return train(batches, jax.devices()[:1])
 
 
+def assert_params_close(got, want):
+    """Each parameter array within 1e-5 relative, in norm: Adam turns a rounding-level difference in a
+    near-zero gradient into a visible one for that element, so element-wise relative error is not the measure."""
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), jax.tree_util.keystr(path)
+
+
 def _spec(array):
     return tuple(array.sharding.spec)
 
@@ -53,8 +61,7 @@ def test_layout_equals_single_device(layout, batches, reference):
     ref_losses, ref_state = reference
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert losses[-1] < losses[0]
-    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+    assert_params_close(state.params, ref_state.params)
 
     # The layout really is the one asked for: parameters and Adam moments sharded as the preset says.
     w_param = state.params["layers"]["mlp"]["w_gate"]  # [layers, embed, mlp]
@@ -82,5 +89,4 @@ def test_accumulated_microbatches_equal_the_large_batch(batches, devices, mesh):
     big, big_state = train(batches, jax.devices()[:devices], *mesh)
     accum, accum_state = train(batches, jax.devices()[:devices], *mesh, "train.grad_accum_steps=4")
     np.testing.assert_allclose(accum, big, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(accum_state.params), jax.tree.leaves(big_state.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    assert_params_close(accum_state.params, big_state.params)

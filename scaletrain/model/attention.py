@@ -8,7 +8,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain.model import rope
-from scaletrain.model.layers import param
+from scaletrain.model.layers import param, project
 from scaletrain.sharding import constrain
 
 
@@ -32,9 +32,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x_btd: jax.Array, sin_bth: jax.Array, cos_bth: jax.Array, mask: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, x_btd.dtype
-        q_btnh = checkpoint_name(jnp.einsum("btd,dnh->btnh", x_btd, self.wq[...].astype(dt)), "query_proj")
-        k_btkh = checkpoint_name(jnp.einsum("btd,dkh->btkh", x_btd, self.wk[...].astype(dt)), "key_proj")
-        v_btkh = checkpoint_name(jnp.einsum("btd,dkh->btkh", x_btd, self.wv[...].astype(dt)), "value_proj")
+        q_btnh = checkpoint_name(project(x_btd, self.wq[...]), "query_proj")
+        k_btkh = checkpoint_name(project(x_btd, self.wk[...]), "key_proj")
+        v_btkh = checkpoint_name(project(x_btd, self.wv[...]), "value_proj")
         q_btnh = constrain(rope.apply(q_btnh, sin_bth, cos_bth), ("batch", "seq", "heads", "head_dim"))
         k_btkh = constrain(rope.apply(k_btkh, sin_bth, cos_bth), ("batch", "seq", "kv_heads", "head_dim"))
         v_btkh = constrain(v_btkh, ("batch", "seq", "kv_heads", "head_dim"))
@@ -47,5 +47,5 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(logits, axis=-1).astype(dt)
         out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs, v_btkh)
         out_btnh = checkpoint_name(out_btkgh.reshape(b, t, n, h), "attention_out")
-        out_btd = jnp.einsum("btnh,nhd->btd", out_btnh, self.wo[...].astype(dt))
+        out_btd = project(out_btnh, self.wo[...], in_dims=2)
         return checkpoint_name(constrain(out_btd, ("batch", "seq", "embed")), "out_proj")

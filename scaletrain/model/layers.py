@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -22,6 +24,17 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str, ...], dtyp
 
 def ones(shape: tuple[int, ...], logical: tuple[str, ...], dtype) -> nnx.Param:
     return nnx.Param(jnp.ones(shape, dtype), out_sharding=logical)
+
+
+def project(x: jax.Array, w: jax.Array, in_dims: int = 1, out_dtype=None) -> jax.Array:
+    """Contract the last `in_dims` dims of x with the first `in_dims` dims of w, as one 2-D matmul over all
+    tokens. The same math as an einsum such as 'btd,dnh->btnh', but XLA's CPU backend lays out the gradient
+    of a dot whose contraction spans (batch, seq) with slow transposes (2x on the whole step); as a plain
+    [tokens, in] @ [in, out] the backward pass is two canonical matmuls too."""
+    lead, k = x.shape[: x.ndim - in_dims], math.prod(x.shape[x.ndim - in_dims:])
+    out = w.shape[in_dims:]
+    y = jnp.dot(x.reshape(-1, k), w.astype(x.dtype).reshape(k, -1), preferred_element_type=out_dtype)
+    return y.reshape(*lead, *out)
 
 
 class RMSNorm(nnx.Module):
@@ -47,5 +60,4 @@ class Embed(nnx.Module):
 
     def attend(self, x_btd: jax.Array) -> jax.Array:
         """Tied output projection: logits against the embedding table, accumulated in float32."""
-        return jnp.einsum("btd,vd->btv", x_btd, self.table[...].astype(x_btd.dtype),
-                          preferred_element_type=jnp.float32)
+        return project(x_btd, self.table[...].T, out_dtype=jnp.float32)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from scaletrain.model.layers import param
+from scaletrain.model.layers import param, project
 from scaletrain.sharding import constrain
 
 
@@ -19,9 +18,8 @@ class MLP(nnx.Module):
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), pd, cfg.out_std)
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
-        dt = x_btd.dtype
-        gate_btf = checkpoint_name(x_btd @ self.w_gate[...].astype(dt), "mlp_gate")
-        up_btf = checkpoint_name(x_btd @ self.w_up[...].astype(dt), "mlp_up")
+        gate_btf = checkpoint_name(project(x_btd, self.w_gate[...]), "mlp_gate")
+        up_btf = checkpoint_name(project(x_btd, self.w_up[...]), "mlp_up")
         h_btf = constrain(jax.nn.silu(gate_btf) * up_btf, ("batch", "seq", "mlp"))
-        out_btd = h_btf @ self.w_down[...].astype(dt)
+        out_btd = project(h_btf, self.w_down[...])
         return checkpoint_name(constrain(out_btd, ("batch", "seq", "embed")), "mlp_out")

@@ -14,7 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 from scaletrain import remat
 from scaletrain.model import rope
 from scaletrain.model.attention import Attention, attention_mask
-from scaletrain.model.layers import Embed, RMSNorm, param
+from scaletrain.model.layers import Embed, RMSNorm, param, project
 from scaletrain.model.mlp import MLP
 from scaletrain.sharding import constrain
 
@@ -104,8 +104,7 @@ class Llama(nnx.Module):
         if cfg.tie_embeddings:
             logits = self.embed.attend(x_btd)
         else:
-            logits = jnp.einsum("btd,dv->btv", x_btd, self.lm_head[...].astype(x_btd.dtype),
-                                preferred_element_type=jnp.float32)
+            logits = project(x_btd, self.lm_head[...], out_dtype=jnp.float32)
         return constrain(logits, ("batch", "seq", "vocab"))
 
 
