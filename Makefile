@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: $(STAMP)
-	JAX_PLATFORMS=$${JAX_PLATFORMS-cpu} $(PY) train.py --config configs/llama_tiny.yaml --cpu-devices $(CPU_DEVICES)
+	$(PY) train.py --config configs/llama_tiny.yaml --cpu-devices $(CPU_DEVICES)
 
 test: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q tests

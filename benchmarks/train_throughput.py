@@ -4,7 +4,7 @@
 
 `tiny` is configs/llama_tiny.yaml on the built-in corpus; `maxtext` is MaxText's tiny Llama (4 layers, d_model
 256, 4 heads of 64, d_ff 1024, vocab 32000, seq 256, global batch 8, fp32, fsdp=8, synthetic data), the
-model of the CPU target in DEVELOPERS.md. Results belong in docs/benchmarks.md with the command and machine.
+model of the project's CPU throughput target. Results belong in docs/benchmarks.md with the command and machine.
 """
 
 from __future__ import annotations
@@ -34,23 +34,23 @@ MODELS = {
 def measure(name: str, steps: int, warmup: int, overrides: list[str]) -> dict:
     import jax
 
-    from scaletrain import data, trainer
+    from scaletrain import data, mesh, trainer
     from scaletrain.planner import flops, hardware
 
     path, preset = MODELS[name]
     cfg = config.load(path, preset + [f"steps={steps + warmup}"] + overrides)
     setup = trainer.build(cfg)
-    iterator = data.make_iterator(cfg)
+    iterator = data.make_iterator(cfg, setup.batch_sharding)
     state = setup.init(jax.random.PRNGKey(0))
     t0 = time.perf_counter()
     step = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
     compile_s = time.perf_counter() - t0
     for _ in range(warmup):
-        state, metrics = step(state, data.to_global(next(iterator), setup.batch_sharding))
-    jax.block_until_ready(metrics)
+        state, _ = step(state, setup.put_batch(next(iterator)))
+    jax.block_until_ready(state)
     t0 = time.perf_counter()
     for _ in range(steps):  # dispatched back to back, as the trainer does
-        state, metrics = step(state, data.to_global(next(iterator), setup.batch_sharding))
+        state, metrics = step(state, setup.put_batch(next(iterator)))
     jax.block_until_ready(metrics)
     step_s = (time.perf_counter() - t0) / steps
 
@@ -59,7 +59,7 @@ def measure(name: str, steps: int, warmup: int, overrides: list[str]) -> dict:
     peak = hardware.peak_flops(jax.devices(), cfg.hardware.peak_flops_per_device)
     return {
         "model": name, "params": flops.param_count(setup.model_cfg).total, "devices": jax.device_count(),
-        "mesh": " x ".join(f"{a}={n}" for a, n in setup.mesh.shape.items() if n > 1) or "1",
+        "mesh": mesh.describe(setup.mesh),
         "tokens_per_step": tokens, "step_flops": step_flops, "compile_s": compile_s, "step_time_s": step_s,
         "tokens_per_sec": tokens / step_s, "mfu": step_flops / step_s / peak if peak else None,
         "peak_flops": peak, "roofline_step_s": step_flops / peak if peak else None,
@@ -82,11 +82,12 @@ def main() -> int:
           f"jax {jax.__version__}  {jax.device_count()} x {jax.devices()[0].device_kind}")
     for name in MODELS if args.model == "all" else [args.model]:
         r = measure(name, args.steps, args.warmup, args.set)
-        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        mfu = "n/a (unknown peak)" if r["mfu"] is None else (
+            f"{100 * r['mfu']:.1f}%  (roofline {r['roofline_step_s'] * 1e3:.1f} ms at peak "
+            f"{r['peak_flops'] / 1e9:.0f} GFLOP/s)")
         print(f"{name:8s} {r['params'] / 1e6:6.2f}M params  mesh {r['mesh']}  {r['tokens_per_step']} tok/step  "
               f"step {r['step_time_s'] * 1e3:8.1f} ms  {r['tokens_per_sec']:9,.0f} tok/s  MFU {mfu}  "
-              f"(roofline {r['roofline_step_s'] * 1e3:.1f} ms at peak {r['peak_flops'] / 1e9:.0f} GFLOP/s; "
-              f"compile {r['compile_s']:.1f} s)", flush=True)
+              f"compile {r['compile_s']:.1f} s", flush=True)
     return 0
 
 

@@ -8,8 +8,7 @@ wrong type costs one `error:` line before anything is compiled.
 from __future__ import annotations
 
 import difflib
-import hashlib
-import json
+import math
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -150,13 +149,15 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)
     elif want is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
         if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if math.isfinite(value):
+                return float(value)
+            raise ConfigError(f"{key} must be a finite number, got {value}")
     elif want is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -242,6 +243,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         degree = cfg.mesh[key]
         if degree == 0 or degree < -1:
             raise ConfigError(f"mesh.{key} must be a positive degree or -1 (fill), got {degree}")
+    if not cfg.run_dir.strip():
+        raise ConfigError("run_dir must name a directory, got an empty string")
+    if cfg.seed >= 2**32:
+        raise ConfigError(f"seed must be < 2**32, got {cfg.seed}")
     peak = cfg.hardware.peak_flops_per_device
     if peak is not None and peak <= 0:
         raise ConfigError(f"hardware.peak_flops_per_device must be > 0 (or null to look it up), got {peak}")
@@ -268,7 +273,3 @@ def _min_vocab(cfg: ml_collections.ConfigDict) -> int:
 
 def to_yaml(cfg: ml_collections.ConfigDict) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-
-
-def config_hash(cfg: ml_collections.ConfigDict) -> str:
-    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:16]

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from scaletrain.errors import DataError
-from scaletrain.tokenizer import BOS, PAD, encode
+from scaletrain.tokenizer import BOS, encode
 
 def stdlib_documents() -> list[bytes]:
     """The Python standard library's own source: present wherever Python is, identical for a given version."""
@@ -38,7 +38,7 @@ def file_documents(path: str, jsonl_field: str) -> list[bytes]:
     elif p.is_file():
         files = [p]
     else:
-        files = sorted(Path(f) for f in glob.glob(path))
+        files = sorted(Path(f) for f in glob.glob(path) if Path(f).is_file())
     if not files:
         raise DataError(f"data.path '{path}' matches no files; expected a .txt or .jsonl file, a directory or a glob")
     docs = []
@@ -46,7 +46,11 @@ def file_documents(path: str, jsonl_field: str) -> list[bytes]:
         if f.suffix != ".jsonl":
             docs.append(f.read_bytes())
             continue
-        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{f}: not UTF-8 text (byte {e.start}); JSONL files must be UTF-8") from None
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -67,7 +71,7 @@ class PackedSource:
     def __init__(self, stream: np.ndarray, seq_len: int):
         self.stream, self.seq_len = stream, seq_len
         self.length = (len(stream) - 1) // seq_len
-        if self.length < 1:
+        if self.length < 1:  # also an empty corpus
             raise DataError(f"the corpus has {len(stream)} tokens, fewer than one sequence of data.seq_len={seq_len}")
 
     def __len__(self) -> int:
@@ -81,7 +85,7 @@ class PackedSource:
         idx = np.arange(self.seq_len)
         positions = (idx - np.maximum.accumulate(np.where(starts, idx, 0))).astype(np.int32)
         # Predicting the next document's BOS from the previous one's EOS is not a thing to learn.
-        loss_mask = ((targets != BOS) & (targets != PAD)).astype(np.float32)
+        loss_mask = (targets != BOS).astype(np.float32)
         return dict(tokens=tokens, targets=targets, positions=positions, segment_ids=segment_ids,
                     loss_mask=loss_mask)
 
@@ -106,7 +110,8 @@ def make_source(cfg):
     if data.source == "synthetic":
         return SyntheticSource(cfg.model.vocab_size, data.seq_len, cfg.seed)
     docs = stdlib_documents() if data.source == "stdlib" else file_documents(data.path, data.jsonl_field)
-    return PackedSource(np.concatenate([encode(d) for d in docs]), data.seq_len)
+    encoded = [encode(d) for d in docs if d]
+    return PackedSource(np.concatenate(encoded) if encoded else np.zeros(0, np.int32), data.seq_len)
 
 
 def make_dataset(cfg) -> grain.MapDataset:
@@ -114,43 +119,49 @@ def make_dataset(cfg) -> grain.MapDataset:
     return grain.MapDataset.source(make_source(cfg)).shuffle(seed=cfg.seed).repeat()
 
 
+def process_rows(batch_sharding, global_batch: int) -> np.ndarray:
+    """The rows of the global batch that this process's devices hold, ascending: only these are loaded.
+    Replicas across processes load the same rows; any device order works."""
+    index_map = batch_sharding.addressable_devices_indices_map((global_batch, 1))
+    rows = {r for index in index_map.values() for r in range(*index[0].indices(global_batch))}
+    return np.asarray(sorted(rows), np.int64)
+
+
 @dataclass
 class BatchIterator:
-    """Yields this process's rows of each global batch; its whole state is the next batch's index."""
+    """Yields this process's rows of each global batch. Its whole state is the global index of the next
+    batch's first sample, so a resumed run may change the number of processes or even the batch size."""
 
     dataset: grain.MapDataset
     global_batch: int
-    process_index: int = 0
-    process_count: int = 1
-    step: int = 0
+    rows: np.ndarray | None = None  # rows of each global batch to load; None: all of them
+    next_sample: int = 0
 
     def __post_init__(self):
-        if self.global_batch % self.process_count:
-            raise DataError(f"train.global_batch={self.global_batch} must be divisible by the "
-                            f"{self.process_count} processes that load it")
-        self.local_batch = self.global_batch // self.process_count
+        if self.rows is None:
+            self.rows = np.arange(self.global_batch)
 
     def get_state(self) -> dict:
-        return {"step": self.step}
+        return {"next_sample": self.next_sample}
 
     def set_state(self, state: dict) -> None:
-        self.step = int(state["step"])
+        self.next_sample = int(state["next_sample"])
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        first = self.step * self.global_batch + self.process_index * self.local_batch
-        rows = [self.dataset[i] for i in range(first, first + self.local_batch)]
-        self.step += 1
-        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        samples = [self.dataset[self.next_sample + int(r)] for r in self.rows]
+        self.next_sample += self.global_batch
+        return {k: np.stack([s[k] for s in samples]) for k in samples[0]}
 
 
-def make_iterator(cfg, dataset: grain.MapDataset | None = None) -> BatchIterator:
+def make_iterator(cfg, batch_sharding, dataset: grain.MapDataset | None = None) -> BatchIterator:
     return BatchIterator(dataset if dataset is not None else make_dataset(cfg), cfg.train.global_batch,
-                         jax.process_index(), jax.process_count())
+                         process_rows(batch_sharding, cfg.train.global_batch))
 
 
-def to_global(local: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
+def to_global(local: dict[str, np.ndarray], sharding, global_batch: int) -> dict[str, jax.Array]:
     """Assemble each process's rows into global arrays sharded over the batch axes."""
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+    return {k: jax.make_array_from_process_local_data(sharding, v, (global_batch, *v.shape[1:]))
+            for k, v in local.items()}

@@ -29,9 +29,6 @@ class MeshShape:
     def sizes(self) -> dict[str, int]:
         return {a: self.ici[a] * self.dcn[a] for a in MESH_AXES}
 
-    def describe(self) -> str:
-        parts = [f"{a}={n}" for a, n in self.sizes.items() if n > 1]
-        return " x ".join(parts) or "1 device"
 
 
 def _fill(degrees: dict[str, int], total: int, what: str, prefix: str) -> dict[str, int]:
@@ -88,6 +85,11 @@ def _simulated_hybrid(ici: list[int], dcn: list[int], devices: Sequence[jax.Devi
     arr = np.asarray(devices, dtype=object).reshape(dcn + ici)
     arr = arr.transpose([i for pair in zip(range(n), range(n, 2 * n)) for i in pair])
     return arr.reshape([d * i for d, i in zip(dcn, ici)])
+
+
+def describe(mesh: Mesh) -> str:
+    """'data=2 x fsdp=4': the axes of size > 1."""
+    return " x ".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1) or "1 device"
 
 
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
@@ -23,7 +24,7 @@ from scaletrain import mesh as mesh_lib
 from scaletrain import model as model_lib
 from scaletrain import optim, sharding
 from scaletrain.checkpoint import Checkpointer
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, UserError
 from scaletrain.metrics import MetricsLog
 from scaletrain.planner import flops, hardware
 from scaletrain.train_step import TrainState, make_train_step
@@ -42,6 +43,10 @@ class Setup:
     batch_sharding: NamedSharding
     init: Callable[[jax.Array], TrainState]
     step: Callable[[TrainState, dict], tuple[TrainState, dict]]
+
+    def put_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """This process's rows (data.process_rows) -> global batch arrays on the mesh."""
+        return data_lib.to_global(local, self.batch_sharding, self.cfg.train.global_batch)
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         shape = (self.cfg.train.global_batch, self.cfg.data.seq_len)
@@ -122,14 +127,28 @@ class _Preemption:
 
 def run(cfg) -> int:
     """Train to cfg.steps, resuming from the newest checkpoint in cfg.run_dir. Returns the exit status."""
-    setup = build(cfg)
-    iterator = data_lib.make_iterator(cfg)  # bad data paths fail here, before anything is written
-    main = jax.process_index() == 0
+    preemption = _Preemption()  # from the start, so a preemption during a long compile also exits 0
+    try:
+        return _run(cfg, preemption)
+    finally:
+        preemption.restore()
+
+
+def _prepare_run_dir(cfg) -> Path:
     run_dir = Path(cfg.run_dir)
-    if main:
+    try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
+    except OSError as e:
+        raise UserError(f"run_dir '{run_dir}' is not a writable directory ({e.strerror})") from None
+    return run_dir
 
+
+def _run(cfg, preemption: _Preemption) -> int:
+    setup = build(cfg)
+    iterator = data_lib.make_iterator(cfg, setup.batch_sharding)  # bad data fails here, before any write
+    main = jax.process_index() == 0
+    run_dir = _prepare_run_dir(cfg) if main else Path(cfg.run_dir)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.max_to_keep, cfg.checkpoint.async_save)
     restored = ckpt.restore_latest(setup.abstract_state)
     if restored is None:
@@ -137,13 +156,12 @@ def run(cfg) -> int:
     else:
         start, state, data_state = restored
         iterator.set_state(data_state)
-    mesh_desc = " x ".join(f"{a}={n}" for a, n in setup.mesh.shape.items() if n > 1) or "1 device"
-    params = flops.param_count(setup.model_cfg)
     if main:
-        print(f"scaletrain: {params.total / 1e6:.2f}M parameters on {jax.device_count()} "
-              f"{jax.devices()[0].platform} devices ({mesh_desc}, {cfg.sharding.preset}); "
-              + (f"resumed at step {start}" if restored else "starting at step 0"), flush=True)
-    if start >= cfg.steps:
+        print(f"scaletrain: {flops.param_count(setup.model_cfg).total / 1e6:.2f}M parameters on "
+              f"{jax.device_count()} {jax.devices()[0].platform} devices ({mesh_lib.describe(setup.mesh)}, "
+              f"{cfg.sharding.preset}); " + (f"resumed at step {start}" if restored else "starting at step 0"),
+              flush=True)
+    if start >= cfg.steps or preemption.requested:
         ckpt.close()
         return 0
 
@@ -156,38 +174,34 @@ def run(cfg) -> int:
     flops_per_step = flops.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens_per_step
     peak = hardware.peak_flops(jax.devices(), cfg.hardware.peak_flops_per_device)
     log = MetricsLog(run_dir, cfg.steps, start, enabled=main)
-    preemption = _Preemption()
     pending = None  # (step, device metrics): read only after the next step is dispatched
     last_read = time.perf_counter()
 
-    def read(step: int, metrics: dict) -> None:
+    def read(step: int, metrics: dict, last: bool) -> None:
         nonlocal last_read
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
         dt, last_read = now - last_read, now
-        if step % cfg.train.log_every_steps == 0 or step == cfg.steps:
+        if step % cfg.train.log_every_steps == 0 or last:
             log.log({"step": step, **values, "tokens_per_sec": tokens_per_step / dt, "step_time_s": dt,
                      "mfu": flops_per_step / dt / peak if peak else None})
 
     step = start
     try:
-        while step < cfg.steps:
-            batch = data_lib.to_global(next(iterator), setup.batch_sharding)
-            state, metrics = step_fn(state, batch)
+        while step < cfg.steps and not preemption.requested:
+            state, metrics = step_fn(state, setup.put_batch(next(iterator)))
             step += 1
             if pending is not None:
-                read(*pending)
+                read(*pending, last=False)
             pending = (step, metrics)
             if step % cfg.checkpoint.every_steps == 0 or step == cfg.steps or preemption.requested:
                 ckpt.save(step, state, iterator.get_state())
-            if preemption.requested:
-                break
-        read(*pending)
+        if pending is not None:
+            read(*pending, last=True)
         ckpt.wait()
     finally:
-        preemption.restore()
         log.close()
         ckpt.close()
     if main and preemption.requested:
-        print(f"preempted: saved step {step}; rerun the same command to resume", flush=True)
+        print(f"preempted: checkpointed at step {step}; rerun the same command to resume", flush=True)
     return 0

@@ -25,13 +25,14 @@ def tiny_overrides(run_dir: Path | str, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in values.items()]
 
 
-def run_cli(args: list[str], timeout: float = 300, **kwargs):
-    """Run `python train.py ARGS` (or `-m scaletrain` when args[0] is a command) in a subprocess."""
+def run_cli(args: list[str], module: bool = False, timeout: float = 300):
+    """Run `python train.py ARGS`, or `python -m scaletrain ARGS` with module=True, in a subprocess."""
     import subprocess
 
+    entry = ["-m", "scaletrain"] if module else [str(ROOT / "train.py")]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout, **kwargs)
+    return subprocess.run([sys.executable, *entry, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.fixture(scope="session")

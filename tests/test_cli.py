@@ -29,8 +29,14 @@ def test_invalid_input_exits_2_with_one_error_line(tmp_path, extra, message):
     assert not (tmp_path / "run").exists()
 
 
-def test_missing_config_file_and_bad_flag(tmp_path):
-    result = run_cli(["--config", "configs/missing.yaml"])
-    assert result.returncode == 2 and result.stderr.startswith("error: config file 'configs/missing.yaml' not found")
-    result = run_cli(["--config", "configs/llama_tiny.yaml", "--bogus"])
-    assert result.returncode == 2 and result.stderr.startswith("error: unrecognized arguments: --bogus")
+@pytest.mark.parametrize("args, module, message", [
+    (["--config", "configs/missing.yaml"], False, "error: config file 'configs/missing.yaml' not found"),
+    (["--config", "configs/llama_tiny.yaml", "--bogus"], False, "error: unrecognized arguments: --bogus"),
+    (["train", "--config", "configs/llama_tiny.yaml", "--set", "steps=-1"], True, "error: steps must be > 0"),
+    (["frobnicate"], True, "error: argument command: invalid choice: 'frobnicate'"),
+])
+def test_cli_usage_errors(args, module, message):
+    result = run_cli(args, module=module)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [result.stderr.splitlines()[0]]
+    assert result.stderr.startswith(message), result.stderr

@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from scaletrain import config, data, tokenizer
+from scaletrain import config, data, mesh, tokenizer
 from scaletrain.errors import DataError
 
 
@@ -34,21 +34,39 @@ def test_order_is_a_pure_function_of_seed_and_index():
 
 def test_processes_read_disjoint_rows_that_make_up_the_global_batch(stdlib_dataset):
     whole = data.BatchIterator(stdlib_dataset, global_batch=8)
-    parts = [data.BatchIterator(stdlib_dataset, global_batch=8, process_index=p, process_count=2) for p in (0, 1)]
+    parts = [data.BatchIterator(stdlib_dataset, global_batch=8, rows=np.arange(4) + 4 * p) for p in (0, 1)]
     for _ in range(2):
         full = next(whole)
         halves = [next(p) for p in parts]
         np.testing.assert_array_equal(np.concatenate([h["tokens"] for h in halves]), full["tokens"])
 
 
-def test_iterator_state_resumes_exactly(stdlib_dataset):
+def test_process_rows_follow_the_batch_sharding():
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    m = mesh.make_mesh(config.load(None, ["mesh.data=2", "mesh.fsdp=4"]).mesh)
+    for spec in (P(("data", "fsdp")), P("data"), P()):  # sharded, partly replicated, replicated
+        np.testing.assert_array_equal(data.process_rows(NamedSharding(m, spec), 16), np.arange(16))
+
+
+def test_iterator_state_resumes_exactly_even_with_another_batch_size(stdlib_dataset):
     it = data.BatchIterator(stdlib_dataset, global_batch=4)
     next(it)
     state = it.get_state()
+    assert state == {"next_sample": 4}
     expected = next(it)
     fresh = data.BatchIterator(stdlib_dataset, global_batch=4)
     fresh.set_state(state)
     np.testing.assert_array_equal(next(fresh)["tokens"], expected["tokens"])
+    bigger = data.BatchIterator(stdlib_dataset, global_batch=8)
+    bigger.set_state(state)
+    np.testing.assert_array_equal(next(bigger)["tokens"][:4], expected["tokens"])
+
+
+def test_samples_are_shuffled(stdlib_dataset):
+    source = data.make_source(config.load(None, ["data.seq_len=32"]))
+    firsts = [stdlib_dataset[i]["tokens"].tolist() for i in range(8)]
+    assert firsts != [source[i]["tokens"].tolist() for i in range(8)]
 
 
 def test_epochs_reshuffle(stdlib_dataset):
@@ -82,3 +100,11 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text('{"body": "x"}\n')
     with pytest.raises(DataError, match="bad.jsonl:1: expected a JSON object with a string field 'text'"):
         data.file_documents(str(bad), "text")
+    bad.write_bytes(b'{"text": "\xff\xfe"}\n')
+    with pytest.raises(DataError, match="not UTF-8"):
+        data.file_documents(str(bad), "text")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("")
+    cfg = config.load(None, ["data.source=files", f"data.path={tmp_path / 'empty'}"])
+    with pytest.raises(DataError, match="fewer than one sequence"):
+        data.make_source(cfg)

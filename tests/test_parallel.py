@@ -23,7 +23,7 @@ def train(batches, devices, *overrides):
     state = setup.init(jax.random.PRNGKey(0))
     losses = []
     for batch in batches:
-        state, metrics = setup.step(state, data.to_global(batch, setup.batch_sharding))
+        state, metrics = setup.step(state, setup.put_batch(batch))
         losses.append(float(metrics["loss"]))
     return losses, state
 
@@ -45,37 +45,33 @@ def _spec(array):
     return tuple(array.sharding.spec)
 
 
+FSDP = (None, "fsdp", None)
+REPLICATED = (None, None, None)
+# layout: (overrides, expected spec of a [layers, embed, mlp] weight, expected spec of its Adam moment)
 LAYOUTS = {
-    "fsdp=8": ["mesh.fsdp=8"],
-    "data=8": ["mesh.data=8"],
-    "data=2 x fsdp=4": ["mesh.data=2", "mesh.fsdp=4"],
-    "zero1 fsdp=8": ["mesh.fsdp=8", "sharding.preset=zero1"],
-    "zero2 data=2 x fsdp=4": ["mesh.data=2", "mesh.fsdp=4", "sharding.preset=zero2"],
-    "dp fsdp=8": ["mesh.fsdp=8", "sharding.preset=dp"],
+    "fsdp=8": (["mesh.fsdp=8"], FSDP, FSDP),
+    "data=8": (["mesh.data=8"], REPLICATED, REPLICATED),  # fsdp preset with fsdp=1: pure data parallel
+    "data=2 x fsdp=4": (["mesh.data=2", "mesh.fsdp=4"], FSDP, FSDP),
+    "zero1 fsdp=8": (["mesh.fsdp=8", "sharding.preset=zero1"], REPLICATED, FSDP),
+    "zero2 data=2 x fsdp=4": (["mesh.data=2", "mesh.fsdp=4", "sharding.preset=zero2"], REPLICATED,
+                              (None, ("data", "fsdp"), None)),
+    "dp fsdp=8": (["mesh.fsdp=8", "sharding.preset=dp"], REPLICATED, REPLICATED),
+    "fsdp=4 x tensor=2": (["mesh.fsdp=4", "mesh.tensor=2"], (None, "fsdp", "tensor"), (None, "fsdp", "tensor")),
+    "dcn_data=2 x fsdp=4": (["mesh.dcn_data=2", "mesh.fsdp=4"], FSDP, FSDP),
 }
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_equals_single_device(layout, batches, reference):
-    losses, state = train(batches, jax.devices(), *LAYOUTS[layout])
+    overrides, param_spec, moment_spec = LAYOUTS[layout]
+    losses, state = train(batches, jax.devices(), *overrides)
     ref_losses, ref_state = reference
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert losses[-1] < losses[0]
     assert_params_close(state.params, ref_state.params)
-
     # The layout really is the one asked for: parameters and Adam moments sharded as the preset says.
-    w_param = state.params["layers"]["mlp"]["w_gate"]  # [layers, embed, mlp]
-    w_moment = state.opt_state[1][0].mu["layers"]["mlp"]["w_gate"]
-    preset = config.load(None, LAYOUTS[layout]).sharding.preset
-    expected = {
-        "fsdp": ((None, "fsdp", None), (None, "fsdp", None)),
-        "zero1": ((None, None, None), (None, "fsdp", None)),
-        "zero2": ((None, None, None), (None, ("data", "fsdp"), None)),
-        "dp": ((None, None, None), (None, None, None)),
-    }[preset]
-    if layout == "data=8":
-        expected = ((None, None, None), (None, None, None))  # fsdp preset with fsdp=1: pure data parallel
-    assert (_spec(w_param), _spec(w_moment)) == tuple(tuple(e) for e in expected)
+    assert _spec(state.params["layers"]["mlp"]["w_gate"]) == param_spec
+    assert _spec(state.opt_state[1][0].mu["layers"]["mlp"]["w_gate"]) == moment_spec
 
 
 def test_batch_is_sharded_over_data_and_fsdp():

@@ -79,7 +79,7 @@ def test_sigterm_saves_exits_0_and_resumes_at_the_next_step(tmp_path, uninterrup
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     saved = max(_finished_checkpoints(tmp_path))
-    assert saved < STEPS and f"preempted: saved step {saved}" in out
+    assert saved < STEPS and f"preempted: checkpointed at step {saved}" in out
     result = run_cli(_command(tmp_path))
     assert result.returncode == 0, result.stderr
     assert f"resumed at step {saved}" in result.stdout

@@ -68,6 +68,6 @@ def peak_flops(devices: Sequence, per_device_override: float | None = None) -> f
         return per_device_override * len(devices)
     kind = devices[0].device_kind
     if devices[0].platform == "cpu":
-        return cpu_peak()
+        return cpu_peak() * len({d.process_index for d in devices})  # one host's peak per process
     name = chip(kind)
     return table()[name]["bf16_flops"] * len(devices) if name else None
