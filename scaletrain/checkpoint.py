@@ -23,9 +23,13 @@ class Checkpointer:
                                                  create=True),
             item_names=("state", "data"),
         )
+        self.unreadable: set[int] = set()  # steps skipped at restore: rewritten when the run gets there again
 
     def save(self, step: int, state: Any, data_state: dict) -> None:
         """Returns once the arrays are copied off the devices; the write finishes in the background."""
+        if step in self.unreadable:
+            self.manager.delete(step)
+            self.unreadable.discard(step)
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         data=ocp.args.JsonSave(data_state)), force=True)
 
@@ -40,6 +44,7 @@ class Checkpointer:
                 reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
                 print(f"warning: checkpoint at step {step} is unreadable ({reason}); trying an older one",
                       file=sys.stderr)
+                self.unreadable.add(step)
                 continue
             return step, restored.state, dict(restored.data)
         if steps:

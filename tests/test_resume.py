@@ -84,3 +84,17 @@ def test_sigterm_saves_exits_0_and_resumes_at_the_next_step(tmp_path, uninterrup
     assert result.returncode == 0, result.stderr
     assert f"resumed at step {saved}" in result.stdout
     assert _losses(tmp_path) == uninterrupted
+
+
+def test_unreadable_newest_checkpoint_is_skipped_and_rewritten(tmp_path, uninterrupted):
+    result = run_cli(_command(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert sorted(_finished_checkpoints(tmp_path)) == [24, 28, STEPS]
+    for f in (tmp_path / "checkpoints" / str(STEPS)).rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    result = run_cli(_command(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert f"warning: checkpoint at step {STEPS} is unreadable" in result.stderr
+    assert "resumed at step 28" in result.stdout
+    assert _losses(tmp_path) == uninterrupted  # and the final step was saved again over the unreadable one
