@@ -9,11 +9,11 @@ CPU_DEVICES ?= 8
 
 venv: $(STAMP)
 
-# The stamp is rebuilt whenever pyproject.toml changes, so `make venv` is a no-op when current.
-$(STAMP): pyproject.toml
+# The stamp is rebuilt whenever pyproject.toml or constraints.txt changes: `make venv` is a no-op when current.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 train: $(STAMP)

@@ -48,6 +48,7 @@ def defaults() -> ml_collections.ConfigDict:
                 "param_dtype": "float32",
                 "dtype": "bfloat16",
                 "remat": "none",
+                "attention_block": 0,
             },
             "data": {
                 "source": "stdlib",
@@ -105,7 +106,7 @@ _POSITIVE = (
     "train.log_every_steps", "checkpoint.every_steps", "checkpoint.max_to_keep", "model.rope_original_max_position",
     "model.rope_theta", "model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
 )
-_NON_NEGATIVE = ("seed", "optim.learning_rate", "optim.warmup_steps", "optim.weight_decay", "optim.eps",
+_NON_NEGATIVE = ("seed", "model.attention_block", "optim.learning_rate", "optim.warmup_steps", "optim.weight_decay", "optim.eps",
                  "optim.grad_clip_norm", "model.norm_eps", "model.init_std")
 _UNIT_INTERVAL = ("optim.min_lr_ratio", "optim.b1", "optim.b2")
 
@@ -256,6 +257,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                           f"model.rope_low_freq_factor={m.rope_low_freq_factor}")
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
+    if m.attention_block and cfg.data.seq_len % m.attention_block:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} must be divisible by "
+                          f"model.attention_block={m.attention_block} (or set it to 0: no blocking)")
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
     if m.vocab_size < _min_vocab(cfg):

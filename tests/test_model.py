@@ -10,7 +10,7 @@ from flax import nnx
 
 from scaletrain.model import Llama, ModelConfig, abstract
 from scaletrain.model import rope
-from scaletrain.model.attention import Attention, attention_mask
+from scaletrain.model.attention import Attention
 from scaletrain.sharding import LOGICAL_AXES
 
 CFG = ModelConfig(vocab_size=300, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64,
@@ -80,7 +80,7 @@ def test_grouped_query_causal_attention_matches_numpy():
     positions = np.array([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5]])
     inv_freq = CFG.inverse_frequencies()
     sin, cos = rope.sin_cos(jnp.asarray(positions), inv_freq)
-    got = attn(jnp.asarray(x), sin, cos, attention_mask(jnp.asarray(segments)))
+    got = attn(jnp.asarray(x), sin, cos, jnp.asarray(segments))
     want = np_attention(x, *(np.asarray(w[...]) for w in (attn.wq, attn.wk, attn.wv, attn.wo)), positions,
                         segments, inv_freq)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -105,7 +105,7 @@ def test_scanned_stack_equals_a_python_loop_over_layers():
     sin, cos = rope.sin_cos(pos, CFG.inverse_frequencies())
     for i in range(CFG.num_layers):
         layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
-        x = layer(x, sin, cos, attention_mask(seg))
+        x = layer(x, sin, cos, seg)
     want = jnp.einsum("btd,dv->btv", model.final_norm(x), model.lm_head[...])
     np.testing.assert_allclose(model(tokens, pos, seg), want, rtol=1e-5, atol=1e-5)
 
@@ -154,3 +154,24 @@ def test_project_equals_einsum():
     np.testing.assert_allclose(project(x, w, in_dims=2), jnp.einsum("btnh,nhd->btd", x, w), rtol=1e-5)
     w2 = jnp.asarray(rng.normal(size=(5, 2, 3)), jnp.float32)
     np.testing.assert_allclose(project(x, w2), jnp.einsum("btnh,hkd->btnkd", x, w2), rtol=1e-5)
+
+
+def test_blocked_attention_equals_full_attention_and_its_gradient():
+    import dataclasses
+
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.normal(size=(2, 16, 32)), jnp.float32)
+    segments = jnp.asarray([[1] * 6 + [2] * 10, [1] * 16])
+    positions = jnp.asarray([list(range(6)) + list(range(10)), list(range(16))])
+    sin, cos = rope.sin_cos(positions, CFG.inverse_frequencies())
+    full = Attention(CFG, nnx.Rngs(0))
+    blocked = Attention(dataclasses.replace(CFG, attention_block=4), nnx.Rngs(0))
+
+    def loss(module):
+        graphdef, params = nnx.split(module)
+        return lambda p: jnp.sum(nnx.merge(graphdef, p)(x, sin, cos, segments) ** 2)
+
+    np.testing.assert_allclose(blocked(x, sin, cos, segments), full(x, sin, cos, segments), rtol=1e-5, atol=1e-6)
+    grads = [jax.grad(loss(m))(nnx.split(m)[1]) for m in (blocked, full)]
+    for a, b in zip(*(jax.tree.leaves(g) for g in grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -14,10 +14,40 @@ from scaletrain.sharding import constrain
 
 def attention_mask(segment_ids_bt: jax.Array) -> jax.Array:
     """[b, 1, 1, t, s]: query t sees key s iff s <= t and both lie in the same document."""
-    t = segment_ids_bt.shape[1]
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    same_doc = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+    return block_mask(segment_ids_bt, segment_ids_bt, 0)
+
+
+def block_mask(q_segments_bt: jax.Array, k_segments_bs: jax.Array, q_offset) -> jax.Array:
+    """The mask for queries at positions q_offset + [0, t) against all keys."""
+    t, s = q_segments_bt.shape[1], k_segments_bs.shape[1]
+    causal = (q_offset + jnp.arange(t))[:, None] >= jnp.arange(s)[None, :]
+    same_doc = q_segments_bt[:, :, None] == k_segments_bs[:, None, :]
     return (causal & same_doc)[:, None, None, :, :]
+
+
+def dot_attention(q_btkgh, k_bskh, v_bskh, mask) -> jax.Array:
+    """softmax(q k^T) v per kv group, with a float32 softmax; q is already scaled."""
+    logits = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(q_btkgh.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
+
+
+def blocked_attention(q_btkgh, k_bskh, v_bskh, segment_ids_bt, block: int) -> jax.Array:
+    """dot_attention one block of queries at a time, each block rematerialised in the backward pass, so the
+    [t, s] score matrix never exists whole: memory O(block x s) instead of O(t x s), the same FLOPs."""
+    b, t = q_btkgh.shape[:2]
+    n = t // block
+    q_blocks = q_btkgh.reshape(b, n, block, *q_btkgh.shape[2:]).swapaxes(0, 1)
+    seg_blocks = segment_ids_bt.reshape(b, n, block).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(args):
+        q, seg, offset = args
+        return dot_attention(q, k_bskh, v_bskh, block_mask(seg, segment_ids_bt, offset))
+
+    out = jax.lax.map(one, (q_blocks, seg_blocks, jnp.arange(n) * block))
+    return out.swapaxes(0, 1).reshape(q_btkgh.shape)
 
 
 class Attention(nnx.Module):
@@ -30,7 +60,8 @@ class Attention(nnx.Module):
         self.wv = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std)
         self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pd, cfg.out_std)
 
-    def __call__(self, x_btd: jax.Array, sin_bth: jax.Array, cos_bth: jax.Array, mask: jax.Array) -> jax.Array:
+    def __call__(self, x_btd: jax.Array, sin_bth: jax.Array, cos_bth: jax.Array,
+                 segment_ids_bt: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, x_btd.dtype
         q_btnh = checkpoint_name(project(x_btd, self.wq[...]), "query_proj")
         k_btkh = checkpoint_name(project(x_btd, self.wk[...]), "key_proj")
@@ -42,10 +73,11 @@ class Attention(nnx.Module):
         b, t, n, h = q_btnh.shape
         k = cfg.num_kv_heads
         q_btkgh = q_btnh.reshape(b, t, k, n // k, h) * jnp.asarray(h ** -0.5, dt)
-        logits = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_btkh, preferred_element_type=jnp.float32)
-        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(logits, axis=-1).astype(dt)
-        out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs, v_btkh)
+        block = cfg.attention_block
+        if 0 < block < t and t % block == 0:
+            out_btkgh = blocked_attention(q_btkgh, k_btkh, v_btkh, segment_ids_bt, block)
+        else:
+            out_btkgh = dot_attention(q_btkgh, k_btkh, v_btkh, attention_mask(segment_ids_bt))
         out_btnh = checkpoint_name(out_btkgh.reshape(b, t, n, h), "attention_out")
         out_btd = project(out_btnh, self.wo[...], in_dims=2)
         return checkpoint_name(constrain(out_btd, ("batch", "seq", "embed")), "out_proj")

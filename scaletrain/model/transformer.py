@@ -13,7 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain import remat
 from scaletrain.model import rope
-from scaletrain.model.attention import Attention, attention_mask
+from scaletrain.model.attention import Attention
 from scaletrain.model.layers import Embed, RMSNorm, param, project
 from scaletrain.model.mlp import MLP
 from scaletrain.sharding import constrain
@@ -40,6 +40,7 @@ class ModelConfig:
     param_dtype: Any = jnp.float32
     dtype: Any = jnp.bfloat16
     remat: str = "none"
+    attention_block: int = 0
 
     @classmethod
     def from_config(cls, model_cfg) -> "ModelConfig":
@@ -66,8 +67,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_btd, sin_bth, cos_bth, mask):
-        x_btd = x_btd + self.attn(self.attn_norm(x_btd), sin_bth, cos_bth, mask)
+    def __call__(self, x_btd, sin_bth, cos_bth, segment_ids_bt):
+        x_btd = x_btd + self.attn(self.attn_norm(x_btd), sin_bth, cos_bth, segment_ids_bt)
         return x_btd + self.mlp(self.mlp_norm(x_btd))
 
 
@@ -92,12 +93,11 @@ class Llama(nnx.Module):
         cfg = self.cfg
         x_btd = self.embed(tokens_bt, cfg.dtype)
         sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies())
-        mask = attention_mask(segment_ids_bt)
         graphdef, stacked = nnx.split(self.layers)
 
         def layer(x_btd, layer_params):
             x_btd = checkpoint_name(constrain(x_btd, ("batch", "seq", "embed")), "decoder_layer_input")
-            return nnx.merge(graphdef, layer_params)(x_btd, sin_bth, cos_bth, mask), None
+            return nnx.merge(graphdef, layer_params)(x_btd, sin_bth, cos_bth, segment_ids_bt), None
 
         x_btd, _ = jax.lax.scan(remat.apply(layer, cfg.remat), x_btd, stacked)
         x_btd = self.final_norm(x_btd)
