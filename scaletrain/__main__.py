@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from scaletrain.errors import UserError
@@ -29,7 +30,43 @@ def parser() -> argparse.ArgumentParser:
     _add_config_args(train)
     train.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                        help="simulate N devices on the CPU (ignored where an accelerator is present)")
+    ckpt = sub.add_parser("ckpt", help="look into a run's checkpoints")
+    ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
+    inspect = ckpt_sub.add_parser("inspect", help="print a checkpoint's metadata")
+    inspect.add_argument("run_dir", help="a run directory (or its checkpoints/ folder)")
+    inspect.add_argument("--step", type=int, default=None, help="which checkpoint (default: the newest)")
+    inspect.add_argument("--json", action="store_true", help="print the metadata as JSON")
     return p
+
+
+def ckpt(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from scaletrain import runtime
+
+    runtime.configure(None)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on read-only managers
+    from scaletrain.checkpoint import read_metadata
+
+    directory = Path(args.run_dir)
+    if (directory / "checkpoints").is_dir():
+        directory = directory / "checkpoints"
+    if not directory.is_dir():
+        raise UserError(f"'{args.run_dir}' is not a run directory (no checkpoints/ folder in it)")
+    step, meta = read_metadata(directory, args.step)
+    if args.json:
+        print(json.dumps({"step": step, **meta}, indent=1))
+        return 0
+    mesh = " x ".join(f"{a}={n}" for a, n in meta["mesh"]["axes"].items() if n > 1) or "1 device"
+    print(f"step {step}  scaletrain {meta['scaletrain_version']}  config {meta['config_hash']}  "
+          f"mesh {mesh} ({meta['mesh']['devices']} devices, {meta['mesh']['processes']} processes)")
+    width = max(len(p) for p in meta["arrays"])
+    for path, a in meta["arrays"].items():
+        shape = "x".join(map(str, a["shape"])) or "scalar"
+        logical = ", ".join(str(n) for n in a["logical"])
+        print(f"  {path:<{width}}  {a['dtype']:<8} {shape:<16} ({logical})")
+    return 0
 
 
 def train(args: argparse.Namespace) -> int:
@@ -44,7 +81,7 @@ def train(args: argparse.Namespace) -> int:
     return trainer.run(cfg)
 
 
-COMMANDS = {"train": train}
+COMMANDS = {"train": train, "ckpt": ckpt}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,17 +21,18 @@ class Checkpointer:
             Path(directory).absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
                                                  create=True),
-            item_names=("state", "data"),
+            item_names=("state", "data", "meta"),
         )
         self.unreadable: set[int] = set()  # steps skipped at restore: rewritten when the run gets there again
 
-    def save(self, step: int, state: Any, data_state: dict) -> None:
+    def save(self, step: int, state: Any, data_state: dict, meta: dict) -> None:
         """Returns once the arrays are copied off the devices; the write finishes in the background."""
         if step in self.unreadable:
             self.manager.delete(step)
             self.unreadable.discard(step)
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        data=ocp.args.JsonSave(data_state)), force=True)
+                                                        data=ocp.args.JsonSave(data_state),
+                                                        meta=ocp.args.JsonSave(meta)), force=True)
 
     def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
         """(step, state, data_state) from the newest readable checkpoint, or None if there is none."""
@@ -58,3 +59,21 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def read_metadata(directory: Path, step: int | None = None) -> tuple[int, dict]:
+    """(step, metadata) of the newest checkpoint, or of `step`: what `ckpt inspect` prints."""
+    manager = ocp.CheckpointManager(Path(directory).absolute(), item_names=("state", "data", "meta"),
+                                    options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+    steps = manager.all_steps()
+    if not steps:
+        raise CheckpointError(f"no checkpoints in {directory}; expected a run directory's checkpoints/ folder")
+    step = max(steps) if step is None else step
+    if step not in steps:
+        raise CheckpointError(f"no checkpoint at step {step} in {directory}; there are {sorted(steps)}")
+    try:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    except Exception as e:  # noqa: BLE001 - reported as one line
+        raise CheckpointError(f"checkpoint at step {step} has no readable metadata ({type(e).__name__})") from None
+    return step, dict(meta)
+

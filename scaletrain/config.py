@@ -8,6 +8,8 @@ wrong type costs one `error:` line before anything is compiled.
 from __future__ import annotations
 
 import difflib
+import hashlib
+import json
 import math
 from pathlib import Path
 from typing import Any, Iterable
@@ -277,3 +279,8 @@ def _min_vocab(cfg: ml_collections.ConfigDict) -> int:
 
 def to_yaml(cfg: ml_collections.ConfigDict) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def config_hash(cfg: ml_collections.ConfigDict) -> str:
+    """A short fingerprint of the resolved config, stored in checkpoint metadata."""
+    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:16]

@@ -98,7 +98,8 @@ def check_divisible(what: str, shape: tuple[int, ...], logical: tuple[str | None
 
 
 def is_logical(x: Any) -> bool:
-    return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
+    """A tuple of logical names (a scalar's is empty); NamedTuples are optimizer-state nodes, not names."""
+    return type(x) is tuple and all(isinstance(n, (str, type(None))) for n in x)
 
 
 def tree_shardings(abstract: Any, logical: Any, table: RuleTable, mesh: Mesh) -> Any:

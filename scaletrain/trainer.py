@@ -7,6 +7,7 @@ objects a training run uses.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import signal
 import time
 from pathlib import Path
@@ -39,6 +40,7 @@ class Setup:
     mesh: Mesh
     model_cfg: model_lib.ModelConfig
     state_shardings: TrainState
+    logical_state: TrainState  # the logical axis names of every array
     abstract_state: TrainState  # ShapeDtypeStructs carrying their shardings
     batch_sharding: NamedSharding
     init: Callable[[jax.Array], TrainState]
@@ -81,17 +83,18 @@ def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
     model_cfg = model_lib.ModelConfig.from_config(cfg.model)
     graphdef, abstract_params, logical = model_lib.abstract(model_cfg)
 
-    param_shardings = sharding.tree_shardings(abstract_params, logical, rules.params, mesh)
-    grad_shardings = sharding.tree_shardings(abstract_params, logical, rules.grads, mesh)
-    opt_param_shardings = sharding.tree_shardings(abstract_params, logical, rules.opt_state, mesh)
     tx, lr = optim.make(cfg.optim, cfg.steps, logical)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    # Optimizer leaves shaped like a parameter (Adam's moments) take that parameter's optimizer-state layout.
-    opt_shardings = optax.tree_utils.tree_map_params(
-        tx, lambda _, s: s, abstract_opt, opt_param_shardings,
-        transform_non_params=lambda _: sharding.replicated(mesh))
-    state_shardings = TrainState(params=param_shardings, opt_state=opt_shardings,
-                                 step=sharding.replicated(mesh), rng=sharding.replicated(mesh))
+    # Optimizer leaves shaped like a parameter (Adam's moments) carry that parameter's logical axes.
+    opt_logical = optax.tree_utils.tree_map_params(
+        tx, lambda _, names: names, abstract_opt, logical,
+        transform_non_params=lambda x: (None,) * x.ndim, is_leaf=sharding.is_logical)
+    logical_state = TrainState(params=logical, opt_state=opt_logical, step=(), rng=(None,))
+    grad_shardings = sharding.tree_shardings(abstract_params, logical, rules.grads, mesh)
+    state_shardings = TrainState(
+        params=sharding.tree_shardings(abstract_params, logical, rules.params, mesh),
+        opt_state=sharding.tree_shardings(abstract_opt, opt_logical, rules.opt_state, mesh),
+        step=sharding.replicated(mesh), rng=sharding.replicated(mesh))
 
     def init(key: jax.Array) -> TrainState:
         params_key, rng = jax.random.split(key)
@@ -103,7 +106,8 @@ def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
     batch_sharding = NamedSharding(mesh, sharding.spec(("batch", "seq"), rules.activations, mesh))
     step = make_train_step(graphdef, tx, lr, cfg.train.grad_accum_steps, mesh, rules, grad_shardings)
     return Setup(
-        cfg=cfg, mesh=mesh, model_cfg=model_cfg, state_shardings=state_shardings, abstract_state=abstract_state,
+        cfg=cfg, mesh=mesh, model_cfg=model_cfg, state_shardings=state_shardings, logical_state=logical_state,
+        abstract_state=abstract_state,
         batch_sharding=batch_sharding,
         init=jax.jit(init, out_shardings=state_shardings),
         step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
@@ -132,6 +136,22 @@ def run(cfg) -> int:
         return _run(cfg, preemption)
     finally:
         preemption.restore()
+
+
+def checkpoint_metadata(setup: Setup) -> dict:
+    """What a checkpoint says about itself: enough to restore it into any mesh and to know what made it."""
+    cfg = setup.cfg
+    flat = jax.tree_util.tree_flatten_with_path(setup.abstract_state)[0]
+    names = jax.tree.leaves(setup.logical_state, is_leaf=sharding.is_logical)
+    return {
+        "scaletrain_version": importlib.metadata.version("scaletrain"),
+        "config": cfg.to_dict(),
+        "config_hash": config_lib.config_hash(cfg),
+        "mesh": {"axes": dict(setup.mesh.shape), "devices": setup.mesh.devices.size,
+                 "processes": jax.process_count()},
+        "arrays": {jax.tree_util.keystr(path): {"shape": list(x.shape), "dtype": str(x.dtype), "logical": list(n)}
+                   for (path, x), n in zip(flat, names)},
+    }
 
 
 def _prepare_run_dir(cfg) -> Path:
@@ -174,6 +194,7 @@ def _run(cfg, preemption: _Preemption) -> int:
     flops_per_step = flops.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens_per_step
     peak = hardware.peak_flops(jax.devices(), cfg.hardware.peak_flops_per_device)
     log = MetricsLog(run_dir, cfg.steps, start, enabled=main)
+    meta = checkpoint_metadata(setup)
     pending = None  # (step, device metrics): read only after the next step is dispatched
     last_read = time.perf_counter()
 
@@ -195,7 +216,7 @@ def _run(cfg, preemption: _Preemption) -> int:
                 read(*pending, last=False)
             pending = (step, metrics)
             if step % cfg.checkpoint.every_steps == 0 or step == cfg.steps or preemption.requested:
-                ckpt.save(step, state, iterator.get_state())
+                ckpt.save(step, state, iterator.get_state(), meta)
         if pending is not None:
             read(*pending, last=True)
         ckpt.wait()

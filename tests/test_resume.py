@@ -58,10 +58,11 @@ def uninterrupted(tmp_path_factory):
     assert (run_dir / "config.yaml").exists() and (run_dir / "tb").is_dir()
     losses = _losses(run_dir)
     assert len(losses) == STEPS and losses[-1] < losses[0]
-    return losses
+    return run_dir, losses
 
 
 def test_sigkill_then_rerun_is_bitwise_identical(tmp_path, uninterrupted):
+    _, uninterrupted = uninterrupted
     proc = _start(tmp_path)
     _wait_for_step(proc, tmp_path, 7)
     proc.send_signal(signal.SIGKILL)
@@ -73,6 +74,7 @@ def test_sigkill_then_rerun_is_bitwise_identical(tmp_path, uninterrupted):
 
 
 def test_sigterm_saves_exits_0_and_resumes_at_the_next_step(tmp_path, uninterrupted):
+    _, uninterrupted = uninterrupted
     proc = _start(tmp_path)
     _wait_for_step(proc, tmp_path, 5)
     proc.send_signal(signal.SIGTERM)
@@ -87,6 +89,7 @@ def test_sigterm_saves_exits_0_and_resumes_at_the_next_step(tmp_path, uninterrup
 
 
 def test_unreadable_newest_checkpoint_is_skipped_and_rewritten(tmp_path, uninterrupted):
+    _, uninterrupted = uninterrupted
     result = run_cli(_command(tmp_path))
     assert result.returncode == 0, result.stderr
     assert sorted(_finished_checkpoints(tmp_path)) == [24, 28, STEPS]
@@ -98,3 +101,21 @@ def test_unreadable_newest_checkpoint_is_skipped_and_rewritten(tmp_path, uninter
     assert f"warning: checkpoint at step {STEPS} is unreadable" in result.stderr
     assert "resumed at step 28" in result.stdout
     assert _losses(tmp_path) == uninterrupted  # and the final step was saved again over the unreadable one
+
+
+def test_checkpoints_describe_themselves(uninterrupted):
+    run_dir, _ = uninterrupted
+    result = run_cli(["ckpt", "inspect", str(run_dir), "--json"], module=True)
+    assert result.returncode == 0, result.stderr
+    meta = json.loads(result.stdout)
+    assert meta["step"] == STEPS and meta["config"]["steps"] == STEPS and len(meta["config_hash"]) == 16
+    assert meta["mesh"] == {"axes": {"data": 1, "fsdp": 8, "expert": 1, "pipeline": 1, "tensor": 1},
+                            "devices": 8, "processes": 1}
+    w_gate = meta["arrays"][".params['layers']['mlp']['w_gate']"]
+    assert w_gate == {"shape": [2, 64, 128], "dtype": "float32", "logical": ["layers", "embed", "mlp"]}
+    moments = [a for p, a in meta["arrays"].items() if p.startswith(".opt_state") and a["shape"] == [2, 64, 128]]
+    assert len(moments) == 4 and all(a["logical"] == ["layers", "embed", "mlp"] for a in moments)  # mu, nu of gate, up
+    result = run_cli(["ckpt", "inspect", str(run_dir), "--step", "28"], module=True)
+    assert result.returncode == 0 and result.stdout.startswith("step 28  scaletrain 0.1.0")
+    result = run_cli(["ckpt", "inspect", str(run_dir), "--step", "5"], module=True)
+    assert result.returncode == 2 and result.stderr.startswith("error: no checkpoint at step 5")
