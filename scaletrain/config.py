@@ -62,6 +62,7 @@ def defaults() -> ml_collections.ConfigDict:
                 "global_batch": 16,
                 "grad_accum_steps": 1,
                 "log_every_steps": 1,
+                "on_nonfinite": "skip",
             },
             "optim": {
                 "learning_rate": 3e-3,
@@ -99,6 +100,7 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
     "model.remat": ("none", "full", "save_dots"),
     "data.source": ("stdlib", "synthetic", "files"),
+    "train.on_nonfinite": ("skip", "stop"),
     "sharding.preset": ("fsdp", "dp", "zero1", "zero2"),
 }
 

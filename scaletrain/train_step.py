@@ -65,9 +65,16 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
                     accumulate, (jnp.zeros(()), jnp.zeros(()), zeros), _microbatches(batch, grad_accum_steps))
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)
+        loss, grad_norm = total / count, optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": total / count, "grad_norm": optax.tree.norm(grads), "learning_rate": lr(state.step)}
+        # A NaN/Inf loss or gradient never reaches the parameters or Adam's moments: that update is dropped
+        # (the trainer then goes on or stops, per train.on_nonfinite), so every checkpoint holds a good state.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), (params, opt_state),
+                                         (state.params, state.opt_state))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr(state.step),
+                   "update_skipped": (~finite).astype(jnp.float32)}
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=state.rng), metrics
 
     return step

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -29,6 +30,8 @@ from scaletrain.errors import ConfigError, UserError
 from scaletrain.metrics import MetricsLog
 from scaletrain.planner import flops, hardware
 from scaletrain.train_step import TrainState, make_train_step
+
+EXIT_DIVERGED = 1
 
 BATCH_KEYS = {"tokens": jnp.int32, "targets": jnp.int32, "positions": jnp.int32, "segment_ids": jnp.int32,
               "loss_mask": jnp.float32}
@@ -198,18 +201,26 @@ def _run(cfg, preemption: _Preemption) -> int:
     pending = None  # (step, device metrics): read only after the next step is dispatched
     last_read = time.perf_counter()
 
+    diverged = None  # the first step whose update was dropped, when train.on_nonfinite is stop
+
     def read(step: int, metrics: dict, last: bool) -> None:
-        nonlocal last_read
+        nonlocal last_read, diverged
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
         dt, last_read = now - last_read, now
-        if step % cfg.train.log_every_steps == 0 or last:
+        if step % cfg.train.log_every_steps == 0 or last or values["update_skipped"]:
             log.log({"step": step, **values, "tokens_per_sec": tokens_per_step / dt, "step_time_s": dt,
                      "mfu": flops_per_step / dt / peak if peak else None})
+        if values["update_skipped"]:
+            if main:
+                print(f"\nwarning: step {step}: loss {values['loss']}, gradient norm {values['grad_norm']}; "
+                      f"update dropped", file=sys.stderr, flush=True)
+            if cfg.train.on_nonfinite == "stop" and diverged is None:
+                diverged = step
 
     step = start
     try:
-        while step < cfg.steps and not preemption.requested:
+        while step < cfg.steps and not preemption.requested and diverged is None:
             state, metrics = step_fn(state, setup.put_batch(next(iterator)))
             step += 1
             if pending is not None:
@@ -223,6 +234,11 @@ def _run(cfg, preemption: _Preemption) -> int:
     finally:
         log.close()
         ckpt.close()
+    if diverged is not None:
+        if main:
+            print(f"error: step {diverged}: non-finite loss or gradient norm (train.on_nonfinite=stop); "
+                  f"the checkpoints hold only good updates", file=sys.stderr, flush=True)
+        return EXIT_DIVERGED
     if main and preemption.requested:
         print(f"preempted: checkpointed at step {step}; rerun the same command to resume", flush=True)
     return 0

@@ -119,3 +119,25 @@ def test_checkpoints_describe_themselves(uninterrupted):
     assert result.returncode == 0 and result.stdout.startswith("step 28  scaletrain 0.1.0")
     result = run_cli(["ckpt", "inspect", str(run_dir), "--step", "5"], module=True)
     assert result.returncode == 2 and result.stderr.startswith("error: no checkpoint at step 5")
+
+
+def test_nonfinite_loss_stops_or_skips_as_configured(tmp_path):
+    def command(mode):
+        sets = tiny_overrides(tmp_path / mode, **{"mesh.fsdp": -1, "steps": 6, "checkpoint.every_steps": 1,
+                                                  "optim.learning_rate": 1e30, "optim.grad_clip_norm": 0,
+                                                  "train.on_nonfinite": mode})
+        return ["--config", "configs/llama_tiny.yaml", "--cpu-devices", "8"] + [a for s in sets for a in ("--set", s)]
+
+    stop = run_cli(command("stop"))
+    assert stop.returncode == 1, stop.stderr
+    error = [line for line in stop.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "non-finite loss or gradient norm" in error[0]
+    skipped = [json.loads(line) for line in (tmp_path / "stop" / "metrics.jsonl").read_text().splitlines()]
+    assert skipped[-1]["update_skipped"] == 1.0 or skipped[-2]["update_skipped"] == 1.0
+    assert len(skipped) < 6
+
+    skip = run_cli(command("skip"))
+    assert skip.returncode == 0, skip.stderr
+    records = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 6 and any(r["update_skipped"] for r in records)
+    assert "update dropped" in skip.stderr
