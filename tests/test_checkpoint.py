@@ -1,0 +1,74 @@
+"""A checkpoint saved on one mesh restores into another with identical arrays, and training goes on alike."""
+
+import jax
+import numpy as np
+import pytest
+
+from scaletrain import config, data, trainer
+from scaletrain.checkpoint import Checkpointer
+from scaletrain.errors import CheckpointError
+from tests.conftest import tiny_overrides
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def batches(stdlib_dataset):
+    it = data.BatchIterator(stdlib_dataset, global_batch=8)
+    return [next(it) for _ in range(STEPS)]
+
+
+def _setup(devices, *overrides):
+    return trainer.build(config.load(None, tiny_overrides("unused", steps=STEPS) + list(overrides)), devices)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, batches):
+    """Two steps on fsdp=8, saved; then the uninterrupted run's last two losses."""
+    setup = _setup(jax.devices(), "mesh.fsdp=8")
+    state = setup.init(jax.random.PRNGKey(0))
+    for batch in batches[:2]:
+        state, _ = setup.step(state, setup.put_batch(batch))
+    directory = tmp_path_factory.mktemp("ckpt")
+    ckpt = Checkpointer(directory, max_to_keep=2, async_save=True)
+    ckpt.save(2, state, {"next_sample": 16}, trainer.checkpoint_metadata(setup))
+    ckpt.wait()
+    ckpt.close()
+    arrays = jax.device_get(state)
+    losses = []
+    for batch in batches[2:]:
+        state, metrics = setup.step(state, setup.put_batch(batch))
+        losses.append(float(metrics["loss"]))
+    return directory, arrays, losses
+
+
+@pytest.mark.parametrize("devices, mesh", [(8, ["mesh.data=2", "mesh.fsdp=4"]), (1, [])])
+def test_restore_into_another_mesh(saved, batches, devices, mesh):
+    directory, arrays, losses = saved
+    setup = _setup(jax.devices()[:devices], *mesh)
+    ckpt = Checkpointer(directory, max_to_keep=2, async_save=True)
+    step, state, data_state = ckpt.restore_latest(setup.abstract_state)
+    ckpt.close()
+    assert step == 2 and data_state == {"next_sample": 16}
+    for got, want in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(arrays)):
+        np.testing.assert_array_equal(got, want)
+    assert state.params["layers"]["mlp"]["w_gate"].sharding == setup.state_shardings.params["layers"]["mlp"]["w_gate"]
+    resumed = []
+    for batch in batches[2:]:
+        state, metrics = setup.step(state, setup.put_batch(batch))
+        resumed.append(float(metrics["loss"]))
+    np.testing.assert_allclose(resumed, losses, rtol=1e-5)
+
+
+def test_no_readable_checkpoint_is_an_error(tmp_path, saved):
+    directory, _, _ = saved
+    broken = tmp_path / "broken"
+    import shutil
+
+    shutil.copytree(directory, broken)
+    for f in broken.rglob("*"):
+        if f.is_file() and "state" in f.parts:
+            f.write_bytes(b"garbage")
+    ckpt = Checkpointer(broken, max_to_keep=2, async_save=True)
+    with pytest.raises(CheckpointError, match="no readable checkpoint"):
+        ckpt.restore_latest(_setup(jax.devices(), "mesh.fsdp=8").abstract_state)
