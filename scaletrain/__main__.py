@@ -30,6 +30,11 @@ def parser() -> argparse.ArgumentParser:
     _add_config_args(train)
     train.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                        help="simulate N devices on the CPU (ignored where an accelerator is present)")
+    train.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="join a multi-process job coordinated here (with --num-processes, --process-id); "
+                            "on a multi-host Cloud TPU slice this is detected without flags")
+    train.add_argument("--num-processes", type=int, default=None, metavar="N")
+    train.add_argument("--process-id", type=int, default=None, metavar="I")
     ckpt = sub.add_parser("ckpt", help="look into a run's checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
     inspect = ckpt_sub.add_parser("inspect", help="print a checkpoint's metadata")
@@ -75,7 +80,11 @@ def train(args: argparse.Namespace) -> int:
     cfg = config.load(args.config, args.set)  # before JAX starts: a bad config costs milliseconds
     if args.cpu_devices is not None and args.cpu_devices < 1:
         raise UserError(f"--cpu-devices must be >= 1, got {args.cpu_devices}")
-    runtime.configure(args.cpu_devices)
+    distributed = (args.coordinator, args.num_processes, args.process_id)
+    if any(a is not None for a in distributed):
+        if None in distributed or not 0 <= args.process_id < args.num_processes:
+            raise UserError("--coordinator HOST:PORT, --num-processes N and --process-id I (0 <= I < N) go together")
+    runtime.configure(args.cpu_devices, *distributed)
     from scaletrain import trainer
 
     return trainer.run(cfg)

@@ -11,13 +11,25 @@ def has_accelerator() -> bool:
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or glob.glob("/dev/nvidia[0-9]*"))
 
 
-def configure(cpu_devices: int | None) -> None:
+# Cold multi-host start-ups (image pulls, slow hosts) routinely exceed JAX's 300 s default.
+INITIALIZATION_TIMEOUT_S = 1800
+
+
+def configure(cpu_devices: int | None, coordinator: str | None = None, num_processes: int | None = None,
+              process_id: int | None = None) -> None:
     """On a machine without an accelerator, run on the CPU without probing for a TPU (libtpu would print
-    start-up warnings); `cpu_devices` simulates that many CPU devices. Must run before JAX initialises."""
+    start-up warnings); `cpu_devices` simulates that many CPU devices per process. With a coordinator, join a
+    multi-process job (jax.distributed); on a multi-host Cloud TPU slice that is detected. Must run before JAX
+    initialises."""
     import jax
 
     if not os.environ.get("JAX_PLATFORMS") and not has_accelerator():
         jax.config.update("jax_platforms", "cpu")
     if cpu_devices:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # multi-process CPU runs need it
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives across CPU processes
+    if coordinator is not None:
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                   process_id=process_id, initialization_timeout=INITIALIZATION_TIMEOUT_S)
+    elif "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):  # a multi-host TPU slice: JAX finds its peers
+        jax.distributed.initialize(initialization_timeout=INITIALIZATION_TIMEOUT_S)
