@@ -59,7 +59,7 @@ def measure(name: str, steps: int, warmup: int, overrides: list[str]) -> dict:
     peak = hardware.peak_flops(jax.devices(), cfg.hardware.peak_flops_per_device)
     return {
         "model": name, "params": flops.param_count(setup.model_cfg).total, "devices": jax.device_count(),
-        "mesh": mesh.describe(setup.mesh),
+        "mesh": mesh.describe(setup.mesh.shape),
         "tokens_per_step": tokens, "step_flops": step_flops, "compile_s": compile_s, "step_time_s": step_s,
         "tokens_per_sec": tokens / step_s, "mfu": step_flops / step_s / peak if peak else None,
         "peak_flops": peak, "roofline_step_s": step_flops / peak if peak else None,

@@ -53,6 +53,7 @@ def ckpt(args: argparse.Namespace) -> int:
     runtime.configure(None)
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on read-only managers
     from scaletrain.checkpoint import read_metadata
+    from scaletrain.mesh import describe
 
     directory = Path(args.run_dir)
     if (directory / "checkpoints").is_dir():
@@ -63,9 +64,8 @@ def ckpt(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"step": step, **meta}, indent=1))
         return 0
-    mesh = " x ".join(f"{a}={n}" for a, n in meta["mesh"]["axes"].items() if n > 1) or "1 device"
     print(f"step {step}  scaletrain {meta['scaletrain_version']}  config {meta['config_hash']}  "
-          f"mesh {mesh} ({meta['mesh']['devices']} devices, {meta['mesh']['processes']} processes)")
+          f"mesh {describe(meta['mesh']['axes'])} ({meta['mesh']['devices']} devices, {meta['mesh']['processes']} processes)")
     width = max(len(p) for p in meta["arrays"])
     for path, a in meta["arrays"].items():
         shape = "x".join(map(str, a["shape"])) or "scalar"

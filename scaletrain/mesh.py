@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -25,9 +25,6 @@ class MeshShape:
     ici: dict[str, int]
     dcn: dict[str, int]
 
-    @property
-    def sizes(self) -> dict[str, int]:
-        return {a: self.ici[a] * self.dcn[a] for a in MESH_AXES}
 
 
 
@@ -87,9 +84,9 @@ def _simulated_hybrid(ici: list[int], dcn: list[int], devices: Sequence[jax.Devi
     return arr.reshape([d * i for d, i in zip(dcn, ici)])
 
 
-def describe(mesh: Mesh) -> str:
-    """'data=2 x fsdp=4': the axes of size > 1."""
-    return " x ".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1) or "1 device"
+def describe(axis_sizes: Mapping[str, int]) -> str:
+    """'data=2 x fsdp=4': the axes of size > 1 of a mesh's shape (or of one saved in checkpoint metadata)."""
+    return " x ".join(f"{a}={n}" for a, n in axis_sizes.items() if n > 1) or "1 device"
 
 
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:

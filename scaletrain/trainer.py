@@ -181,7 +181,7 @@ def _run(cfg, preemption: _Preemption) -> int:
         iterator.set_state(data_state)
     if main:
         print(f"scaletrain: {flops.param_count(setup.model_cfg).total / 1e6:.2f}M parameters on "
-              f"{jax.device_count()} {jax.devices()[0].platform} devices ({mesh_lib.describe(setup.mesh)}, "
+              f"{jax.device_count()} {jax.devices()[0].platform} devices ({mesh_lib.describe(setup.mesh.shape)}, "
               f"{cfg.sharding.preset}); " + (f"resumed at step {start}" if restored else "starting at step 0"),
               flush=True)
     if start >= cfg.steps or preemption.requested:
