@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 
 from scaletrain.errors import UserError
@@ -38,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
     ckpt = sub.add_parser("ckpt", help="look into a run's checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
     inspect = ckpt_sub.add_parser("inspect", help="print a checkpoint's metadata")
-    inspect.add_argument("run_dir", help="a run directory (or its checkpoints/ folder)")
+    inspect.add_argument("run_dir", help="a run directory, its checkpoints/ folder or one step's folder")
     inspect.add_argument("--step", type=int, default=None, help="which checkpoint (default: the newest)")
     inspect.add_argument("--json", action="store_true", help="print the metadata as JSON")
     return p
@@ -46,21 +46,15 @@ def parser() -> argparse.ArgumentParser:
 
 def ckpt(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from scaletrain import runtime
 
     runtime.configure(None)
-    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on read-only managers
-    from scaletrain.checkpoint import read_metadata
+    from scaletrain.checkpoint import locate, read_metadata
     from scaletrain.mesh import describe
 
-    directory = Path(args.run_dir)
-    if (directory / "checkpoints").is_dir():
-        directory = directory / "checkpoints"
-    if not directory.is_dir():
-        raise UserError(f"'{args.run_dir}' is not a run directory (no checkpoints/ folder in it)")
-    step, meta = read_metadata(directory, args.step)
+    directory, step = locate(args.run_dir)
+    step, meta = read_metadata(directory, step if args.step is None else args.step)
     if args.json:
         print(json.dumps({"step": step, **meta}, indent=1))
         return 0
@@ -100,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # `... | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

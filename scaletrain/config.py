@@ -83,8 +83,10 @@ def defaults() -> ml_collections.ConfigDict:
             "sharding": {"preset": "fsdp"},
             "checkpoint": {
                 "every_steps": 50,
+                "every_minutes": 0.0,
                 "max_to_keep": 3,
                 "async_save": True,
+                "init_from": "",
             },
             "hardware": {"peak_flops_per_device": None},
         }
@@ -110,7 +112,8 @@ _POSITIVE = (
     "train.log_every_steps", "checkpoint.every_steps", "checkpoint.max_to_keep", "model.rope_original_max_position",
     "model.rope_theta", "model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
 )
-_NON_NEGATIVE = ("seed", "model.attention_block", "optim.learning_rate", "optim.warmup_steps", "optim.weight_decay", "optim.eps",
+_NON_NEGATIVE = ("seed", "checkpoint.every_minutes", "model.attention_block", "optim.learning_rate",
+                 "optim.warmup_steps", "optim.weight_decay", "optim.eps",
                  "optim.grad_clip_norm", "model.norm_eps", "model.init_std")
 _UNIT_INTERVAL = ("optim.min_lr_ratio", "optim.b1", "optim.b2")
 

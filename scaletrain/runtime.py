@@ -28,6 +28,9 @@ def configure(cpu_devices: int | None, coordinator: str | None = None, num_proce
     if cpu_devices:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives across CPU processes
+    # SIGTERM is scaletrain's to handle (control.py agrees on it across processes); JAX's own preemption
+    # notifier would compete for the signal.
+    jax.config.update("jax_enable_preemption_service", False)
     if coordinator is not None:
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id, initialization_timeout=INITIALIZATION_TIMEOUT_S)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import signal
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,8 @@ from scaletrain import data as data_lib
 from scaletrain import mesh as mesh_lib
 from scaletrain import model as model_lib
 from scaletrain import optim, sharding
-from scaletrain.checkpoint import Checkpointer
+from scaletrain.checkpoint import Checkpointer, restore_params
+from scaletrain.control import Control, Preemption
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.metrics import MetricsLog
 from scaletrain.planner import flops, hardware
@@ -118,23 +118,9 @@ def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
     )
 
 
-class _Preemption:
-    """SIGTERM asks the loop to finish its step, save and exit 0."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def restore(self):
-        signal.signal(signal.SIGTERM, self._previous)
-
-
 def run(cfg) -> int:
     """Train to cfg.steps, resuming from the newest checkpoint in cfg.run_dir. Returns the exit status."""
-    preemption = _Preemption()  # from the start, so a preemption during a long compile also exits 0
+    preemption = Preemption()  # from the start, so a preemption during a long compile also exits 0
     try:
         return _run(cfg, preemption)
     finally:
@@ -167,7 +153,16 @@ def _prepare_run_dir(cfg) -> Path:
     return run_dir
 
 
-def _run(cfg, preemption: _Preemption) -> int:
+def _initial_state(cfg, setup: Setup) -> tuple[TrainState, str]:
+    state = setup.init(jax.random.PRNGKey(cfg.seed))
+    if not cfg.checkpoint.init_from:
+        return state, "starting at step 0"
+    step, params = restore_params(cfg.checkpoint.init_from, setup.abstract_state.params)
+    return state.replace(params=params), f"starting at step 0 from the parameters of {cfg.checkpoint.init_from} " \
+                                         f"(step {step})"
+
+
+def _run(cfg, preemption: Preemption) -> int:
     setup = build(cfg)
     iterator = data_lib.make_iterator(cfg, setup.batch_sharding)  # bad data fails here, before any write
     main = jax.process_index() == 0
@@ -175,16 +170,17 @@ def _run(cfg, preemption: _Preemption) -> int:
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.max_to_keep, cfg.checkpoint.async_save)
     restored = ckpt.restore_latest(setup.abstract_state)
     if restored is None:
-        start, state = 0, setup.init(jax.random.PRNGKey(cfg.seed))
+        start = 0
+        state, origin = _initial_state(cfg, setup)
     else:
         start, state, data_state = restored
         iterator.set_state(data_state)
+        origin = f"resumed at step {start}"
     if main:
         print(f"scaletrain: {flops.param_count(setup.model_cfg).total / 1e6:.2f}M parameters on "
               f"{jax.device_count()} {jax.devices()[0].platform} devices ({mesh_lib.describe(setup.mesh.shape)}, "
-              f"{cfg.sharding.preset}); " + (f"resumed at step {start}" if restored else "starting at step 0"),
-              flush=True)
-    if start >= cfg.steps or preemption.requested:
+              f"{cfg.sharding.preset}); {origin}", flush=True)
+    if start >= cfg.steps:
         ckpt.close()
         return 0
 
@@ -192,13 +188,18 @@ def _run(cfg, preemption: _Preemption) -> int:
     step_fn = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
     if main:
         print(f"compiled the train step in {time.perf_counter() - t0:.1f} s", flush=True)
+    control = Control(setup.mesh, preemption, cfg.checkpoint.every_minutes)
+    if control.decide(control.propose()).stop:  # preempted while restoring or compiling: nothing new to save
+        ckpt.close()
+        if main:
+            print(f"preempted before step {start + 1}; rerun the same command to resume", flush=True)
+        return 0
 
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     flops_per_step = flops.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens_per_step
     peak = hardware.peak_flops(jax.devices(), cfg.hardware.peak_flops_per_device)
     log = MetricsLog(run_dir, cfg.steps, start, enabled=main)
     meta = checkpoint_metadata(setup)
-    pending = None  # (step, device metrics): read only after the next step is dispatched
     last_read = time.perf_counter()
 
     diverged = None  # the first step whose update was dropped, when train.on_nonfinite is stop
@@ -218,18 +219,26 @@ def _run(cfg, preemption: _Preemption) -> int:
             if cfg.train.on_nonfinite == "stop" and diverged is None:
                 diverged = step
 
-    step = start
+    # The previous step's metrics and agreed flags are read after this step is dispatched, so the host never
+    # waits for the device it is feeding. Everything that decides the loop's course is read from replicated
+    # arrays, so every process takes the same course.
+    step, pending, stop = start, None, False
     try:
-        while step < cfg.steps and not preemption.requested and diverged is None:
+        while step < cfg.steps and not stop and diverged is None:
             state, metrics = step_fn(state, setup.put_batch(next(iterator)))
             step += 1
+            agreed = control.propose()
+            save = step % cfg.checkpoint.every_steps == 0 or step == cfg.steps
             if pending is not None:
-                read(*pending, last=False)
-            pending = (step, metrics)
-            if step % cfg.checkpoint.every_steps == 0 or step == cfg.steps or preemption.requested:
+                read(*pending[:2], last=False)
+                decision = control.decide(pending[2])
+                stop, save = decision.stop, save or decision.save or decision.stop
+            pending = (step, metrics, agreed)
+            if save:
                 ckpt.save(step, state, iterator.get_state(), meta)
+                control.saved()
         if pending is not None:
-            read(*pending, last=True)
+            read(*pending[:2], last=True)
         ckpt.wait()
     finally:
         log.close()
@@ -239,6 +248,6 @@ def _run(cfg, preemption: _Preemption) -> int:
             print(f"error: step {diverged}: non-finite loss or gradient norm (train.on_nonfinite=stop); "
                   f"the checkpoints hold only good updates", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
-    if main and preemption.requested:
+    if main and stop:
         print(f"preempted: checkpointed at step {step}; rerun the same command to resume", flush=True)
     return 0

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from scaletrain import config, data, trainer
-from scaletrain.checkpoint import Checkpointer
+from scaletrain.checkpoint import Checkpointer, restore_params
 from scaletrain.errors import CheckpointError
 from tests.conftest import tiny_overrides
 
@@ -72,3 +72,16 @@ def test_no_readable_checkpoint_is_an_error(tmp_path, saved):
     ckpt = Checkpointer(broken, max_to_keep=2, async_save=True)
     with pytest.raises(CheckpointError, match="no readable checkpoint"):
         ckpt.restore_latest(_setup(jax.devices(), "mesh.fsdp=8").abstract_state)
+
+
+def test_init_from_restores_parameters_only_into_another_mesh(saved):
+    directory, arrays, _ = saved
+    setup = _setup(jax.devices(), "mesh.data=2", "mesh.fsdp=4")
+    for path in (directory, directory / "2"):  # the checkpoints folder (newest step) or one step's folder
+        step, params = restore_params(path, setup.abstract_state.params)
+        assert step == 2
+        for got, want in zip(jax.tree.leaves(jax.device_get(params)), jax.tree.leaves(arrays.params)):
+            np.testing.assert_array_equal(got, want)
+        assert jax.tree.map(lambda x: x.sharding, params) == setup.state_shardings.params
+    with pytest.raises(CheckpointError, match=r"parameter \['layers'\]\['mlp'\]\['w_down'\] is \(2, 128, 64\)"):
+        restore_params(directory, _setup(jax.devices(), "mesh.fsdp=8", "model.d_ff=256").abstract_state.params)

@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,10 +14,11 @@ import pytest
 from tests.conftest import ROOT, run_cli, tiny_overrides
 
 STEPS = 30
+EVERY = 4
 
 
-def _command(run_dir):
-    sets = tiny_overrides(run_dir, **{"mesh.fsdp": -1, "steps": STEPS, "checkpoint.every_steps": 4})
+def _command(run_dir, **extra):
+    sets = tiny_overrides(run_dir, **{"mesh.fsdp": -1, "steps": STEPS, "checkpoint.every_steps": EVERY, **extra})
     return ["--config", "configs/llama_tiny.yaml", "--cpu-devices", "8"] + [a for s in sets for a in ("--set", s)]
 
 
@@ -61,16 +64,30 @@ def uninterrupted(tmp_path_factory):
     return run_dir, losses
 
 
-def test_sigkill_then_rerun_is_bitwise_identical(tmp_path, uninterrupted):
+def _resumed_step(result):
+    match = re.search(r"resumed at step (\d+)", result.stdout)
+    assert match, result.stdout + result.stderr
+    return int(match.group(1))
+
+
+@pytest.mark.parametrize("point, step", [("between-steps", 14), ("mid-step", 11), ("mid-save", 8)])
+def test_sigkill_at_any_moment_then_rerun_is_bitwise_identical(tmp_path, uninterrupted, point, step):
     _, uninterrupted = uninterrupted
-    proc = _start(tmp_path)
-    _wait_for_step(proc, tmp_path, 7)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    killed = subprocess.run([sys.executable, str(ROOT / "tests" / "faults.py"), point, str(step),
+                             *_command(tmp_path)], cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    committed = max(_finished_checkpoints(tmp_path))
+    if point == "mid-save":  # the half-written step is on disk, uncommitted; the older one is untouched
+        assert (tmp_path / "checkpoints" / f"{step}.orbax-checkpoint-tmp").is_dir()
+        assert committed == step - EVERY
     result = run_cli(_command(tmp_path))
     assert result.returncode == 0, result.stderr
-    assert "resumed at step" in result.stdout
+    # Nothing committed is lost. A save waits for the previous one, so the newest durable save is at most two
+    # save intervals old: that many steps at most are redone.
+    assert _resumed_step(result) == committed >= step - 2 * EVERY
     assert _losses(tmp_path) == uninterrupted
+    assert not list((tmp_path / "checkpoints").glob("*tmp*"))  # the killed save's leftovers are gone
 
 
 def test_sigterm_saves_exits_0_and_resumes_at_the_next_step(tmp_path, uninterrupted):
@@ -88,19 +105,68 @@ def test_sigterm_saves_exits_0_and_resumes_at_the_next_step(tmp_path, uninterrup
     assert _losses(tmp_path) == uninterrupted
 
 
-def test_unreadable_newest_checkpoint_is_skipped_and_rewritten(tmp_path, uninterrupted):
-    _, uninterrupted = uninterrupted
-    result = run_cli(_command(tmp_path))
-    assert result.returncode == 0, result.stderr
-    assert sorted(_finished_checkpoints(tmp_path)) == [24, 28, STEPS]
-    for f in (tmp_path / "checkpoints" / str(STEPS)).rglob("*"):
+def _garble(step_dir):
+    for f in step_dir.rglob("*"):
         if f.is_file():
             f.write_bytes(b"garbage")
+
+
+def _truncate(step_dir):
+    for f in (step_dir / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":  # the array data files
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _uncommit(step_dir):
+    (step_dir / "commit_success.txt").unlink()
+
+
+@pytest.mark.parametrize("damage", [_garble, _truncate, _uncommit])
+def test_damaged_newest_checkpoint_is_skipped_and_rewritten(tmp_path, uninterrupted, damage):
+    done, uninterrupted = uninterrupted
+    shutil.copytree(done, tmp_path, dirs_exist_ok=True)
+    assert sorted(_finished_checkpoints(tmp_path)) == [24, 28, STEPS]
+    damage(tmp_path / "checkpoints" / str(STEPS))
     result = run_cli(_command(tmp_path))
     assert result.returncode == 0, result.stderr
-    assert f"warning: checkpoint at step {STEPS} is unreadable" in result.stderr
-    assert "resumed at step 28" in result.stdout
-    assert _losses(tmp_path) == uninterrupted  # and the final step was saved again over the unreadable one
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: checkpoint at step {STEPS} is unreadable (")
+    assert _resumed_step(result) == 28
+    assert _losses(tmp_path) == uninterrupted  # and the final step was saved again over the damaged one
+    assert run_cli(["ckpt", "inspect", str(tmp_path)], module=True).stdout.startswith(f"step {STEPS} ")
+
+
+def test_no_usable_checkpoint_is_an_error_and_deletes_nothing(tmp_path, uninterrupted):
+    done, _ = uninterrupted
+    shutil.copytree(done, tmp_path, dirs_exist_ok=True)
+    for step in (24, 28):
+        _truncate(tmp_path / "checkpoints" / str(step))
+    _uncommit(tmp_path / "checkpoints" / str(STEPS))
+    result = run_cli(_command(tmp_path))
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no readable checkpoint" in errors[0] and "Traceback" not in result.stderr
+    assert sorted(_finished_checkpoints(tmp_path)) == [24, 28, STEPS]
+
+
+def test_time_based_saves(tmp_path):
+    result = run_cli(_command(tmp_path, **{"steps": 12, "checkpoint.every_steps": 1000, "checkpoint.max_to_keep": 100,
+                                           "checkpoint.every_minutes": 0.0005}))  # 30 ms: about every other step
+    assert result.returncode == 0, result.stderr
+    saved = sorted(_finished_checkpoints(tmp_path))
+    assert saved[-1] == 12 and len(saved) >= 3, saved
+
+
+def test_init_from_takes_the_parameters_of_another_run(tmp_path, uninterrupted):
+    done, losses = uninterrupted
+    mesh = {"mesh.fsdp": 4, "mesh.data": 2, "steps": 2}
+    result = run_cli(_command(tmp_path / "new", **mesh, **{"checkpoint.init_from": str(done / "checkpoints" / "28")}))
+    assert result.returncode == 0, result.stderr
+    assert f"starting at step 0 from the parameters of {done / 'checkpoints' / '28'} (step 28)" in result.stdout
+    assert _losses(tmp_path / "new")[0] < losses[0] - 1  # the same first batch, trained parameters
+    other = run_cli(_command(tmp_path / "other", **mesh, **{"checkpoint.init_from": str(done), "model.d_ff": 256}))
+    assert other.returncode == 2
+    assert other.stderr.startswith("error: checkpoint.init_from: parameter ['layers']['mlp']")
 
 
 def test_checkpoints_describe_themselves(uninterrupted):

@@ -1,0 +1,80 @@
+"""`python tests/faults.py POINT STEP TRAIN_ARGS...`: train.py, interrupted at an exact moment.
+
+Timing a kill from outside cannot aim at "mid-save" on a model that saves in milliseconds, so the interruption
+is made from inside, at a named point:
+  between-steps  SIGKILL right after step STEP's metrics record is written
+  mid-step       SIGKILL while step STEP runs (dispatch is asynchronous: the host is preparing the next batch)
+  mid-save       SIGKILL when the save of step STEP has written every file but not yet committed
+  sigterm        SIGTERM to this process right after step STEP's metrics record is written (as a preemption)
+"""
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _at_record(step: int, signum: int) -> None:
+    from scaletrain import metrics
+
+    log = metrics.MetricsLog.log
+
+    def log_then_signal(self, record):
+        log(self, record)
+        if record["step"] == step:
+            os.kill(os.getpid(), signum)
+
+    metrics.MetricsLog.log = log_then_signal
+
+
+def _mid_step(step: int) -> None:
+    from scaletrain import trainer
+
+    put_batch = trainer.Setup.put_batch
+    calls = 0
+
+    def put_batch_or_kill(self, local):
+        nonlocal calls
+        calls += 1
+        if calls == step + 1:  # a fresh run: call k makes step k's batch, after step k - 1 was dispatched
+            os.kill(os.getpid(), signal.SIGKILL)
+        return put_batch(self, local)
+
+    trainer.Setup.put_batch = put_batch_or_kill
+
+
+def _mid_save(step: int) -> None:
+    from orbax.checkpoint._src.path import atomicity
+
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def kill_before_commit(self, *args, **kwargs):
+        if self.get().parent.name.startswith(f"{step}.orbax-checkpoint-tmp") or \
+                self.get().name.startswith(f"{step}.orbax-checkpoint-tmp"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return await finalize(self, *args, **kwargs)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = kill_before_commit
+
+
+def main() -> int:
+    point, step, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    if point == "between-steps":
+        _at_record(step, signal.SIGKILL)
+    elif point == "sigterm":
+        _at_record(step, signal.SIGTERM)
+    elif point == "mid-step":
+        _mid_step(step)
+    elif point == "mid-save":
+        _mid_save(step)
+    else:
+        raise SystemExit(f"unknown point {point}")
+    from scaletrain.__main__ import main as scaletrain_main
+
+    return scaletrain_main(["train", *args])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
