@@ -99,7 +99,7 @@ class Checkpointer:
         return None
 
     def _check_committed(self, step: int) -> None:
-        folder = Path(self.manager.directory) / str(step)
+        folder = self.manager.directory / str(step)  # an epath: local or gs://
         for item in ("", *ITEMS):
             if not (folder / item / COMMIT_MARKER).exists():
                 raise CheckpointError(f"incomplete: {folder / item / COMMIT_MARKER} is missing")

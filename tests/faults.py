@@ -6,6 +6,7 @@ is made from inside, at a named point:
   mid-step       SIGKILL while step STEP runs (dispatch is asynchronous: the host is preparing the next batch)
   mid-save       SIGKILL when the save of step STEP has written every file but not yet committed
   sigterm        SIGTERM to this process right after step STEP's metrics record is written (as a preemption)
+  sigterm-early  SIGTERM to this process while it builds the model, before anything is compiled (STEP unused)
 """
 
 import os
@@ -59,12 +60,26 @@ def _mid_save(step: int) -> None:
     atomicity.AtomicRenameTemporaryPath.finalize = kill_before_commit
 
 
+def _sigterm_early() -> None:
+    from scaletrain import trainer
+
+    build = trainer.build
+
+    def build_then_signal(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return build(*args, **kwargs)
+
+    trainer.build = build_then_signal
+
+
 def main() -> int:
     point, step, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     if point == "between-steps":
         _at_record(step, signal.SIGKILL)
     elif point == "sigterm":
         _at_record(step, signal.SIGTERM)
+    elif point == "sigterm-early":
+        _sigterm_early()
     elif point == "mid-step":
         _mid_step(step)
     elif point == "mid-save":

@@ -42,7 +42,8 @@ def saved(tmp_path_factory, batches):
     return directory, arrays, losses
 
 
-@pytest.mark.parametrize("devices, mesh", [(8, ["mesh.data=2", "mesh.fsdp=4"]), (1, [])])
+@pytest.mark.parametrize("devices, mesh", [(8, ["mesh.data=2", "mesh.fsdp=4"]), (8, ["mesh.fsdp=4", "mesh.tensor=2"]),
+                                           (1, [])])
 def test_restore_into_another_mesh(saved, batches, devices, mesh):
     directory, arrays, losses = saved
     setup = _setup(jax.devices()[:devices], *mesh)

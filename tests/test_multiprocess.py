@@ -1,8 +1,10 @@
-"""Two processes x 4 CPU devices (jax.distributed + gloo) train as one 8-device job."""
+"""Two processes x 4 CPU devices (jax.distributed + gloo) train, checkpoint and resume as one 8-device job."""
 
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -12,11 +14,11 @@ import pytest
 
 from tests.conftest import ROOT, run_cli, tiny_overrides
 
-STEPS = 6
+STEPS = 8
 
 
-def _args(run_dir):
-    sets = tiny_overrides(run_dir, **{"mesh.fsdp": -1, "steps": STEPS, "checkpoint.every_steps": 2})
+def _args(run_dir, **extra):
+    sets = tiny_overrides(run_dir, **{"mesh.fsdp": -1, "steps": STEPS, "checkpoint.every_steps": 2, **extra})
     return ["--config", "configs/llama_tiny.yaml"] + [a for s in sets for a in ("--set", s)]
 
 
@@ -30,34 +32,82 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _start_two(run_dir, faults=(None, None), **extra):
+    """Both processes; faults[i] = (point, step) runs process i under tests/faults.py."""
+    port = _free_port()
+    procs = []
+    for i, fault in enumerate(faults):
+        entry = [str(ROOT / "train.py")] if fault is None else [str(ROOT / "tests" / "faults.py"), *map(str, fault)]
+        procs.append(subprocess.Popen(
+            [sys.executable, *entry, *_args(run_dir, **extra), "--cpu-devices", "4", "--coordinator",
+             f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
+            cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True))
+    return procs
+
+
+def _run_two(run_dir, **extra):
+    procs = _start_two(run_dir, **extra)
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    return [out for out, _ in outputs]
+
+
+def _resumed_step(stdout):
+    return int(re.search(r"resumed at step (\d+)", stdout).group(1))
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("one")
     result = run_cli(_args(run_dir) + ["--cpu-devices", "8"])
     assert result.returncode == 0, result.stderr
-    return _losses(run_dir)
+    return run_dir, _losses(run_dir)
 
 
-def test_two_processes_equal_one_and_resume_in_one(tmp_path, one_process):
-    port = _free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *_args(tmp_path), "--cpu-devices", "4",
-         "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
-        cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True) for i in (0, 1)]
-    outputs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
-    assert "8 cpu devices" in outputs[0][0] and "scaletrain:" not in outputs[1][0]  # only process 0 reports
-    two = _losses(tmp_path)
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("two")
+    stdout = _run_two(run_dir)
+    assert "8 cpu devices" in stdout[0] and "scaletrain:" not in stdout[1]  # only process 0 reports
+    assert len(_losses(run_dir)) == STEPS
+    return run_dir, _losses(run_dir)
+
+
+def test_two_processes_equal_one(one_process, two_processes):
     # Gloo sums in another order than in-process collectives: equal to rounding, not bitwise.
-    np.testing.assert_allclose(two, one_process, rtol=1e-5)
+    np.testing.assert_allclose(two_processes[1], one_process[1], rtol=1e-5)
 
-    # As if preempted after the step-4 save: the 2-process checkpoint resumes in one process.
-    shutil.rmtree(tmp_path / "checkpoints" / str(STEPS))
-    result = run_cli(_args(tmp_path) + ["--cpu-devices", "8"])
-    assert result.returncode == 0, result.stderr
-    assert "resumed at step 4" in result.stdout
-    np.testing.assert_allclose(_losses(tmp_path), one_process, rtol=1e-5)
+
+def test_two_process_checkpoint_resumes_in_one_and_back(tmp_path, one_process, two_processes):
+    """Each process count reads exactly the batches the other would have read next."""
+    for (source, losses), run_dir, command in (
+            (two_processes, tmp_path / "in_one", lambda d: run_cli(_args(d) + ["--cpu-devices", "8"]).stdout),
+            (one_process, tmp_path / "in_two", lambda d: _run_two(d)[0])):
+        shutil.copytree(source, run_dir)
+        shutil.rmtree(run_dir / "checkpoints" / str(STEPS))  # as if stopped after the step-6 save
+        assert _resumed_step(command(run_dir)) == 6
+        np.testing.assert_allclose(_losses(run_dir), losses, rtol=1e-5)
+
+
+def test_preempted_then_killed_two_process_run_resumes_bitwise(tmp_path, two_processes):
+    _, uninterrupted = two_processes
+    # SIGTERM reaches process 1 only: both processes agree to save at the same step and exit 0. Time-based
+    # saves (every ~30 ms by process 0's clock) must be agreed alike, or a save would hang.
+    stdout = _run_two(tmp_path, faults=(None, ("sigterm", 2)), **{"checkpoint.every_minutes": 0.0005})
+    preempted = int(re.search(r"preempted: checkpointed at step (\d+)", stdout[0]).group(1))
+    assert 2 < preempted < STEPS and (tmp_path / "checkpoints" / str(preempted)).is_dir()
+
+    # Process 1's host dies (SIGKILL); the scheduler then kills process 0 and restarts the job.
+    procs = _start_two(tmp_path, faults=(None, ("between-steps", preempted + 2)))
+    procs[1].communicate(timeout=300)
+    assert procs[1].returncode == -signal.SIGKILL
+    procs[0].kill()
+    procs[0].communicate()
+
+    stdout = _run_two(tmp_path)
+    assert _resumed_step(stdout[0]) >= preempted
+    assert _losses(tmp_path) == uninterrupted
 
 
 def test_distributed_flags_go_together(tmp_path):

@@ -36,6 +36,13 @@ def _start(run_dir):
                             stderr=subprocess.PIPE, text=True)
 
 
+def _run_with_fault(point, step, run_dir):
+    """train.py interrupted from inside at an exact moment (tests/faults.py)."""
+    return subprocess.run([sys.executable, str(ROOT / "tests" / "faults.py"), point, str(step), *_command(run_dir)],
+                          cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+                          timeout=300)
+
+
 def _finished_checkpoints(run_dir):
     ckpts = run_dir / "checkpoints"
     return [int(p.name) for p in ckpts.iterdir() if p.name.isdigit()] if ckpts.exists() else []
@@ -73,9 +80,7 @@ def _resumed_step(result):
 @pytest.mark.parametrize("point, step", [("between-steps", 14), ("mid-step", 11), ("mid-save", 8)])
 def test_sigkill_at_any_moment_then_rerun_is_bitwise_identical(tmp_path, uninterrupted, point, step):
     _, uninterrupted = uninterrupted
-    killed = subprocess.run([sys.executable, str(ROOT / "tests" / "faults.py"), point, str(step),
-                             *_command(tmp_path)], cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                            capture_output=True, text=True, timeout=300)
+    killed = _run_with_fault(point, step, tmp_path)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     committed = max(_finished_checkpoints(tmp_path))
     if point == "mid-save":  # the half-written step is on disk, uncommitted; the older one is untouched
@@ -103,6 +108,12 @@ def test_sigterm_saves_exits_0_and_resumes_at_the_next_step(tmp_path, uninterrup
     assert result.returncode == 0, result.stderr
     assert f"resumed at step {saved}" in result.stdout
     assert _losses(tmp_path) == uninterrupted
+
+
+def test_sigterm_before_the_first_step_exits_0(tmp_path):
+    result = _run_with_fault("sigterm-early", 0, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "preempted before step 1" in result.stdout and not (tmp_path / "metrics.jsonl").exists()
 
 
 def _garble(step_dir):
