@@ -80,7 +80,7 @@ def defaults() -> ml_collections.ConfigDict:
                 **{axis: 1 for axis in MESH_AXES},
                 **{f"dcn_{axis}": 1 for axis in MESH_AXES},
             },
-            "sharding": {"preset": "fsdp"},
+            "sharding": {"preset": "fsdp", "sequence_parallel": True},
             "checkpoint": {
                 "every_steps": 50,
                 "every_minutes": 0.0,

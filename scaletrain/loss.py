@@ -24,7 +24,9 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 def _forward(logits, labels):
     lse = jax.nn.logsumexp(logits, axis=-1)
-    label_logit = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]  # a gather of one per row
+    # A masked sum rather than a gather: with the vocabulary sharded (tensor parallelism) each device sums
+    # its own slice and only [tokens] partial sums are all-reduced; full-vocab logits never meet on one device.
+    label_logit = jnp.sum(jnp.where(_is_label(logits, labels), logits, 0.0), axis=-1)
     return lse - label_logit, (logits, labels, lse)
 
 

@@ -8,6 +8,7 @@ FSDP (ZeRO-3), ZeRO-1 and ZeRO-2 are rule tables, not model changes. docs/shardi
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
@@ -17,13 +18,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from scaletrain.errors import ConfigError
 
-LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "experts",
-                "stage")
+LOGICAL_AXES = ("batch", "seq", "residual_seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
+                "experts", "stage")
 
 # The config key that sets each logical dim: named in divisibility errors.
 SIZE_KEY = {
     "batch": "train.global_batch / train.grad_accum_steps",
     "seq": "data.seq_len",
+    "residual_seq": "data.seq_len",
     "embed": "model.d_model",
     "heads": "model.num_heads",
     "kv_heads": "model.num_kv_heads",
@@ -68,6 +70,21 @@ PRESETS: dict[str, Rules] = {
 
 def preset(name: str) -> Rules:
     return PRESETS[name]
+
+
+def rules_for(preset_name: str, sequence_parallel: bool, shard_kv_heads: bool) -> Rules:
+    """A preset, adapted: with sequence parallelism the residual stream (norms, residual adds) is split along
+    the sequence over `tensor`, turning each tensor-parallel all-reduce into a reduce-scatter + all-gather;
+    with fewer key/value heads than `tensor` ways, K/V projections are replicated over `tensor` (each device
+    keeps every K/V head and uses the ones its query heads share)."""
+    rules = PRESETS[preset_name]
+
+    def adapt(table: RuleTable) -> RuleTable:
+        return {**table, **({} if shard_kv_heads else {"kv_heads": None})}
+
+    activations = {**adapt(rules.activations), **({"residual_seq": "tensor"} if sequence_parallel else {})}
+    return Rules(params=adapt(rules.params), grads=adapt(rules.grads), opt_state=adapt(rules.opt_state),
+                 activations=activations)
 
 
 def _mesh_axes(entry: Any) -> tuple[str, ...]:
@@ -116,14 +133,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-# Activation constraints: the step function enters this context while it is traced, so model code can say
-# constrain(x, ("batch", "seq", "embed")) without knowing the mesh.
-_ACTIVE: list[tuple[Mesh, RuleTable]] = []
+# Constraints inside the step: the step function enters this context while it is traced, so model code can
+# say constrain(x, ("batch", "seq", "embed")) without knowing the mesh.
+_ACTIVE: list[tuple[Mesh, Rules]] = []
 
 
 @contextlib.contextmanager
-def activation_rules(mesh: Mesh, table: RuleTable) -> Iterator[None]:
-    _ACTIVE.append((mesh, table))
+def use_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
+    _ACTIVE.append((mesh, rules))
     try:
         yield
     finally:
@@ -131,7 +148,36 @@ def activation_rules(mesh: Mesh, table: RuleTable) -> Iterator[None]:
 
 
 def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+    """An activation, placed per the active rules (unchanged outside a step)."""
     if not _ACTIVE:
         return x
-    mesh, table = _ACTIVE[-1]
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(logical, table, mesh)))
+    mesh, rules = _ACTIVE[-1]
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(logical, rules.activations, mesh)))
+
+
+def constrain_param(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+    """One layer's weight inside the layer scan: placed per the parameter rules, and its gradient per the
+    gradient rules. The scan slices layer i out of the stacked weights; left to itself, sharding propagation
+    may all-reduce each layer's gradient whole and slice it afterwards. Pinned here, FSDP's gradients are
+    reduce-scattered layer by layer (ZeRO-2's too, its parameters being replicated)."""
+    if not _ACTIVE:
+        return x
+    mesh, rules = _ACTIVE[-1]
+    return _place(x, NamedSharding(mesh, spec(logical, rules.params, mesh)),
+                  NamedSharding(mesh, spec(logical, rules.grads, mesh)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _place(x, forward: NamedSharding, backward: NamedSharding):
+    return jax.lax.with_sharding_constraint(x, forward)
+
+
+def _place_forward(x, forward, backward):
+    return _place(x, forward, backward), None
+
+
+def _place_backward(forward, backward, _, g):
+    return (jax.lax.with_sharding_constraint(g, backward),)
+
+
+_place.defvjp(_place_forward, _place_backward)

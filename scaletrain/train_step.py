@@ -11,7 +11,7 @@ import optax
 from flax import nnx
 
 from scaletrain.loss import cross_entropy
-from scaletrain.sharding import activation_rules, constrain
+from scaletrain.sharding import constrain, use_rules
 
 
 @flax.struct.dataclass
@@ -50,7 +50,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
         return jax.lax.with_sharding_constraint(grads, grad_shardings)
 
     def step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
-        with activation_rules(mesh, rules.activations):
+        with use_rules(mesh, rules):
             if grad_accum_steps == 1:
                 (total, count), grads = grad_fn(state.params, batch)
                 grads = place(grads)

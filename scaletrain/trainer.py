@@ -61,9 +61,16 @@ class Setup:
 def _check_parallelism(cfg, mesh: Mesh) -> None:
     """The divisibility users trip over most, said plainly; sharding.tree_shardings checks every array too."""
     tensor = mesh.shape["tensor"]
-    for key in ("num_heads", "num_kv_heads", "d_ff", "vocab_size"):
+    for key in ("num_heads", "d_ff", "vocab_size"):
         if cfg.model[key] % tensor:
             raise ConfigError(f"model.{key}={cfg.model[key]} is not divisible by mesh.tensor={tensor}")
+    kv = cfg.model.num_kv_heads
+    if kv % tensor and tensor % kv:
+        raise ConfigError(f"model.num_kv_heads={kv} and mesh.tensor={tensor}: key/value heads are sharded over "
+                          f"tensor when it divides them and replicated when they divide it; neither holds")
+    if cfg.sharding.sequence_parallel and tensor > 1 and cfg.data.seq_len % tensor:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by mesh.tensor={tensor}, which "
+                          f"splits the sequence with sharding.sequence_parallel=true")
     if cfg.model.num_layers % mesh.shape["pipeline"]:
         raise ConfigError(f"model.num_layers={cfg.model.num_layers} is not divisible by "
                           f"mesh.pipeline={mesh.shape['pipeline']}")
@@ -82,8 +89,9 @@ def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
     """Everything a run needs, from shapes only: no array is allocated here. Raises ConfigError."""
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
     _check_parallelism(cfg, mesh)
-    rules = sharding.preset(cfg.sharding.preset)
-    model_cfg = model_lib.ModelConfig.from_config(cfg.model)
+    shard_kv_heads = cfg.model.num_kv_heads % mesh.shape["tensor"] == 0
+    rules = sharding.rules_for(cfg.sharding.preset, cfg.sharding.sequence_parallel, shard_kv_heads)
+    model_cfg = model_lib.ModelConfig.from_config(cfg.model, fuse_qkv=shard_kv_heads)
     graphdef, abstract_params, logical = model_lib.abstract(model_cfg)
 
     tx, lr = optim.make(cfg.optim, cfg.steps, logical)

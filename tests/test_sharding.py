@@ -41,7 +41,7 @@ def test_constrain_is_a_no_op_outside_a_step_and_binds_inside(m):
 
     @jax.jit
     def f(x):
-        with sharding.activation_rules(m, sharding.preset("fsdp").activations):
+        with sharding.use_rules(m, sharding.preset("fsdp")):
             return sharding.constrain(x * 2, ("batch", "embed"))
 
     assert f(x).sharding.spec[0] == ("data", "fsdp")

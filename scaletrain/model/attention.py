@@ -60,12 +60,29 @@ class Attention(nnx.Module):
         self.wv = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std)
         self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pd, cfg.out_std)
 
+    def _project_qkv(self, x_btd: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Q, K and V. Fused, they are one matmul against [embed, kv_heads, q_per_kv + 2, head_dim] (kv-head
+        major, so a tensor-parallel shard of kv heads holds whole groups): the backward pass then sums the three
+        input gradients before they leave the device - one reduce-scatter instead of three under tensor
+        parallelism. Separate projections serve kv heads replicated over `tensor` (fewer than its ways)."""
+        n, k = self.cfg.num_heads, self.cfg.num_kv_heads
+        if not self.cfg.fuse_qkv:
+            return (checkpoint_name(project(x_btd, self.wq[...]), "query_proj"),
+                    checkpoint_name(project(x_btd, self.wk[...]), "key_proj"),
+                    checkpoint_name(project(x_btd, self.wv[...]), "value_proj"))
+        d, _, h = self.wq.shape
+        w_dkch = jnp.concatenate([self.wq[...].reshape(d, k, n // k, h), self.wk[...][:, :, None],
+                                  self.wv[...][:, :, None]], axis=2)
+        qkv_btkch = project(x_btd, w_dkch)
+        b, t = x_btd.shape[:2]
+        return (checkpoint_name(qkv_btkch[:, :, :, : n // k].reshape(b, t, n, h), "query_proj"),
+                checkpoint_name(qkv_btkch[:, :, :, n // k], "key_proj"),
+                checkpoint_name(qkv_btkch[:, :, :, n // k + 1], "value_proj"))
+
     def __call__(self, x_btd: jax.Array, sin_bth: jax.Array, cos_bth: jax.Array,
                  segment_ids_bt: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, x_btd.dtype
-        q_btnh = checkpoint_name(project(x_btd, self.wq[...]), "query_proj")
-        k_btkh = checkpoint_name(project(x_btd, self.wk[...]), "key_proj")
-        v_btkh = checkpoint_name(project(x_btd, self.wv[...]), "value_proj")
+        q_btnh, k_btkh, v_btkh = self._project_qkv(x_btd)
         q_btnh = constrain(rope.apply(q_btnh, sin_bth, cos_bth), ("batch", "seq", "heads", "head_dim"))
         k_btkh = constrain(rope.apply(k_btkh, sin_bth, cos_bth), ("batch", "seq", "kv_heads", "head_dim"))
         v_btkh = constrain(v_btkh, ("batch", "seq", "kv_heads", "head_dim"))
@@ -80,4 +97,4 @@ class Attention(nnx.Module):
             out_btkgh = dot_attention(q_btkgh, k_btkh, v_btkh, attention_mask(segment_ids_bt))
         out_btnh = checkpoint_name(out_btkgh.reshape(b, t, n, h), "attention_out")
         out_btd = project(out_btnh, self.wo[...], in_dims=2)
-        return checkpoint_name(constrain(out_btd, ("batch", "seq", "embed")), "out_proj")
+        return checkpoint_name(constrain(out_btd, ("batch", "residual_seq", "embed")), "out_proj")

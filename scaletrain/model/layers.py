@@ -56,7 +56,7 @@ class Embed(nnx.Module):
 
     def __call__(self, tokens_bt: jax.Array, dtype) -> jax.Array:
         x_btd = jnp.take(self.table[...].astype(dtype), tokens_bt, axis=0)
-        return constrain(x_btd, ("batch", "seq", "embed"))
+        return constrain(x_btd, ("batch", "residual_seq", "embed"))
 
     def attend(self, x_btd: jax.Array) -> jax.Array:
         """Tied output projection: logits against the embedding table, accumulated in float32."""

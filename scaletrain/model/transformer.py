@@ -16,7 +16,7 @@ from scaletrain.model import rope
 from scaletrain.model.attention import Attention
 from scaletrain.model.layers import Embed, RMSNorm, param, project
 from scaletrain.model.mlp import MLP
-from scaletrain.sharding import constrain
+from scaletrain.sharding import constrain, constrain_param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +41,12 @@ class ModelConfig:
     dtype: Any = jnp.bfloat16
     remat: str = "none"
     attention_block: int = 0
+    fuse_qkv: bool = True  # False where kv heads are replicated over `tensor` (set by the trainer)
 
     @classmethod
-    def from_config(cls, model_cfg) -> "ModelConfig":
-        values = {f.name: model_cfg[f.name] for f in dataclasses.fields(cls)}
+    def from_config(cls, model_cfg, **derived) -> "ModelConfig":
+        """From the `model` config section; `derived` holds the fields that depend on the mesh (fuse_qkv)."""
+        values = {f.name: model_cfg[f.name] for f in dataclasses.fields(cls) if f.name not in derived} | derived
         values["param_dtype"] = jnp.dtype(values["param_dtype"])
         values["dtype"] = jnp.dtype(values["dtype"])
         return cls(**values)
@@ -96,11 +98,16 @@ class Llama(nnx.Module):
         graphdef, stacked = nnx.split(self.layers)
 
         def layer(x_btd, layer_params):
-            x_btd = checkpoint_name(constrain(x_btd, ("batch", "seq", "embed")), "decoder_layer_input")
+            x_btd = checkpoint_name(constrain(x_btd, ("batch", "residual_seq", "embed")), "decoder_layer_input")
+            layer_params = jax.tree.map(lambda v: v.replace(constrain_param(v[...], v.out_sharding[1:])),
+                                        layer_params, is_leaf=lambda v: isinstance(v, nnx.Variable))
             return nnx.merge(graphdef, layer_params)(x_btd, sin_bth, cos_bth, segment_ids_bt), None
 
         x_btd, _ = jax.lax.scan(remat.apply(layer, cfg.remat), x_btd, stacked)
-        x_btd = self.final_norm(x_btd)
+        x_btd = constrain(self.final_norm(x_btd), ("batch", "residual_seq", "embed"))
+        # Gathered along the sequence for the vocab-parallel output projection, so that the backward pass
+        # reduce-scatters its input gradient rather than all-reducing it.
+        x_btd = constrain(x_btd, ("batch", "seq", "embed"))
         if cfg.tie_embeddings:
             logits = self.embed.attend(x_btd)
         else:

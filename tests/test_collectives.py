@@ -1,0 +1,95 @@
+"""The collectives each strategy compiles to, read from the HLO, against ../shared/reference/scaling.md.
+
+fp32 (4 bytes), 8 devices, tiny model: D=64, F=128, L=2, N=8 heads of 8, K=4 kv heads, V=384, T=32, batch 8.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from scaletrain import config, trainer
+from scaletrain.planner import hlo
+from tests.conftest import tiny_overrides
+
+D, F, L, N, K, H, V, T, B = 64, 128, 2, 8, 4, 8, 384, 32, 8
+MODEL = {"model.num_heads": N, "model.num_kv_heads": K, "model.head_dim": H}
+PARAMS_PER_LAYER = 3 * D * F + 2 * D * (N + K) * H + 2 * D  # scaling.md: 3DF + 2D(N+K)H + 2D
+
+
+def _inventory(*overrides):
+    cfg = config.load(None, tiny_overrides("unused", **MODEL) + list(overrides))
+    setup = trainer.build(cfg, jax.devices())
+    text = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile().as_text()
+    return hlo.inventory(text, setup.mesh)
+
+
+def _in_layers(inventory):
+    return [c for c in inventory if c.loops == (L,)]
+
+
+def _bytes(collectives, kind, axis, phase):
+    """Full-array bytes per layer of one kind of collective over one mesh axis."""
+    return sum(c.full_bytes for c in collectives
+               if c.effective_kind == kind and c.axes == (axis,) and c.phase == phase)
+
+
+def _close(got, want):
+    assert abs(got - want) <= 0.05 * want, (got, want)
+
+
+def test_fsdp_gathers_weights_and_scatters_gradients_per_layer():
+    layers = _in_layers(_inventory("mesh.fsdp=8"))
+    weights = 4 * PARAMS_PER_LAYER
+    # scaling.md, FSDP: each layer's weights all-gathered in the forward pass and again in the backward pass
+    # (the transpose of the gather: its gradient reduce-scattered).
+    _close(_bytes(layers, "all-gather", "fsdp", "forward"), weights)
+    _close(_bytes(layers, "all-gather", "fsdp", "backward"), weights)
+    _close(_bytes(layers, "reduce-scatter", "fsdp", "backward"), weights)
+    assert not [c for c in layers if c.effective_kind == "all-reduce" and c.full_bytes > 4 * D]
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel():
+    return {sp: _inventory("mesh.fsdp=2", "mesh.tensor=4", f"sharding.sequence_parallel={sp}")
+            for sp in (True, False)}
+
+
+def test_tensor_and_sequence_parallel_move_activations_not_weights(tensor_parallel):
+    collectives = tensor_parallel[True]
+    layers = _in_layers(collectives)
+    activation = 4 * (B // 2) * T * D  # one [batch per fsdp shard, seq, d_model] fp32 tensor
+    # scaling.md, tensor parallelism: per layer an all-gather and a reduce-scatter of activations for attention
+    # and for the MLP in the forward pass, their transposes in the backward pass.
+    _close(_bytes(layers, "all-gather", "tensor", "forward"), 2 * activation)
+    _close(_bytes(layers, "reduce-scatter", "tensor", "forward"), 2 * activation)
+    _close(_bytes(layers, "all-gather", "tensor", "backward"), 2 * activation)
+    _close(_bytes(layers, "reduce-scatter", "tensor", "backward"), 2 * activation)
+    # Sequence parallelism: no [batch, seq, d_model] tensor is all-reduced anywhere in the step.
+    assert not [c for c in collectives if c.effective_kind == "all-reduce" and "tensor" in c.axes
+                and c.full_bytes >= activation]
+    # Vocab-parallel embedding and loss: nothing near the size of full-vocab logits crosses the tensor axis.
+    logits = 4 * (B // 2) * T * V
+    assert not [c for c in collectives if "tensor" in c.axes and c.full_bytes >= logits / 2]
+
+
+def test_without_sequence_parallelism_activations_are_all_reduced(tensor_parallel):
+    layers = _in_layers(tensor_parallel[False])
+    activation = 4 * (B // 2) * T * D
+    _close(_bytes(layers, "all-reduce", "tensor", "forward"), 2 * activation)
+    assert not _bytes(layers, "reduce-scatter", "tensor", "forward")
+
+
+def test_replica_group_spellings_map_to_mesh_axes():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(1, 4, 1, 1, 2),
+                             ("data", "fsdp", "expert", "pipeline", "tensor"))
+    spellings = {
+        "replica_groups={{0,2,4,6},{1,3,5,7}}": ("fsdp",),
+        "replica_groups=[4,2]<=[8]": ("tensor",),
+        "replica_groups=[2,4]<=[4,2]T(1,0)": ("fsdp",),
+        "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}": ("fsdp",),
+        "replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_2'}": ("fsdp",),
+        "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0','axis_1'}": ("fsdp", "tensor"),
+        "source_target_pairs={{0,1},{1,0},{2,3},{3,2}}": ("tensor",),
+    }
+    for text, axes in spellings.items():
+        assert hlo.mesh_axes(hlo.replica_groups(text), mesh) == axes, text
