@@ -31,11 +31,12 @@ MODELS = {
 }
 
 
-def measure(name: str, steps: int, warmup: int, overrides: list[str]) -> dict:
+def measure(name: str, steps: int, warmup: int, overrides: list[str], inventory: bool = False) -> dict:
+    """Compile and time the real train step; with `inventory`, also its collectives by kind (planner/hlo.py)."""
     import jax
 
     from scaletrain import data, mesh, trainer
-    from scaletrain.planner import flops, hardware
+    from scaletrain.planner import flops, hardware, hlo
 
     path, preset = MODELS[name]
     cfg = config.load(path, preset + [f"steps={steps + warmup}"] + overrides)
@@ -45,6 +46,7 @@ def measure(name: str, steps: int, warmup: int, overrides: list[str]) -> dict:
     t0 = time.perf_counter()
     step = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
     compile_s = time.perf_counter() - t0
+    collectives = hlo.summary(hlo.inventory(step.as_text(), setup.mesh)) if inventory else None
     for _ in range(warmup):
         state, _ = step(state, setup.put_batch(next(iterator)))
     jax.block_until_ready(state)
@@ -63,7 +65,7 @@ def measure(name: str, steps: int, warmup: int, overrides: list[str]) -> dict:
         "tokens_per_step": tokens, "step_flops": step_flops, "compile_s": compile_s, "step_time_s": step_s,
         "tokens_per_sec": tokens / step_s, "mfu": step_flops / step_s / peak if peak else None,
         "peak_flops": peak, "roofline_step_s": step_flops / peak if peak else None,
-        "final_loss": float(metrics["loss"]),
+        "final_loss": float(metrics["loss"]), "collectives": collectives,
     }
 
 

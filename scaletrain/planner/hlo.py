@@ -42,6 +42,11 @@ class Collective:
         return "reduce-scatter" if self.scatters else self.kind
 
     @property
+    def operand_bytes(self) -> float:
+        """Bytes each device contributes: its shard for an all-gather, the whole array otherwise."""
+        return self.full_bytes / self.group_size if self.kind == "all-gather" else self.full_bytes
+
+    @property
     def moved_bytes(self) -> float:
         """Bytes each device sends per execution on a ring: (X-1)/X of V, twice for an all-reduce."""
         x = self.group_size
