@@ -93,3 +93,41 @@ def test_replica_group_spellings_map_to_mesh_axes():
     }
     for text, axes in spellings.items():
         assert hlo.mesh_axes(hlo.replica_groups(text), mesh) == axes, text
+
+
+# Loop trip counts as the TPU backend prints them: no annotation, an `i < N` condition.
+TPU_STYLE_HLO = """
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[]{:T(128)} constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p.1: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p.1 = (s32[], f32[8]) parameter(0)
+  %x = f32[8] get-tuple-element(%p.1), index=1
+  %ag = f32[64]{0:T(128)} all-gather(%x), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}, metadata={op_name="jit(step)/jvp()/while/body/dot_general"}
+  %ar = (f32[64], f32[]) all-reduce(%ag, %x), channel_id=2, replica_groups=[1,8]<=[8], to_apply=%add, metadata={op_name="jit(step)/transpose(jvp())/while/body/dot_general"}
+  %g0 = f32[64] get-tuple-element(%ar), index=0
+  %ds = f32[8] dynamic-slice(%g0, %i.1), dynamic_slice_sizes={8}
+  %g1 = f32[] get-tuple-element(%ar), index=1
+  ROOT %t = (s32[], f32[8]) tuple(%i.1, %ds)
+}
+
+ENTRY %main (a: f32[8]) -> (s32[], f32[8]) {
+  %a = f32[8] parameter(0)
+  %init = (s32[], f32[8]) tuple(%zero, %a)
+  ROOT %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_tpu_loop_spelling_and_combined_all_reduces():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8, 1, 1, 1, 1),
+                             ("data", "fsdp", "expert", "pipeline", "tensor"))
+    found = {(c.effective_kind, c.full_bytes): c for c in hlo.inventory(TPU_STYLE_HLO, mesh)}
+    assert set(found) == {("all-gather", 256), ("reduce-scatter", 256), ("all-reduce", 4)}
+    assert all(c.count == 3 and c.loops == (3,) and c.axes == ("data",) for c in found.values())
+    assert found[("all-gather", 256)].phase == "forward" and found[("reduce-scatter", 256)].phase == "backward"
+    assert hlo.summary(found.values())["reduce-scatter"] == {"count": 3, "bytes": 768}

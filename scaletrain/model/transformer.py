@@ -45,8 +45,8 @@ class ModelConfig:
 
     @classmethod
     def from_config(cls, model_cfg, **derived) -> "ModelConfig":
-        """From the `model` config section; `derived` holds the fields that depend on the mesh (fuse_qkv)."""
-        values = {f.name: model_cfg[f.name] for f in dataclasses.fields(cls) if f.name not in derived} | derived
+        """From the `model` config section; `derived` may set the fields that depend on the mesh (fuse_qkv)."""
+        values = {f.name: model_cfg[f.name] for f in dataclasses.fields(cls) if f.name != "fuse_qkv"} | derived
         values["param_dtype"] = jnp.dtype(values["param_dtype"])
         values["dtype"] = jnp.dtype(values["dtype"])
         return cls(**values)

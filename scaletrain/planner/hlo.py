@@ -52,7 +52,7 @@ class Collective:
         x = self.group_size
         if self.kind == "all-reduce" and not self.scatters:
             return 2 * self.full_bytes * (x - 1) / x
-        if self.kind in ("all-gather", "reduce-scatter"):
+        if self.effective_kind in ("all-gather", "reduce-scatter"):
             return self.full_bytes * (x - 1) / x
         return self.full_bytes  # all-to-all, collective-permute: the operand (an upper bound)
 
