@@ -17,7 +17,7 @@ from typing import Any, Iterable
 import ml_collections
 import yaml
 
-from scaletrain import tokenizer
+from scaletrain import remat, tokenizer
 from scaletrain.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "pipeline", "tensor")
@@ -49,7 +49,6 @@ def defaults() -> ml_collections.ConfigDict:
                 "init_std": 0.02,
                 "param_dtype": "float32",
                 "dtype": "bfloat16",
-                "remat": "none",
                 "attention_block": 0,
             },
             "data": {
@@ -57,6 +56,10 @@ def defaults() -> ml_collections.ConfigDict:
                 "path": "",
                 "jsonl_field": "text",
                 "seq_len": 256,
+            },
+            "remat": {
+                "policy": "none",
+                "custom": {name: "remat" for name in remat.NAMES},
             },
             "train": {
                 "global_batch": 16,
@@ -100,7 +103,8 @@ CHOICES = {
     "model.rope_scaling": ("none", "llama3"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.dtype": ("float32", "bfloat16"),
-    "model.remat": ("none", "full", "save_dots"),
+    "remat.policy": remat.POLICIES,
+    **{f"remat.custom.{name}": remat.MODES for name in remat.NAMES},
     "data.source": ("stdlib", "synthetic", "files"),
     "train.on_nonfinite": ("skip", "stop"),
     "sharding.preset": ("fsdp", "dp", "zero1", "zero2"),

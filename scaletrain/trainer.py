@@ -28,7 +28,7 @@ from scaletrain.checkpoint import Checkpointer, restore_params
 from scaletrain.control import Control, Preemption
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.metrics import MetricsLog
-from scaletrain.planner import flops, hardware
+from scaletrain.planner import flops, hardware, memory
 from scaletrain.train_step import TrainState, make_train_step
 
 EXIT_DIVERGED = 1
@@ -91,7 +91,8 @@ def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
     _check_parallelism(cfg, mesh)
     shard_kv_heads = cfg.model.num_kv_heads % mesh.shape["tensor"] == 0
     rules = sharding.rules_for(cfg.sharding.preset, cfg.sharding.sequence_parallel, shard_kv_heads)
-    model_cfg = model_lib.ModelConfig.from_config(cfg.model, fuse_qkv=shard_kv_heads)
+    model_cfg = model_lib.ModelConfig.from_config(
+        cfg.model, fuse_qkv=shard_kv_heads, remat=cfg.remat.policy, remat_custom=tuple(cfg.remat.custom.items()))
     graphdef, abstract_params, logical = model_lib.abstract(model_cfg)
 
     tx, lr = optim.make(cfg.optim, cfg.steps, logical)
@@ -195,7 +196,8 @@ def _run(cfg, preemption: Preemption) -> int:
     t0 = time.perf_counter()
     step_fn = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
     if main:
-        print(f"compiled the train step in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"compiled the train step in {time.perf_counter() - t0:.1f} s; "
+              f"{memory.describe(memory.compiled(step_fn.memory_analysis()))}", flush=True)
     control = Control(setup.mesh, preemption, cfg.checkpoint.every_minutes)
     if control.decide(control.propose()).stop:  # preempted while restoring or compiling: nothing new to save
         ckpt.close()

@@ -39,14 +39,17 @@ class ModelConfig:
     init_std: float = 0.02
     param_dtype: Any = jnp.float32
     dtype: Any = jnp.bfloat16
-    remat: str = "none"
+    remat: str = "none"  # a remat.POLICIES name
+    remat_custom: tuple[tuple[str, str], ...] = ()  # (checkpoint name, remat|device|offload) for "custom"
     attention_block: int = 0
     fuse_qkv: bool = True  # False where kv heads are replicated over `tensor` (set by the trainer)
 
     @classmethod
     def from_config(cls, model_cfg, **derived) -> "ModelConfig":
-        """From the `model` config section; `derived` may set the fields that depend on the mesh (fuse_qkv)."""
-        values = {f.name: model_cfg[f.name] for f in dataclasses.fields(cls) if f.name != "fuse_qkv"} | derived
+        """From the `model` config section; `derived` sets the fields that come from elsewhere (the remat
+        section, fuse_qkv from the mesh); fields in neither keep their defaults."""
+        values = {f.name: model_cfg[f.name] for f in dataclasses.fields(cls)
+                  if f.name not in derived and f.name in model_cfg} | derived
         values["param_dtype"] = jnp.dtype(values["param_dtype"])
         values["dtype"] = jnp.dtype(values["dtype"])
         return cls(**values)
@@ -103,7 +106,7 @@ class Llama(nnx.Module):
                                         layer_params, is_leaf=lambda v: isinstance(v, nnx.Variable))
             return nnx.merge(graphdef, layer_params)(x_btd, sin_bth, cos_bth, segment_ids_bt), None
 
-        x_btd, _ = jax.lax.scan(remat.apply(layer, cfg.remat), x_btd, stacked)
+        x_btd, _ = jax.lax.scan(remat.apply(layer, cfg.remat, cfg.remat_custom), x_btd, stacked)
         x_btd = constrain(self.final_norm(x_btd), ("batch", "residual_seq", "embed"))
         # Gathered along the sequence for the vocab-parallel output projection, so that the backward pass
         # reduce-scatters its input gradient rather than all-reducing it.
