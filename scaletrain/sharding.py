@@ -68,10 +68,6 @@ PRESETS: dict[str, Rules] = {
 }
 
 
-def preset(name: str) -> Rules:
-    return PRESETS[name]
-
-
 def rules_for(preset_name: str, sequence_parallel: bool, shard_kv_heads: bool) -> Rules:
     """A preset, adapted: with sequence parallelism the residual stream (norms, residual adds) is split along
     the sequence over `tensor`, turning each tensor-parallel all-reduce into a reduce-scatter + all-gather;
