@@ -146,3 +146,15 @@ def test_a_nonfinite_update_is_dropped(batches):
     assert int(state.step) == 1
     state, metrics = setup.step(state, setup.put_batch(batches[1]))
     assert np.isfinite(metrics["loss"]) and float(metrics["update_skipped"]) == 0.0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.num_heads=6", "model.num_kv_heads=3", "mesh.fsdp=4", "mesh.tensor=2"],
+     "model.num_kv_heads=3 and mesh.tensor=2"),
+    (["data.seq_len=30", "mesh.fsdp=2", "mesh.tensor=4"], "data.seq_len=30 is not divisible by mesh.tensor=4"),
+])
+def test_tensor_parallel_refusals_name_the_keys(overrides, message):
+    from scaletrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        trainer.build(config.load(None, tiny_overrides("unused") + overrides), jax.devices())
