@@ -3,7 +3,8 @@
     python benchmarks/remat_memory.py [--config configs/llama3_8b.yaml] [--topology v5p:4x4x2]
         [--policy P]... [--set K=V]...
 
-Each policy's real train step is compiled through libtpu on this machine (no TPU needed). Memory comes from
+Each policy's real train step is compiled through libtpu on this machine (no TPU needed), or, with
+`--topology cpu`, for this machine's own devices. Memory comes from
 `memory_analysis()`; `optimal_seconds` is XLA's estimate, which counts a while loop's body once (so a scanned
 layer stack is undercounted: compare policies with it, not with measured step times). Results go in
 docs/benchmarks.md.
@@ -26,17 +27,19 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(ROOT / "configs" / "llama3_8b.yaml"))
-    p.add_argument("--topology", default="v5p:4x4x2")
+    p.add_argument("--topology", default="v5p:4x4x2", help="a TPU topology, or 'cpu' for this machine's devices")
     p.add_argument("--policy", action="append", default=None, help="default: every policy but custom")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args()
     runtime.configure(None)
+    import jax
     from jax.experimental import topologies
 
     from scaletrain import trainer
     from scaletrain.planner import memory
 
-    devices = topologies.get_topology_desc(topology_name=args.topology, platform="tpu").devices
+    devices = jax.devices() if args.topology == "cpu" else \
+        topologies.get_topology_desc(topology_name=args.topology, platform="tpu").devices
     print(f"# {time.strftime('%Y-%m-%d')}  {args.config} on {args.topology} ({len(devices)} chips)  {' '.join(args.set)}")
     print("| policy | HBM per device GiB | of which temporaries GiB | host GiB | XLA optimal_seconds | compile s |")
     print("|---|---|---|---|---|---|")
@@ -53,8 +56,8 @@ def main() -> int:
         m = memory.compiled(compiled.memory_analysis())
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
-        print(f"| {policy} | {m['device_total'] / memory.GIB:.2f} | {m['device_temporaries'] / memory.GIB:.2f} | "
-              f"{m['host_total'] / memory.GIB:.2f} | {cost.get('optimal_seconds', float('nan')):.3f} | "
+        print(f"| {policy} | {m['device_total'] / memory.GIB:.3f} | {m['device_temporaries'] / memory.GIB:.3f} | "
+              f"{m['host_total'] / memory.GIB:.3f} | {cost.get('optimal_seconds', float('nan')):.3f} | "
               f"{seconds:.0f} |", flush=True)
     return 0
 

@@ -125,7 +125,10 @@ def _read_only(directory: Path) -> ocp.CheckpointManager:
 
 def read_metadata(directory: Path, step: int | None = None) -> tuple[int, dict]:
     """(step, metadata) of the newest checkpoint, or of `step`: what `ckpt inspect` prints."""
-    manager = _read_only(directory)
+    return _metadata(_read_only(directory), directory, step)
+
+
+def _metadata(manager: ocp.CheckpointManager, directory: Path, step: int | None) -> tuple[int, dict]:
     steps = manager.all_steps()
     if not steps:
         raise CheckpointError(f"no checkpoints in {directory}; expected a run directory's checkpoints/ folder")
@@ -139,13 +142,13 @@ def read_metadata(directory: Path, step: int | None = None) -> tuple[int, dict]:
     return step, dict(meta)
 
 
-
 def restore_params(path: str | Path, abstract_params: Any) -> tuple[int, Any]:
     """(step, parameters) of another run's checkpoint (`checkpoint.init_from`), placed with the current run's
     shardings; its optimizer state and data position are not read. Shapes are checked against the saved
     metadata first, so a mismatched model is one clear error rather than an Orbax traceback."""
     directory, step = locate(path)
-    step, meta = read_metadata(directory, step)
+    manager = _read_only(directory)
+    step, meta = _metadata(manager, directory, step)
     wanted = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
     saved = {p.removeprefix(".params"): a for p, a in meta["arrays"].items() if p.startswith(".params")}
     for name, x in wanted.items():
@@ -157,7 +160,7 @@ def restore_params(path: str | Path, abstract_params: Any) -> tuple[int, Any]:
                                   f"{directory / str(step)} but {x.shape} in this model; the model configs differ")
     restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype), abstract_params)
     try:
-        restored = _read_only(directory).restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
             item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True)))
     except Exception as e:  # noqa: BLE001 - reported as one line
         _silence_abandoned_reads()
