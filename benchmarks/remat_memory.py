@@ -1,7 +1,8 @@
-"""HBM per device and XLA's time estimate for each remat policy, by ahead-of-time compiles for a TPU topology.
+"""HBM per device and XLA's time estimate for each remat policy and state offload, by ahead-of-time compiles
+for a TPU topology.
 
     python benchmarks/remat_memory.py [--config configs/llama3_8b.yaml] [--topology v5p:4x4x2]
-        [--policy P]... [--set K=V]...
+        [--policy P]... [--offload none|optim|params]... [--set K=V]...
 
 Each policy's real train step is compiled through libtpu on this machine (no TPU needed), or, with
 `--topology cpu`, for this machine's own devices. Memory comes from
@@ -22,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scaletrain import config, remat, runtime  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+OFFLOAD = {"none": [], "optim": ["optim.offload=true"], "params": ["params.offload=true"]}
 
 
 def main() -> int:
@@ -29,6 +31,8 @@ def main() -> int:
     p.add_argument("--config", default=str(ROOT / "configs" / "llama3_8b.yaml"))
     p.add_argument("--topology", default="v5p:4x4x2", help="a TPU topology, or 'cpu' for this machine's devices")
     p.add_argument("--policy", action="append", default=None, help="default: every policy but custom")
+    p.add_argument("--offload", action="append", choices=tuple(OFFLOAD), default=None,
+                   help="state in host memory: none (default), optim (Adam moments), params (and parameters)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args()
     runtime.configure(None)
@@ -41,24 +45,26 @@ def main() -> int:
     devices = jax.devices() if args.topology == "cpu" else \
         topologies.get_topology_desc(topology_name=args.topology, platform="tpu").devices
     print(f"# {time.strftime('%Y-%m-%d')}  {args.config} on {args.topology} ({len(devices)} chips)  {' '.join(args.set)}")
-    print("| policy | HBM per device GiB | of which temporaries GiB | host GiB | XLA optimal_seconds | compile s |")
-    print("|---|---|---|---|---|---|")
+    print("| policy | offload | HBM per device GiB | of which temporaries GiB | host GiB | XLA optimal_seconds | "
+          "compile s |")
+    print("|---|---|---|---|---|---|---|")
     for policy in args.policy or [p for p in remat.POLICIES if p != "custom"]:
-        cfg = config.load(args.config, [f"remat.policy={policy}", *args.set])
-        setup = trainer.build(cfg, devices)
-        t0 = time.perf_counter()
-        try:
-            compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
-        except Exception as e:  # noqa: BLE001 - an out-of-memory compile is a result too
-            print(f"| {policy} | does not compile: {str(e).splitlines()[0][:120]} |||||", flush=True)
-            continue
-        seconds = time.perf_counter() - t0
-        m = memory.compiled(compiled.memory_analysis())
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        print(f"| {policy} | {m['device_total'] / memory.GIB:.3f} | {m['device_temporaries'] / memory.GIB:.3f} | "
-              f"{m['host_total'] / memory.GIB:.3f} | {cost.get('optimal_seconds', float('nan')):.3f} | "
-              f"{seconds:.0f} |", flush=True)
+        for offload in args.offload or ["none"]:
+            cfg = config.load(args.config, [f"remat.policy={policy}", *OFFLOAD[offload], *args.set])
+            setup = trainer.build(cfg, devices)
+            t0 = time.perf_counter()
+            try:
+                compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
+            except Exception as e:  # noqa: BLE001 - an out-of-memory compile is a result too
+                print(f"| {policy} | {offload} | does not compile: {str(e).splitlines()[0][:120]} |||||", flush=True)
+                continue
+            seconds = time.perf_counter() - t0
+            m = memory.compiled(compiled.memory_analysis())
+            cost = compiled.cost_analysis()
+            cost = cost[0] if isinstance(cost, list) else cost
+            print(f"| {policy} | {offload} | {m['device_total'] / memory.GIB:.2f} | "
+                  f"{m['device_temporaries'] / memory.GIB:.2f} | {m['host_total'] / memory.GIB:.2f} | "
+                  f"{cost.get('optimal_seconds', float('nan')):.3f} | {seconds:.0f} |", flush=True)
     return 0
 
 

@@ -78,7 +78,9 @@ def defaults() -> ml_collections.ConfigDict:
                 "decay_norms": False,
                 "decay_embeddings": False,
                 "grad_clip_norm": 1.0,
+                "offload": False,
             },
+            "params": {"offload": False},
             "mesh": {
                 **{axis: 1 for axis in MESH_AXES},
                 **{f"dcn_{axis}": 1 for axis in MESH_AXES},

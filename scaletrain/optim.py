@@ -1,10 +1,19 @@
-"""The optimizer: AdamW with warmup + cosine decay, global-norm clipping and masked weight decay."""
+"""The optimizer: AdamW with warmup + cosine decay, global-norm clipping and masked weight decay.
+
+Clipping is a scale the step computes from the gradient norm it reports anyway (`clip_scale`), applied where
+the update reads the gradients, rather than a transformation in the optax chain: what `make` returns is then
+elementwise, which lets `offload.streamed_update` apply it a layer at a time, and no clipped copy of the
+gradients is ever written.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import functools
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from scaletrain.sharding import is_logical
@@ -34,10 +43,44 @@ def decay_mask(optim_cfg, logical: Any) -> Any:
 
 
 def make(optim_cfg, steps: int, logical: Any) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW, elementwise (see the module docstring); clipping is `clip_scale`'s."""
     lr = schedule(optim_cfg, steps)
-    parts = []
-    if optim_cfg.grad_clip_norm > 0:
-        parts.append(optax.clip_by_global_norm(optim_cfg.grad_clip_norm))
-    parts.append(optax.adamw(lr, b1=optim_cfg.b1, b2=optim_cfg.b2, eps=optim_cfg.eps,
-                             weight_decay=optim_cfg.weight_decay, mask=decay_mask(optim_cfg, logical)))
-    return optax.chain(*parts), lr
+    return optax.adamw(lr, b1=optim_cfg.b1, b2=optim_cfg.b2, eps=optim_cfg.eps,
+                       weight_decay=optim_cfg.weight_decay, mask=decay_mask(optim_cfg, logical)), lr
+
+
+def clip_scale(norm: jax.Array, max_norm: float) -> jax.Array:
+    """The factor optax.clip_by_global_norm multiplies the gradients by; max_norm 0 turns clipping off."""
+    if max_norm <= 0:
+        return jnp.ones(())
+    return jnp.where(norm < max_norm, 1.0, max_norm / norm)
+
+
+def scaled(grads: Any, grad_scale: jax.Array) -> Any:
+    return jax.tree.map(lambda g: g * grad_scale.astype(g.dtype), grads)
+
+
+def keep_finite(finite: jax.Array, new: Any, old: Any) -> Any:
+    """`new` where the step was finite, else `old`: a NaN/Inf never reaches parameters or moments."""
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
+def update(tx: optax.GradientTransformation, grads: Any, grad_scale: jax.Array, finite: jax.Array, opt_state: Any,
+           params: Any) -> tuple[Any, Any]:
+    """One optimizer update of the whole state on the device: (params, opt_state)."""
+    updates, new_opt_state = tx.update(scaled(grads, grad_scale), opt_state, params)
+    return keep_finite(finite, (optax.apply_updates(params, updates), new_opt_state), (params, opt_state))
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """How the step updates the state: `on_device`, or offload.streamed when state lives in host memory."""
+    apply: Callable[..., tuple[Any, Any]]  # (grads, grad_scale, finite, opt_state, params) -> (params, opt_state)
+    norm: Callable[[Any], jax.Array] = optax.tree.norm
+    # With parameters in host memory: the model's view of them, fetched to the device where used (their
+    # gradients land in host memory).
+    fetch_params: Callable[[Any], Any] | None = None
+
+
+def on_device(tx: optax.GradientTransformation) -> Update:
+    return Update(apply=functools.partial(update, tx))

@@ -115,12 +115,13 @@ def is_logical(x: Any) -> bool:
     return type(x) is tuple and all(isinstance(n, (str, type(None))) for n in x)
 
 
-def tree_shardings(abstract: Any, logical: Any, table: RuleTable, mesh: Mesh) -> Any:
-    """NamedShardings for a tree of arrays given the same tree of logical-name tuples; checks divisibility."""
+def tree_shardings(abstract: Any, logical: Any, table: RuleTable, mesh: Mesh, memory_kind: str | None = None) -> Any:
+    """NamedShardings for a tree of arrays given the same tree of logical-name tuples; checks divisibility.
+    `memory_kind` "pinned_host" keeps the arrays in host memory (offload.py)."""
 
     def one(path, names, x):
         check_divisible(jax.tree_util.keystr(path), x.shape, names, table, mesh)
-        return NamedSharding(mesh, spec(names, table, mesh))
+        return NamedSharding(mesh, spec(names, table, mesh), memory_kind=memory_kind)
 
     return jax.tree_util.tree_map_with_path(one, logical, abstract, is_leaf=is_logical)
 
@@ -131,12 +132,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 # Constraints inside the step: the step function enters this context while it is traced, so model code can
 # say constrain(x, ("batch", "seq", "embed")) without knowing the mesh.
-_ACTIVE: list[tuple[Mesh, Rules]] = []
+_ACTIVE: list[tuple[Mesh, Rules, bool]] = []
 
 
 @contextlib.contextmanager
-def use_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
-    _ACTIVE.append((mesh, rules))
+def use_rules(mesh: Mesh, rules: Rules, params_on_host: bool = False) -> Iterator[None]:
+    """`params_on_host`: the parameters live in host memory (params.offload); constrain_param fetches each
+    to the device where it is used."""
+    _ACTIVE.append((mesh, rules, params_on_host))
     try:
         yield
     finally:
@@ -147,7 +150,7 @@ def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
     """An activation, placed per the active rules (unchanged outside a step)."""
     if not _ACTIVE:
         return x
-    mesh, rules = _ACTIVE[-1]
+    mesh, rules, _ = _ACTIVE[-1]
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(logical, rules.activations, mesh)))
 
 
@@ -155,25 +158,29 @@ def constrain_param(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
     """One layer's weight inside the layer scan: placed per the parameter rules, and its gradient per the
     gradient rules. The scan slices layer i out of the stacked weights; left to itself, sharding propagation
     may all-reduce each layer's gradient whole and slice it afterwards. Pinned here, FSDP's gradients are
-    reduce-scattered layer by layer (ZeRO-2's too, its parameters being replicated)."""
+    reduce-scattered layer by layer (ZeRO-2's too, its parameters being replicated). With parameters in host
+    memory the weight is copied to the device here, and its gradient stays there."""
     if not _ACTIVE:
         return x
-    mesh, rules = _ACTIVE[-1]
+    mesh, rules, params_on_host = _ACTIVE[-1]
     return _place(x, NamedSharding(mesh, spec(logical, rules.params, mesh)),
-                  NamedSharding(mesh, spec(logical, rules.grads, mesh)))
+                  NamedSharding(mesh, spec(logical, rules.grads, mesh)), params_on_host)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _place(x, forward: NamedSharding, backward: NamedSharding):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _place(x, forward: NamedSharding, backward: NamedSharding, fetch: bool):
+    if fetch:
+        x = jax.device_put(x, jax.memory.Space.Device)
     return jax.lax.with_sharding_constraint(x, forward)
 
 
-def _place_forward(x, forward, backward):
-    return _place(x, forward, backward), None
+def _place_forward(x, forward, backward, fetch):
+    return _place(x, forward, backward, fetch), None
 
 
-def _place_backward(forward, backward, _, g):
-    return (jax.lax.with_sharding_constraint(g, backward),)
+def _place_backward(forward, backward, fetch, _, g):
+    g = jax.lax.with_sharding_constraint(g, backward)
+    return (jax.device_put(g, jax.memory.Space.Host) if fetch else g,)
 
 
 _place.defvjp(_place_forward, _place_backward)

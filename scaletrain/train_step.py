@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from scaletrain import optim
 from scaletrain.loss import cross_entropy
 from scaletrain.sharding import constrain, use_rules
 
@@ -41,16 +42,18 @@ def _microbatches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
     return jax.tree.map(split, batch)
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr: optax.Schedule,
+def make_train_step(graphdef: nnx.GraphDef, update: optim.Update, lr: optax.Schedule, grad_clip_norm: float,
                     grad_accum_steps: int, mesh, rules, grad_shardings: Any) -> Callable:
     """`rules` is a sharding.Rules; `grad_shardings` places gradients per the preset (ZeRO-2: scattered)."""
-    grad_fn = jax.value_and_grad(lambda p, b: loss_sum(graphdef, p, b), has_aux=True)
+    params_on_host = update.fetch_params is not None
+    fetch_params = update.fetch_params or (lambda p: p)
+    grad_fn = jax.value_and_grad(lambda p, b: loss_sum(graphdef, fetch_params(p), b), has_aux=True)
 
     def place(grads):
         return jax.lax.with_sharding_constraint(grads, grad_shardings)
 
     def step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
-        with use_rules(mesh, rules):
+        with use_rules(mesh, rules, params_on_host):
             if grad_accum_steps == 1:
                 (total, count), grads = grad_fn(state.params, batch)
                 grads = place(grads)
@@ -63,16 +66,15 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
                 zeros = place(jax.tree.map(jnp.zeros_like, state.params))
                 (total, count, grads), _ = jax.lax.scan(
                     accumulate, (jnp.zeros(()), jnp.zeros(()), zeros), _microbatches(batch, grad_accum_steps))
+        # `grads` are sums over tokens: the mean is folded into the scale the update applies, so no
+        # normalised copy of the gradients is ever written.
         count = jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g: g / count, grads)
-        loss, grad_norm = total / count, optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        loss, grad_norm = total / count, update.norm(grads) / count
         # A NaN/Inf loss or gradient never reaches the parameters or Adam's moments: that update is dropped
         # (the trainer then goes on or stops, per train.on_nonfinite), so every checkpoint holds a good state.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), (params, opt_state),
-                                         (state.params, state.opt_state))
+        grad_scale = optim.clip_scale(grad_norm, grad_clip_norm) / count
+        params, opt_state = update.apply(grads, grad_scale, finite, state.opt_state, state.params)
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr(state.step),
                    "update_skipped": (~finite).astype(jnp.float32)}
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=state.rng), metrics

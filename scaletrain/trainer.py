@@ -23,7 +23,7 @@ from scaletrain import config as config_lib
 from scaletrain import data as data_lib
 from scaletrain import mesh as mesh_lib
 from scaletrain import model as model_lib
-from scaletrain import optim, sharding
+from scaletrain import offload, optim, sharding
 from scaletrain.checkpoint import Checkpointer, restore_params
 from scaletrain.control import Control, Preemption
 from scaletrain.errors import ConfigError, UserError
@@ -78,6 +78,9 @@ def _check_parallelism(cfg, mesh: Mesh) -> None:
         if mesh.shape[axis] > 1:
             raise ConfigError(f"mesh.{axis}={mesh.shape[axis]}: {axis} parallelism is not implemented yet; "
                               f"use the data, fsdp and tensor axes")
+    if cfg.params.offload and cfg.train.grad_accum_steps > 1:
+        raise ConfigError("params.offload=true needs train.grad_accum_steps=1: the gradients of offloaded "
+                          "parameters land in host memory, where microbatches cannot be summed")
     micro = cfg.train.global_batch // cfg.train.grad_accum_steps
     ways = mesh.shape["data"] * mesh.shape["fsdp"]
     if micro % ways:
@@ -103,9 +106,11 @@ def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
         transform_non_params=lambda x: (None,) * x.ndim, is_leaf=sharding.is_logical)
     logical_state = TrainState(params=logical, opt_state=opt_logical, step=(), rng=(None,))
     grad_shardings = sharding.tree_shardings(abstract_params, logical, rules.grads, mesh)
+    params_home = "pinned_host" if cfg.params.offload else None
+    opt_home = "pinned_host" if cfg.optim.offload or cfg.params.offload else None
     state_shardings = TrainState(
-        params=sharding.tree_shardings(abstract_params, logical, rules.params, mesh),
-        opt_state=sharding.tree_shardings(abstract_opt, opt_logical, rules.opt_state, mesh),
+        params=sharding.tree_shardings(abstract_params, logical, rules.params, mesh, params_home),
+        opt_state=sharding.tree_shardings(abstract_opt, opt_logical, rules.opt_state, mesh, opt_home),
         step=sharding.replicated(mesh), rng=sharding.replicated(mesh))
 
     def init(key: jax.Array) -> TrainState:
@@ -116,7 +121,10 @@ def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
     abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                   jax.eval_shape(init, jax.random.PRNGKey(0)), state_shardings)
     batch_sharding = NamedSharding(mesh, sharding.spec(("batch", "seq"), rules.activations, mesh))
-    step = make_train_step(graphdef, tx, lr, cfg.train.grad_accum_steps, mesh, rules, grad_shardings)
+    update = optim.on_device(tx) if opt_home is None else offload.streamed(tx, logical, abstract_opt,
+                                                                           cfg.params.offload)
+    step = make_train_step(graphdef, update, lr, cfg.optim.grad_clip_norm, cfg.train.grad_accum_steps, mesh, rules,
+                           grad_shardings)
     return Setup(
         cfg=cfg, mesh=mesh, model_cfg=model_cfg, state_shardings=state_shardings, logical_state=logical_state,
         abstract_state=abstract_state,

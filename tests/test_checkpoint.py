@@ -43,7 +43,7 @@ def saved(tmp_path_factory, batches):
 
 
 @pytest.mark.parametrize("devices, mesh", [(8, ["mesh.data=2", "mesh.fsdp=4"]), (8, ["mesh.fsdp=4", "mesh.tensor=2"]),
-                                           (1, [])])
+                                           (1, []), (8, ["mesh.fsdp=8", "params.offload=true"])])
 def test_restore_into_another_mesh(saved, batches, devices, mesh):
     directory, arrays, losses = saved
     setup = _setup(jax.devices()[:devices], *mesh)

@@ -1,0 +1,100 @@
+"""State offload: Adam's moments (optim.offload) and the parameters (params.offload) in host memory, updated a
+layer at a time, train exactly like the on-device update, and their bytes leave the device."""
+
+import jax
+import numpy as np
+import pytest
+
+from scaletrain import config, data, trainer
+from scaletrain.planner import memory
+from tests.conftest import tiny_overrides
+
+STEPS = 3
+# Clipping that acts on every step (the tiny model's gradient norm is ~1-3), and decay on everything, so that
+# every part of the update is exercised.
+OPTIM = ["optim.grad_clip_norm=0.5", "optim.decay_norms=true", "optim.decay_embeddings=true"]
+
+
+def _setup(devices, *overrides):
+    return trainer.build(config.load(None, tiny_overrides("unused", steps=STEPS) + OPTIM + list(overrides)), devices)
+
+
+def _train(batches, *overrides):
+    setup = _setup(jax.devices(), "mesh.fsdp=4", "mesh.tensor=2", *overrides)
+    state = setup.init(jax.random.PRNGKey(0))
+    history = []
+    for batch in batches:
+        state, metrics = setup.step(state, setup.put_batch(batch))
+        history.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+    return setup, history, jax.device_get(state)
+
+
+@pytest.fixture(scope="module")
+def batches(stdlib_dataset):
+    it = data.BatchIterator(stdlib_dataset, global_batch=8)
+    return [next(it) for _ in range(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def reference(batches):
+    return _train(batches)
+
+
+@pytest.mark.parametrize("offload", ["optim.offload=true", "params.offload=true"])
+def test_streamed_update_equals_the_update_on_device(batches, reference, offload):
+    setup, history, state = _train(batches, offload)
+    _, want_history, want = reference
+    np.testing.assert_allclose(history, want_history, rtol=1e-6)
+    for got, expected in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+    kinds = {s.memory_kind for s in jax.tree.leaves(setup.state_shardings.opt_state)}
+    assert kinds == {"pinned_host"}
+    assert setup.state_shardings.params["embed"]["table"].memory_kind == (
+        "pinned_host" if offload.startswith("params") else "device")
+
+
+def test_offloaded_state_leaves_the_device():
+    """On a TPU topology, ahead of time (the CPU backend compiles memory-kind moves away): the moments' bytes
+    move from device arguments to host arguments, and the streamed update needs only a few layers' worth of
+    them on the device, not all of them. With parameters offloaded too, no state is left on the device."""
+    from jax.experimental import topologies
+
+    devices = topologies.get_topology_desc(topology_name="v5p:2x2x2", platform="tpu").devices
+    shape = ["mesh.fsdp=8", "model.num_layers=16", "model.d_model=256", "model.d_ff=1024", "remat.policy=full"]
+
+    def compiled(*overrides):
+        setup = _setup(devices, *shape, *overrides)
+        params_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(setup.abstract_state.params)) // 8
+        step = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
+        return memory.compiled(step.memory_analysis()), params_bytes
+
+    on_device, params_bytes = compiled()
+    moments = 2 * params_bytes
+    optim_host, _ = compiled("optim.offload=true")
+    params_host, _ = compiled("params.offload=true")
+    assert on_device["host_total"] == 0
+    assert optim_host["host_arguments"] >= moments
+    assert optim_host["device_arguments"] <= on_device["device_arguments"] - moments
+    # One layer's moments are moments / 16; the streamed update holds a few at a time (and tiles pad them).
+    assert optim_host["device_total"] <= on_device["device_total"] - moments / 2, (optim_host, on_device)
+    assert params_host["host_arguments"] >= moments + params_bytes
+    assert params_host["device_arguments"] < params_bytes / 100
+
+
+def test_a_nonfinite_step_changes_no_offloaded_state(batches):
+    setup = _setup(jax.devices(), "mesh.fsdp=8", "params.offload=true")
+    start = setup.init(jax.random.PRNGKey(0))
+    before = jax.device_get((start.params, start.opt_state))
+    poisoned = {k: v.copy() for k, v in batches[0].items()}
+    poisoned["loss_mask"][3, 5] = np.nan
+    state, metrics = setup.step(start, setup.put_batch(poisoned))
+    assert float(metrics["update_skipped"]) == 1.0
+    for a, b in zip(jax.tree.leaves(jax.device_get((state.params, state.opt_state))), jax.tree.leaves(before)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_parameter_offload_refuses_gradient_accumulation():
+    from scaletrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="params.offload=true needs train.grad_accum_steps=1"):
+        _setup(jax.devices(), "mesh.fsdp=8", "params.offload=true", "train.grad_accum_steps=2")
