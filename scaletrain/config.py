@@ -18,6 +18,7 @@ import ml_collections
 import yaml
 
 from scaletrain import remat, tokenizer
+from scaletrain.model.layers import NORMS
 from scaletrain.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "pipeline", "tensor")
@@ -50,6 +51,7 @@ def defaults() -> ml_collections.ConfigDict:
                 "param_dtype": "float32",
                 "dtype": "bfloat16",
                 "attention_block": 0,
+                "norm": "standard",
             },
             "data": {
                 "source": "stdlib",
@@ -105,6 +107,7 @@ CHOICES = {
     "model.rope_scaling": ("none", "llama3"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.dtype": ("float32", "bfloat16"),
+    "model.norm": NORMS,
     "remat.policy": remat.POLICIES,
     **{f"remat.custom.{name}": remat.MODES for name in remat.NAMES},
     "data.source": ("stdlib", "synthetic", "files"),

@@ -154,6 +154,22 @@ def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(logical, rules.activations, mesh)))
 
 
+def local(fn, in_logical: tuple[tuple[str | None, ...], ...], out_logical: tuple[str | None, ...]):
+    """`fn` run per device on its shards (jax.shard_map) with the active activation rules, for code the SPMD
+    partitioner cannot split (Pallas kernels); XLA gathers the inputs into these layouts first. `fn` itself
+    outside a step."""
+    if not _ACTIVE:
+        return fn
+    mesh, rules, _ = _ACTIVE[-1]
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(n, rules.activations, mesh) for n in in_logical),
+                         out_specs=spec(out_logical, rules.activations, mesh), check_vma=False)
+
+
+def active_device() -> jax.Device:
+    """A device of the active mesh (a TPU topology's, in an ahead-of-time compile), else the first local one."""
+    return _ACTIVE[-1][0].devices.flat[0] if _ACTIVE else jax.devices()[0]
+
+
 def constrain_param(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
     """One layer's weight inside the layer scan: placed per the parameter rules, and its gradient per the
     gradient rules. The scan slices layer i out of the stacked weights; left to itself, sharding propagation

@@ -60,29 +60,31 @@ class Attention(nnx.Module):
         self.wv = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std)
         self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pd, cfg.out_std)
 
-    def _project_qkv(self, x_btd: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Q, K and V. Fused, they are one matmul against [embed, kv_heads, q_per_kv + 2, head_dim] (kv-head
+    def _project_qkv(self, x_btd: jax.Array, norm) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Q, K and V of norm(x) (`norm` an RMSNorm, applied by its `project`). Fused, they are one matmul against [embed, kv_heads, q_per_kv + 2, head_dim] (kv-head
         major, so a tensor-parallel shard of kv heads holds whole groups): the backward pass then sums the three
         input gradients before they leave the device - one reduce-scatter instead of three under tensor
         parallelism. Separate projections serve kv heads replicated over `tensor` (fewer than its ways)."""
         n, k = self.cfg.num_heads, self.cfg.num_kv_heads
         if not self.cfg.fuse_qkv:
-            return (checkpoint_name(project(x_btd, self.wq[...]), "query_proj"),
-                    checkpoint_name(project(x_btd, self.wk[...]), "key_proj"),
-                    checkpoint_name(project(x_btd, self.wv[...]), "value_proj"))
+            return (checkpoint_name(norm.project(x_btd, self.wq[...], ("embed", "heads", "head_dim")), "query_proj"),
+                    checkpoint_name(norm.project(x_btd, self.wk[...], ("embed", "kv_heads", "head_dim")), "key_proj"),
+                    checkpoint_name(norm.project(x_btd, self.wv[...], ("embed", "kv_heads", "head_dim")),
+                                    "value_proj"))
         d, _, h = self.wq.shape
         w_dkch = jnp.concatenate([self.wq[...].reshape(d, k, n // k, h), self.wk[...][:, :, None],
                                   self.wv[...][:, :, None]], axis=2)
-        qkv_btkch = project(x_btd, w_dkch)
+        qkv_btkch = norm.project(x_btd, w_dkch, ("embed", "kv_heads", None, "head_dim"))
         b, t = x_btd.shape[:2]
         return (checkpoint_name(qkv_btkch[:, :, :, : n // k].reshape(b, t, n, h), "query_proj"),
                 checkpoint_name(qkv_btkch[:, :, :, n // k], "key_proj"),
                 checkpoint_name(qkv_btkch[:, :, :, n // k + 1], "value_proj"))
 
-    def __call__(self, x_btd: jax.Array, sin_bth: jax.Array, cos_bth: jax.Array,
+    def __call__(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array,
                  segment_ids_bt: jax.Array) -> jax.Array:
+        """Attention over norm(x): the input norm is applied with the Q/K/V projection (model.norm)."""
         cfg, dt = self.cfg, x_btd.dtype
-        q_btnh, k_btkh, v_btkh = self._project_qkv(x_btd)
+        q_btnh, k_btkh, v_btkh = self._project_qkv(x_btd, norm)
         q_btnh = constrain(rope.apply(q_btnh, sin_bth, cos_bth), ("batch", "seq", "heads", "head_dim"))
         k_btkh = constrain(rope.apply(k_btkh, sin_bth, cos_bth), ("batch", "seq", "kv_heads", "head_dim"))
         v_btkh = constrain(v_btkh, ("batch", "seq", "kv_heads", "head_dim"))

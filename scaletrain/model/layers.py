@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from scaletrain.sharding import constrain
+from scaletrain.kernels import norm_matmul
+from scaletrain.sharding import active_device, constrain, local
 
 # Flax would otherwise try to shard each variable as it is created, which needs a mesh; we resolve
 # logical names to mesh axes ourselves (sharding.py), from shapes, before anything is materialised.
@@ -37,17 +38,50 @@ def project(x: jax.Array, w: jax.Array, in_dims: int = 1, out_dtype=None) -> jax
     return y.reshape(*lead, *out)
 
 
-class RMSNorm(nnx.Module):
-    """y = x / rms(x) * g, computed in float32 whatever the compute dtype."""
+NORMS = ("standard", "deferred", "fused")
 
-    def __init__(self, dim: int, eps: float, param_dtype):
-        self.eps = eps
+
+class RMSNorm(nnx.Module):
+    """y = x / rms(x) * g, computed in float32 whatever the compute dtype. `project` computes RMSNorm(x) @ W
+    in one of three equal ways (model.norm, docs/flashnorm.md): `standard` normalises then multiplies;
+    `deferred` multiplies x * g and scales each row by 1/rms(x) afterwards, in XLA; `fused` does that inside
+    one Pallas kernel (kernels/norm_matmul.py)."""
+
+    def __init__(self, dim: int, eps: float, param_dtype, mode: str = "standard"):
+        assert mode in NORMS, mode
+        self.eps, self.mode = eps, mode
         self.scale = ones((dim,), ("embed",), param_dtype)
 
-    def __call__(self, x_btd: jax.Array) -> jax.Array:
+    def _inv_rms(self, x_btd: jax.Array) -> jax.Array:
         x = x_btd.astype(jnp.float32)
-        inv_rms = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * inv_rms * self.scale[...].astype(jnp.float32)).astype(x_btd.dtype)
+        return jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        normed = x_btd.astype(jnp.float32) * self._inv_rms(x_btd) * self.scale[...].astype(jnp.float32)
+        return normed.astype(x_btd.dtype)
+
+    def project(self, x_btd: jax.Array, w: jax.Array, w_logical: tuple[str | None, ...],
+                out_dtype=None) -> jax.Array:
+        """RMSNorm(x) @ w for w [embed, ...] (logical axes `w_logical`), in out_dtype (x's by default)."""
+        out_dtype = out_dtype or x_btd.dtype
+        if self.mode == "standard":
+            return project(self(x_btd), w, out_dtype=out_dtype)
+        g = self.scale[...]
+        if self.mode == "deferred":
+            xg = (x_btd.astype(jnp.float32) * g.astype(jnp.float32)).astype(x_btd.dtype)
+            y = project(xg, w, out_dtype=jnp.float32)
+            inv_rms = self._inv_rms(x_btd).reshape(*x_btd.shape[:-1], *(1,) * (w.ndim - 1))
+            return (y * inv_rms).astype(out_dtype)
+
+        eps, blocks = self.eps, norm_matmul.blocks_for(active_device())
+
+        def fused(x_btd, g, w):
+            b, t, d = x_btd.shape
+            z = norm_matmul.norm_matmul(x_btd.reshape(b * t, d), g, w.reshape(d, -1), eps, out_dtype, blocks)
+            return z.reshape(b, t, *w.shape[1:])
+
+        x_logical = ("batch", "seq", "embed")
+        return local(fused, (x_logical, ("embed",), w_logical), x_logical[:2] + w_logical[1:])(x_btd, g, w)
 
 
 class Embed(nnx.Module):

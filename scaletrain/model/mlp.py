@@ -18,12 +18,13 @@ class MLP(nnx.Module):
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), pd, cfg.init_std)
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), pd, cfg.out_std)
 
-    def __call__(self, x_btd: jax.Array) -> jax.Array:
+    def __call__(self, x_btd: jax.Array, norm) -> jax.Array:
+        """The MLP of norm(x): the norm is applied with the gate/up projection (model.norm)."""
         # Gate and up as one matmul against [embed, mlp, 2] (mlp-major, so a tensor-parallel shard holds both
         # halves of its columns): the backward pass sums the two input gradients before they leave the device -
         # one reduce-scatter instead of two under tensor parallelism.
         w_df2 = jnp.stack([self.w_gate[...], self.w_up[...]], axis=-1)
-        gate_up_btf2 = project(x_btd, w_df2)
+        gate_up_btf2 = norm.project(x_btd, w_df2, ("embed", "mlp", None))
         gate_btf = checkpoint_name(gate_up_btf2[..., 0], "mlp_gate")
         up_btf = checkpoint_name(gate_up_btf2[..., 1], "mlp_up")
         h_btf = constrain(jax.nn.silu(gate_btf) * up_btf, ("batch", "seq", "mlp"))

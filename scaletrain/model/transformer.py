@@ -14,7 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 from scaletrain import remat
 from scaletrain.model import rope
 from scaletrain.model.attention import Attention
-from scaletrain.model.layers import Embed, RMSNorm, param, project
+from scaletrain.model.layers import Embed, RMSNorm, param
 from scaletrain.model.mlp import MLP
 from scaletrain.sharding import constrain, constrain_param
 
@@ -43,6 +43,7 @@ class ModelConfig:
     remat_custom: tuple[tuple[str, str], ...] = ()  # (checkpoint name, remat|device|offload) for "custom"
     attention_block: int = 0
     fuse_qkv: bool = True  # False where kv heads are replicated over `tensor` (set by the trainer)
+    norm: str = "standard"  # how RMSNorm meets the following matmul: layers.NORMS
 
     @classmethod
     def from_config(cls, model_cfg, **derived) -> "ModelConfig":
@@ -67,14 +68,14 @@ class ModelConfig:
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm)
         self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm)
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x_btd, sin_bth, cos_bth, segment_ids_bt):
-        x_btd = x_btd + self.attn(self.attn_norm(x_btd), sin_bth, cos_bth, segment_ids_bt)
-        return x_btd + self.mlp(self.mlp_norm(x_btd))
+        x_btd = x_btd + self.attn(x_btd, self.attn_norm, sin_bth, cos_bth, segment_ids_bt)
+        return x_btd + self.mlp(x_btd, self.mlp_norm)
 
 
 class Llama(nnx.Module):
@@ -88,7 +89,7 @@ class Llama(nnx.Module):
             return Block(cfg, rngs)
 
         self.layers = make_layers(rngs)
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype,
                                  cfg.init_std)
@@ -107,14 +108,13 @@ class Llama(nnx.Module):
             return nnx.merge(graphdef, layer_params)(x_btd, sin_bth, cos_bth, segment_ids_bt), None
 
         x_btd, _ = jax.lax.scan(remat.apply(layer, cfg.remat, cfg.remat_custom), x_btd, stacked)
-        x_btd = constrain(self.final_norm(x_btd), ("batch", "residual_seq", "embed"))
         # Gathered along the sequence for the vocab-parallel output projection, so that the backward pass
         # reduce-scatters its input gradient rather than all-reducing it.
         x_btd = constrain(x_btd, ("batch", "seq", "embed"))
         if cfg.tie_embeddings:
-            logits = self.embed.attend(x_btd)
+            logits = self.embed.attend(self.final_norm(x_btd))
         else:
-            logits = project(x_btd, self.lm_head[...], out_dtype=jnp.float32)
+            logits = self.final_norm.project(x_btd, self.lm_head[...], ("embed", "vocab"), out_dtype=jnp.float32)
         return constrain(logits, ("batch", "seq", "vocab"))
 
 

@@ -1,0 +1,1 @@
+"""Pallas kernels; each has a jnp twin it is tested against."""
