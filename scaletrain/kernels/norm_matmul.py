@@ -63,16 +63,17 @@ GENERATIONS = {
 }
 
 
+# device_kind as libtpu spells it -> generation.
+_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
+          "TPU v6 lite": "v6e", "TPU v6e": "v6e"}
+
+
 def blocks_for(device: jax.Device | None = None) -> Blocks:
-    """The block sizes for a device (the first local one by default); interpret mode uses small ones."""
+    """The block sizes for a device (the first local one by default); off TPU, small ones for interpret mode."""
     device = device or jax.devices()[0]
     if device.platform != "tpu":
         return Blocks(m=16, n=128, k=128, compiled=False)
-    kind = device.device_kind.lower().replace(" ", "")
-    for name in ("v6e", "v5e", "v5p", "v4"):
-        if name in kind or (name == "v5e" and "v5lite" in kind):
-            return GENERATIONS[name]
-    return Blocks()
+    return GENERATIONS.get(_KINDS.get(device.device_kind, ""), Blocks())
 
 
 def _fit(size: int, block: int, align: int) -> int:

@@ -1,0 +1,145 @@
+"""FlashNorm: the fused RMSNorm + matmul kernels against their jnp twin (interpret mode), free of races on a
+simulated megacore, compiled by Mosaic for TPU generations ahead of time, and the model trains alike in every
+model.norm mode on a sharded mesh."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from scaletrain import config, data, trainer
+from scaletrain.kernels import norm_matmul as nm
+from tests.conftest import tiny_overrides
+
+EPS = 1e-5
+# Small blocks, so that every grid axis has several steps; no dimension below is a block multiple.
+BLOCKS = nm.Blocks(m=16, n=128, k=128, compiled=False)
+
+
+def _operands(m, k, n, dtype, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    x = jax.random.normal(ks[0], (m, k), jnp.float32).astype(dtype)
+    g = (1 + 0.2 * jax.random.normal(ks[1], (k,))).astype(dtype)
+    w = (0.05 * jax.random.normal(ks[2], (k, n))).astype(dtype)
+    dz = jax.random.normal(ks[3], (m, n), jnp.float32).astype(dtype)
+    return x, g, w, dz
+
+
+def _relative(got, want):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def _value_and_grads(fn, x, g, w, dz):
+    z, vjp = jax.vjp(fn, x, g, w)
+    return (z, *vjp(dz))
+
+
+@pytest.mark.parametrize("dtype, tol, shape", [(jnp.float32, 1e-5, (40, 200, 300)), (jnp.float32, 1e-5, (8, 384, 256)),
+                                               (jnp.bfloat16, 1e-2, (40, 200, 300))])
+def test_kernels_equal_the_reference(dtype, tol, shape):
+    """Forward, dx, dg and dW, each against jax.vjp of the jnp reference (norm, then matmul)."""
+    x, g, w, dz = _operands(*shape, dtype)
+    fused = _value_and_grads(lambda x, g, w: nm.norm_matmul(x, g, w, EPS, blocks=BLOCKS), x, g, w, dz)
+    reference = _value_and_grads(lambda x, g, w: nm.reference(x, g, w, EPS), x, g, w, dz)
+    for name, got, want in zip(("z", "dx", "dg", "dW"), fused, reference):
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert _relative(got, want) <= tol, (name, _relative(got, want))
+
+
+def test_float32_logits_from_bfloat16_inputs():
+    x, g, w, _ = _operands(24, 256, 384, jnp.bfloat16)
+    got = nm.norm_matmul(x, g, w, EPS, out_dtype=jnp.float32, blocks=BLOCKS)
+    assert got.dtype == jnp.float32
+    assert _relative(got, nm.reference(x, g, w, EPS, out_dtype=jnp.float32)) <= 1e-2
+
+
+def _races_found() -> bool:
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+
+    return bool(interpret_pallas_call.races is not None and interpret_pallas_call.races.races_found)
+
+
+MEGACORE = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, uninitialized_memory="nan")
+
+
+def test_no_race_and_no_nan_on_a_simulated_megacore():
+    """TPU interpret mode with two cores splitting the "parallel" grid axes, uninitialised memory as NaN."""
+    x, g, w, dz = _operands(40, 300, 260, jnp.float32)
+    with nm.interpret_mode(MEGACORE):
+        fused = _value_and_grads(lambda x, g, w: nm.norm_matmul(x, g, w, EPS, blocks=BLOCKS), x, g, w, dz)
+        fused = [np.asarray(a) for a in fused]
+    assert not _races_found()
+    reference = _value_and_grads(lambda x, g, w: nm.reference(x, g, w, EPS), x, g, w, dz)
+    for got, want in zip(fused, reference):
+        assert np.isfinite(got).all()
+        assert _relative(got, want) <= 1e-5
+
+
+def test_a_state_carrying_axis_marked_parallel_is_caught():
+    """The check above can fail: with the K axis (which carries the accumulators) marked "parallel", the
+    second core starts from uninitialised scratch."""
+    x, g, w, _ = _operands(32, 256, 256, jnp.float32)
+    with nm.interpret_mode(MEGACORE):
+        bad = np.asarray(nm._forward(x, g, w, EPS, BLOCKS, jnp.float32, semantics=("parallel",) * 3))
+    assert np.isnan(bad).any() or _races_found()
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"])
+def test_mosaic_compiles_the_kernels_for_tpu_at_llama3_8b_shapes(topology):
+    """Forward and backward at one device's share of Llama-3-8B (8192 tokens, d_model 4096): the Q/K/V
+    projection (N = (32 + 2 x 8) x 128) and gate/up (N = 2 x 14336), with the generation's block sizes."""
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    device = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[0]
+    blocks = nm.blocks_for(device)
+    assert blocks.compiled and blocks == nm.GENERATIONS[topology.split(":")[0]]
+    sharding = NamedSharding(jax.sharding.Mesh(np.array([device]), ("d",)), PartitionSpec())
+    m, k = 8192, 4096
+    for n in (6144, 2 * 14336):
+        assert nm.vmem_bytes(m, n, k, blocks) <= blocks.vmem_limit_bytes
+        shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in ((m, k), (k,), (k, n), (m, n))]
+
+        def step(x, g, w, dz):
+            return _value_and_grads(lambda x, g, w: nm.norm_matmul(x, g, w, EPS, blocks=blocks), x, g, w, dz)
+
+        text = jax.jit(step).lower(*shapes).compile().as_text()
+        assert text.count("tpu_custom_call") >= 3  # forward, dx/dg, dW: Mosaic kernels, not interpreted
+
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def batches(stdlib_dataset):
+    it = data.BatchIterator(stdlib_dataset, global_batch=8)
+    return [next(it) for _ in range(STEPS)]
+
+
+def _train(batches, norm):
+    cfg = config.load(None, tiny_overrides("unused", steps=STEPS) + ["mesh.fsdp=4", "mesh.tensor=2",
+                                                                     f"model.norm={norm}"])
+    setup = trainer.build(cfg, jax.devices())
+    state = setup.init(jax.random.PRNGKey(0))
+    losses = []
+    for batch in batches:
+        state, metrics = setup.step(state, setup.put_batch(batch))
+        losses.append(float(metrics["loss"]))
+    return losses, jax.device_get(state.params)
+
+
+@pytest.fixture(scope="module")
+def standard(batches):
+    return _train(batches, "standard")
+
+
+@pytest.mark.parametrize("norm", ["deferred", "fused"])
+def test_the_model_trains_alike_in_every_norm_mode(batches, standard, norm):
+    """fsdp=4 x tensor=2, fp32: the fused kernels run per device under shard_map; gradients of the gains
+    (replicated inside it) are summed over the devices by shard_map's transpose."""
+    losses, params = _train(batches, norm)
+    np.testing.assert_allclose(losses, standard[0], rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(standard[1])):
+        assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
