@@ -41,6 +41,18 @@ def parser() -> argparse.ArgumentParser:
     inspect.add_argument("run_dir", help="a run directory, its checkpoints/ folder or one step's folder")
     inspect.add_argument("--step", type=int, default=None, help="which checkpoint (default: the newest)")
     inspect.add_argument("--json", action="store_true", help="print the metadata as JSON")
+    convert = sub.add_parser("convert", help="rewrite a run's checkpoint")
+    convert_sub = convert.add_subparsers(dest="convert_command", required=True, parser_class=_Parser)
+    fold = convert_sub.add_parser("fold-norms", help="fold the RMSNorm gains into the following weights")
+    fold.add_argument("--run-dir", required=True)
+    fold.add_argument("--out", required=True, help="the new run directory")
+    logits = sub.add_parser("logits", help="float32 logits of a checkpoint for token ids")
+    logits.add_argument("--run-dir", required=True)
+    logits.add_argument("--step", type=int, default=None, help="which checkpoint (default: the newest)")
+    logits.add_argument("--tokens", required=True, help="int token ids [batch, seq], .npy")
+    logits.add_argument("--out", required=True, help="where to write the logits [batch, seq, vocab], .npy")
+    logits.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override the run's config, e.g. --set model.norm=fused")
     return p
 
 
@@ -68,6 +80,24 @@ def ckpt(args: argparse.Namespace) -> int:
     return 0
 
 
+def convert(args: argparse.Namespace) -> int:
+    from scaletrain import runtime
+
+    runtime.configure(None)
+    from scaletrain import inference
+
+    return inference.fold_norms(args.run_dir, args.out)
+
+
+def logits(args: argparse.Namespace) -> int:
+    from scaletrain import runtime
+
+    runtime.configure(None)
+    from scaletrain import inference
+
+    return inference.logits(args.run_dir, args.step, args.tokens, args.out, args.set)
+
+
 def train(args: argparse.Namespace) -> int:
     from scaletrain import config, runtime
 
@@ -84,7 +114,7 @@ def train(args: argparse.Namespace) -> int:
     return trainer.run(cfg)
 
 
-COMMANDS = {"train": train, "ckpt": ckpt}
+COMMANDS = {"train": train, "ckpt": ckpt, "convert": convert, "logits": logits}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -142,21 +142,24 @@ def _metadata(manager: ocp.CheckpointManager, directory: Path, step: int | None)
     return step, dict(meta)
 
 
-def restore_params(path: str | Path, abstract_params: Any) -> tuple[int, Any]:
-    """(step, parameters) of another run's checkpoint (`checkpoint.init_from`), placed with the current run's
-    shardings; its optimizer state and data position are not read. Shapes are checked against the saved
-    metadata first, so a mismatched model is one clear error rather than an Orbax traceback."""
-    directory, step = locate(path)
+def restore_params(path: str | Path, abstract_params: Any, what: str = "checkpoint.init_from",
+                   step: int | None = None) -> tuple[int, Any]:
+    """(step, parameters) of a checkpoint (the newest, or `step`), placed with the shardings of
+    `abstract_params`; its optimizer state and data position are not read. Shapes are checked against the saved
+    metadata first, so a mismatched model is one clear error (starting with `what`) rather than an Orbax
+    traceback."""
+    directory, found = locate(path)
+    step = found if step is None else step
     manager = _read_only(directory)
     step, meta = _metadata(manager, directory, step)
     wanted = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
     saved = {p.removeprefix(".params"): a for p, a in meta["arrays"].items() if p.startswith(".params")}
     for name, x in wanted.items():
         if name not in saved:
-            raise CheckpointError(f"checkpoint.init_from: {directory / str(step)} has no parameter {name}; "
+            raise CheckpointError(f"{what}: {directory / str(step)} has no parameter {name}; "
                                   f"it was saved by another model (it has {len(saved)} parameter arrays)")
         if tuple(saved[name]["shape"]) != x.shape:
-            raise CheckpointError(f"checkpoint.init_from: parameter {name} is {tuple(saved[name]['shape'])} in "
+            raise CheckpointError(f"{what}: parameter {name} is {tuple(saved[name]['shape'])} in "
                                   f"{directory / str(step)} but {x.shape} in this model; the model configs differ")
     restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype), abstract_params)
     try:
@@ -164,6 +167,6 @@ def restore_params(path: str | Path, abstract_params: Any) -> tuple[int, Any]:
             item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True)))
     except Exception as e:  # noqa: BLE001 - reported as one line
         _silence_abandoned_reads()
-        raise CheckpointError(f"checkpoint.init_from: cannot read the parameters at {directory / str(step)} "
+        raise CheckpointError(f"{what}: cannot read the parameters at {directory / str(step)} "
                               f"({_first_line(e)})") from None
     return step, restored.state["params"]

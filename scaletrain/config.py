@@ -18,7 +18,7 @@ import ml_collections
 import yaml
 
 from scaletrain import remat, tokenizer
-from scaletrain.model.layers import NORMS
+from scaletrain.model.layers import NORM_WEIGHTS, NORMS
 from scaletrain.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "pipeline", "tensor")
@@ -52,6 +52,7 @@ def defaults() -> ml_collections.ConfigDict:
                 "dtype": "bfloat16",
                 "attention_block": 0,
                 "norm": "standard",
+                "norm_weights": "standard",
             },
             "data": {
                 "source": "stdlib",
@@ -108,6 +109,7 @@ CHOICES = {
     "model.param_dtype": ("float32", "bfloat16"),
     "model.dtype": ("float32", "bfloat16"),
     "model.norm": NORMS,
+    "model.norm_weights": NORM_WEIGHTS,
     "remat.policy": remat.POLICIES,
     **{f"remat.custom.{name}": remat.MODES for name in remat.NAMES},
     "data.source": ("stdlib", "synthetic", "files"),

@@ -39,6 +39,9 @@ def project(x: jax.Array, w: jax.Array, in_dims: int = 1, out_dtype=None) -> jax
 
 
 NORMS = ("standard", "deferred", "fused")
+# model.norm_weights: `standard` trains the gains g; `folded` runs a checkpoint whose gains were folded into
+# the following weights (`convert fold-norms`); `weightless` trains such weights from scratch (an ablation).
+NORM_WEIGHTS = ("standard", "folded", "weightless")
 
 
 class RMSNorm(nnx.Module):
@@ -47,17 +50,21 @@ class RMSNorm(nnx.Module):
     `deferred` multiplies x * g and scales each row by 1/rms(x) afterwards, in XLA; `fused` does that inside
     one Pallas kernel (kernels/norm_matmul.py)."""
 
-    def __init__(self, dim: int, eps: float, param_dtype, mode: str = "standard"):
+    def __init__(self, dim: int, eps: float, param_dtype, mode: str = "standard", weightless: bool = False):
         assert mode in NORMS, mode
-        self.eps, self.mode = eps, mode
-        self.scale = ones((dim,), ("embed",), param_dtype)
+        self.eps, self.mode, self.dim = eps, mode, dim
+        # Weightless: the gain lives in the following weights (folded), so the norm has none.
+        self.scale = None if weightless else ones((dim,), ("embed",), param_dtype)
+
+    def _gain(self) -> jax.Array:
+        return jnp.ones((self.dim,), jnp.float32) if self.scale is None else self.scale[...]
 
     def _inv_rms(self, x_btd: jax.Array) -> jax.Array:
         x = x_btd.astype(jnp.float32)
         return jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
-        normed = x_btd.astype(jnp.float32) * self._inv_rms(x_btd) * self.scale[...].astype(jnp.float32)
+        normed = x_btd.astype(jnp.float32) * self._inv_rms(x_btd) * self._gain().astype(jnp.float32)
         return normed.astype(x_btd.dtype)
 
     def project(self, x_btd: jax.Array, w: jax.Array, w_logical: tuple[str | None, ...],
@@ -66,7 +73,7 @@ class RMSNorm(nnx.Module):
         out_dtype = out_dtype or x_btd.dtype
         if self.mode == "standard":
             return project(self(x_btd), w, out_dtype=out_dtype)
-        g = self.scale[...]
+        g = self._gain()
         if self.mode == "deferred":
             xg = (x_btd.astype(jnp.float32) * g.astype(jnp.float32)).astype(x_btd.dtype)
             y = project(xg, w, out_dtype=jnp.float32)

@@ -44,6 +44,7 @@ class ModelConfig:
     attention_block: int = 0
     fuse_qkv: bool = True  # False where kv heads are replicated over `tensor` (set by the trainer)
     norm: str = "standard"  # how RMSNorm meets the following matmul: layers.NORMS
+    norm_weights: str = "standard"  # layers.NORM_WEIGHTS
 
     @classmethod
     def from_config(cls, model_cfg, **derived) -> "ModelConfig":
@@ -68,9 +69,10 @@ class ModelConfig:
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm)
+        weightless = cfg.norm_weights != "standard"
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm, weightless)
         self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm, weightless)
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x_btd, sin_bth, cos_bth, segment_ids_bt):
@@ -89,7 +91,9 @@ class Llama(nnx.Module):
             return Block(cfg, rngs)
 
         self.layers = make_layers(rngs)
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm)
+        # With tied embeddings the final norm's gain cannot be folded: the table also embeds the input.
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm,
+                                  cfg.norm_weights != "standard" and not cfg.tie_embeddings)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype,
                                  cfg.init_std)
