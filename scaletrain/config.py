@@ -53,6 +53,9 @@ def defaults() -> ml_collections.ConfigDict:
                 "attention_block": 0,
                 "norm": "standard",
                 "norm_weights": "standard",
+                "qk_norm": False,
+                "qk_norm_eps": 1e-6,
+                "norm_cancellation": False,
             },
             "data": {
                 "source": "stdlib",
@@ -125,7 +128,7 @@ _POSITIVE = (
 )
 _NON_NEGATIVE = ("seed", "checkpoint.every_minutes", "model.attention_block", "optim.learning_rate",
                  "optim.warmup_steps", "optim.weight_decay", "optim.eps",
-                 "optim.grad_clip_norm", "model.norm_eps", "model.init_std")
+                 "optim.grad_clip_norm", "model.norm_eps", "model.init_std", "model.qk_norm_eps")
 _UNIT_INTERVAL = ("optim.min_lr_ratio", "optim.b1", "optim.b2")
 
 
@@ -278,6 +281,12 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     if m.attention_block and cfg.data.seq_len % m.attention_block:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} must be divisible by "
                           f"model.attention_block={m.attention_block} (or set it to 0: no blocking)")
+    if m.norm_cancellation and not m.qk_norm:
+        raise ConfigError("model.norm_cancellation=true needs model.qk_norm=true: the input norm's 1/rms can be "
+                          "dropped for Q and K only where their own per-head norms renormalise them")
+    if m.norm_cancellation and m.qk_norm_eps != 0:
+        raise ConfigError(f"model.norm_cancellation=true is exact only with model.qk_norm_eps=0 (got "
+                          f"{m.qk_norm_eps}): RMSNorm(c q) = RMSNorm(q) needs eps = 0")
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
     if m.vocab_size < _min_vocab(cfg):

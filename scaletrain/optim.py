@@ -28,12 +28,12 @@ def schedule(optim_cfg, steps: int) -> optax.Schedule:
 
 
 def decay_mask(optim_cfg, logical: Any) -> Any:
-    """True where weight decay applies, told by logical axes: norms hold only `embed` (per layer),
-    embeddings and the output projection hold `vocab`."""
+    """True where weight decay applies, told by logical axes: norm gains hold only `embed` (or `head_dim`, per
+    head QK norms), per layer; embeddings and the output projection hold `vocab`."""
 
     def decays(names: tuple[str | None, ...]) -> bool:
         dims = tuple(n for n in names if n != "layers")
-        if dims == ("embed",):
+        if dims in (("embed",), ("head_dim",)):  # RMSNorm gains, QK norms' included
             return optim_cfg.decay_norms
         if "vocab" in dims:
             return optim_cfg.decay_embeddings

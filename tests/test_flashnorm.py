@@ -203,3 +203,35 @@ def test_fold_norms_and_logits_commands(tmp_path):
     assert done.returncode == 2 and done.stderr.startswith("error: --tokens") and "Traceback" not in done.stderr
     done = run_cli(["convert", "fold-norms", "--run-dir", str(folded), "--out", str(tmp_path / "again")], module=True)
     assert done.returncode == 2 and "already has model.norm_weights=folded" in done.stderr
+
+
+def test_norm_cancellation_with_qk_norms_keeps_the_function():
+    """Q and K skip the input norm's 1/rms (their per-head norms of eps 0 undo it), V keeps it."""
+    from flax import nnx
+
+    from scaletrain import model as model_lib
+
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 32), 0, 384)
+    positions = jnp.broadcast_to(jnp.arange(32), tokens.shape)
+    cfg = config.load(None, tiny_overrides("unused") + ["model.qk_norm=true", "model.qk_norm_eps=0"])
+    params = model_lib.init_params(model_lib.ModelConfig.from_config(cfg.model), jax.random.PRNGKey(0))
+    assert params["layers"]["attn"]["q_norm"]["scale"].shape == (2, 16)
+
+    def logits(**fields):
+        model_cfg = model_lib.ModelConfig.from_config(cfg.model, **fields)
+        return np.asarray(nnx.merge(model_lib.abstract(model_cfg)[0], params)(tokens, positions, jnp.ones_like(tokens)))
+
+    want = logits()
+    for norm in ("standard", "fused"):
+        np.testing.assert_allclose(logits(norm_cancellation=True, norm=norm), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.norm_cancellation=true"], "needs model.qk_norm=true"),
+    (["model.norm_cancellation=true", "model.qk_norm=true"], "exact only with model.qk_norm_eps=0"),
+])
+def test_norm_cancellation_refuses_models_that_do_not_qualify(overrides, message):
+    from scaletrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        config.load(None, overrides)

@@ -8,7 +8,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain.model import rope
-from scaletrain.model.layers import param, project
+from scaletrain.model.layers import RMSNorm, param, project
 from scaletrain.sharding import constrain
 
 
@@ -59,6 +59,9 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std)
         self.wv = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std)
         self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pd, cfg.out_std)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")
+            self.k_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")
 
     def _project_qkv(self, x_btd: jax.Array, norm) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Q, K and V of norm(x) (`norm` an RMSNorm, applied by its `project`). Fused, they are one matmul against [embed, kv_heads, q_per_kv + 2, head_dim] (kv-head
@@ -66,6 +69,8 @@ class Attention(nnx.Module):
         input gradients before they leave the device - one reduce-scatter instead of three under tensor
         parallelism. Separate projections serve kv heads replicated over `tensor` (fewer than its ways)."""
         n, k = self.cfg.num_heads, self.cfg.num_kv_heads
+        if self.cfg.norm_cancellation:
+            return self._project_qkv_cancelled(x_btd, norm)
         if not self.cfg.fuse_qkv:
             return (checkpoint_name(norm.project(x_btd, self.wq[...], ("embed", "heads", "head_dim")), "query_proj"),
                     checkpoint_name(norm.project(x_btd, self.wk[...], ("embed", "kv_heads", "head_dim")), "key_proj"),
@@ -80,11 +85,22 @@ class Attention(nnx.Module):
                 checkpoint_name(qkv_btkch[:, :, :, n // k], "key_proj"),
                 checkpoint_name(qkv_btkch[:, :, :, n // k + 1], "value_proj"))
 
+    def _project_qkv_cancelled(self, x_btd: jax.Array, norm) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Norm cancellation (FlashNorm Proposition 3): Q and K are renormalised per head, and RMSNorm(c q) =
+        RMSNorm(q) with eps = 0, so the input norm's row scale 1/rms(x) is dropped for them - computed once,
+        for V only. (config.validate admits this only with qk norms of eps 0.)"""
+        q = norm.project_unscaled(x_btd, self.wq[...]).astype(x_btd.dtype)
+        k = norm.project_unscaled(x_btd, self.wk[...]).astype(x_btd.dtype)
+        v = (norm.project_unscaled(x_btd, self.wv[...]) * norm.row_scale(x_btd, 2)).astype(x_btd.dtype)
+        return checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
+
     def __call__(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array,
                  segment_ids_bt: jax.Array) -> jax.Array:
         """Attention over norm(x): the input norm is applied with the Q/K/V projection (model.norm)."""
         cfg, dt = self.cfg, x_btd.dtype
         q_btnh, k_btkh, v_btkh = self._project_qkv(x_btd, norm)
+        if cfg.qk_norm:
+            q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
         q_btnh = constrain(rope.apply(q_btnh, sin_bth, cos_bth), ("batch", "seq", "heads", "head_dim"))
         k_btkh = constrain(rope.apply(k_btkh, sin_bth, cos_bth), ("batch", "seq", "kv_heads", "head_dim"))
         v_btkh = constrain(v_btkh, ("batch", "seq", "kv_heads", "head_dim"))

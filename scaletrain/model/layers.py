@@ -50,11 +50,12 @@ class RMSNorm(nnx.Module):
     `deferred` multiplies x * g and scales each row by 1/rms(x) afterwards, in XLA; `fused` does that inside
     one Pallas kernel (kernels/norm_matmul.py)."""
 
-    def __init__(self, dim: int, eps: float, param_dtype, mode: str = "standard", weightless: bool = False):
+    def __init__(self, dim: int, eps: float, param_dtype, mode: str = "standard", weightless: bool = False,
+                 axis: str = "embed"):
         assert mode in NORMS, mode
         self.eps, self.mode, self.dim = eps, mode, dim
         # Weightless: the gain lives in the following weights (folded), so the norm has none.
-        self.scale = None if weightless else ones((dim,), ("embed",), param_dtype)
+        self.scale = None if weightless else ones((dim,), (axis,), param_dtype)
 
     def _gain(self) -> jax.Array:
         return jnp.ones((self.dim,), jnp.float32) if self.scale is None else self.scale[...]
@@ -62,6 +63,15 @@ class RMSNorm(nnx.Module):
     def _inv_rms(self, x_btd: jax.Array) -> jax.Array:
         x = x_btd.astype(jnp.float32)
         return jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+
+    def project_unscaled(self, x_btd: jax.Array, w: jax.Array) -> jax.Array:
+        """(x * g) @ w in float32: the projection of RMSNorm(x) before its rows are scaled by 1/rms(x)."""
+        xg = (x_btd.astype(jnp.float32) * self._gain().astype(jnp.float32)).astype(x_btd.dtype)
+        return project(xg, w, out_dtype=jnp.float32)
+
+    def row_scale(self, x_btd: jax.Array, out_dims: int) -> jax.Array:
+        """1/rms(x), shaped to scale a projection with `out_dims` output dims."""
+        return self._inv_rms(x_btd).reshape(*x_btd.shape[:-1], *(1,) * out_dims)
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         normed = x_btd.astype(jnp.float32) * self._inv_rms(x_btd) * self._gain().astype(jnp.float32)
@@ -75,10 +85,8 @@ class RMSNorm(nnx.Module):
             return project(self(x_btd), w, out_dtype=out_dtype)
         g = self._gain()
         if self.mode == "deferred":
-            xg = (x_btd.astype(jnp.float32) * g.astype(jnp.float32)).astype(x_btd.dtype)
-            y = project(xg, w, out_dtype=jnp.float32)
-            inv_rms = self._inv_rms(x_btd).reshape(*x_btd.shape[:-1], *(1,) * (w.ndim - 1))
-            return (y * inv_rms).astype(out_dtype)
+            y = self.project_unscaled(x_btd, w)
+            return (y * self.row_scale(x_btd, w.ndim - 1)).astype(out_dtype)
 
         eps, blocks = self.eps, norm_matmul.blocks_for(active_device())
 
