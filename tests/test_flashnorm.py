@@ -88,8 +88,9 @@ def test_a_state_carrying_axis_marked_parallel_is_caught():
 
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"])
 def test_mosaic_compiles_the_kernels_for_tpu_at_llama3_8b_shapes(topology):
-    """Forward and backward at one device's share of Llama-3-8B (8192 tokens, d_model 4096): the Q/K/V
-    projection (N = (32 + 2 x 8) x 128) and gate/up (N = 2 x 14336), with the generation's block sizes."""
+    """Forward and backward at one device's share of Llama-3-8B (8192 tokens, d_model 4096) with the
+    generation's block sizes: gate/up (N = 2 x 14336, the widest) everywhere, and on v5p the Q/K/V projection
+    (N = (32 + 2 x 8) x 128) too (compiles cost CI time)."""
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -98,7 +99,7 @@ def test_mosaic_compiles_the_kernels_for_tpu_at_llama3_8b_shapes(topology):
     assert blocks.compiled and blocks == nm.GENERATIONS[topology.split(":")[0]]
     sharding = NamedSharding(jax.sharding.Mesh(np.array([device]), ("d",)), PartitionSpec())
     m, k = 8192, 4096
-    for n in (6144, 2 * 14336):
+    for n in (6144, 2 * 14336) if topology.startswith("v5p") else (2 * 14336,):
         assert nm.vmem_bytes(m, n, k, blocks) <= blocks.vmem_limit_bytes
         shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in ((m, k), (k,), (k, n), (m, n))]
 
