@@ -41,3 +41,12 @@ def stdlib_dataset():
     from scaletrain import config, data
 
     return data.make_dataset(config.load(None, ["data.seq_len=32"]))
+
+
+@pytest.fixture(scope="module")
+def batches(request, stdlib_dataset):
+    """The first STEPS (the test module's constant) global batches of 8 rows of the built-in corpus."""
+    from scaletrain import data
+
+    it = data.BatchIterator(stdlib_dataset, global_batch=8)
+    return [next(it) for _ in range(request.module.STEPS)]

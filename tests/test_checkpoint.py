@@ -4,18 +4,12 @@ import jax
 import numpy as np
 import pytest
 
-from scaletrain import config, data, trainer
+from scaletrain import config, trainer
 from scaletrain.checkpoint import Checkpointer, restore_params
 from scaletrain.errors import CheckpointError
 from tests.conftest import tiny_overrides
 
 STEPS = 4
-
-
-@pytest.fixture(scope="module")
-def batches(stdlib_dataset):
-    it = data.BatchIterator(stdlib_dataset, global_batch=8)
-    return [next(it) for _ in range(STEPS)]
 
 
 def _setup(devices, *overrides):

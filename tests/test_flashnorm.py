@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from scaletrain import config, data, trainer
+from scaletrain import config, trainer
 from scaletrain.kernels import norm_matmul as nm
 from tests.conftest import tiny_overrides
 
@@ -111,12 +111,6 @@ def test_mosaic_compiles_the_kernels_for_tpu_at_llama3_8b_shapes(topology):
 
 
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def batches(stdlib_dataset):
-    it = data.BatchIterator(stdlib_dataset, global_batch=8)
-    return [next(it) for _ in range(STEPS)]
 
 
 def _train(batches, norm):

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from scaletrain import config, data, trainer
+from scaletrain import config, trainer
 from scaletrain.planner import memory
 from tests.conftest import tiny_overrides
 
@@ -27,12 +27,6 @@ def _train(batches, *overrides):
         state, metrics = setup.step(state, setup.put_batch(batch))
         history.append((float(metrics["loss"]), float(metrics["grad_norm"])))
     return setup, history, jax.device_get(state)
-
-
-@pytest.fixture(scope="module")
-def batches(stdlib_dataset):
-    it = data.BatchIterator(stdlib_dataset, global_batch=8)
-    return [next(it) for _ in range(STEPS)]
 
 
 @pytest.fixture(scope="module")

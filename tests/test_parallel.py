@@ -9,16 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from scaletrain import config, data, trainer
+from scaletrain import config, trainer
 from tests.conftest import tiny_overrides
 
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def batches(stdlib_dataset):
-    it = data.BatchIterator(stdlib_dataset, global_batch=8)
-    return [next(it) for _ in range(STEPS)]
 
 
 def train(batches, devices, *overrides, start=None):

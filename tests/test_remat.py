@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from scaletrain import config, data, remat, trainer
+from scaletrain import config, remat, trainer
 from scaletrain.planner import memory
 from tests.conftest import tiny_overrides
 
@@ -26,12 +26,6 @@ def _losses(policy, batches):
         state, metrics = setup.step(state, setup.put_batch(batch))
         losses.append(float(metrics["loss"]))
     return losses
-
-
-@pytest.fixture(scope="module")
-def batches(stdlib_dataset):
-    it = data.BatchIterator(stdlib_dataset, global_batch=8)
-    return [next(it) for _ in range(STEPS)]
 
 
 @pytest.fixture(scope="module")

@@ -77,8 +77,15 @@ def blocks_for(device: jax.Device | None = None) -> Blocks:
 
 
 def _fit(size: int, block: int, align: int) -> int:
-    """The block for a dimension of `size`: `block`, or the whole (aligned) dimension when it is smaller."""
-    return min(block, _round_up(size, align))
+    """The block for a dimension of `size`: the whole (aligned) dimension when it is smaller than `block`,
+    else the largest aligned divisor of `size` not above `block` (no padding: padding the vocabulary of an
+    output projection would copy the logits), else `block` (and the operands get padded)."""
+    if size <= block:
+        return _round_up(size, align)
+    for b in range(block - block % align, max(align, block // 4) - 1, -align):
+        if size % b == 0:
+            return b
+    return block
 
 
 def _round_up(n: int, multiple: int) -> int:
