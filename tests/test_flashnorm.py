@@ -192,12 +192,15 @@ def test_fold_norms_and_logits_commands(tmp_path):
     assert outputs[0].shape == (2, 16, 384) and outputs[0].dtype == np.float32
     for other in outputs[1:]:
         np.testing.assert_allclose(other, outputs[0], rtol=1e-5, atol=1e-5)
+    # Refusals, in process (the CLI turns a UserError into one `error:` line and exit 2: tests/test_cli.py).
+    from scaletrain import inference
+    from scaletrain.errors import UserError
+
     np.save(tmp_path / "bad.npy", np.full((2, 16), 384))
-    done = run_cli(["logits", "--run-dir", str(run), "--tokens", str(tmp_path / "bad.npy"), "--out",
-                    str(tmp_path / "x.npy")], module=True)
-    assert done.returncode == 2 and done.stderr.startswith("error: --tokens") and "Traceback" not in done.stderr
-    done = run_cli(["convert", "fold-norms", "--run-dir", str(folded), "--out", str(tmp_path / "again")], module=True)
-    assert done.returncode == 2 and "already has model.norm_weights=folded" in done.stderr
+    with pytest.raises(UserError, match="ids must lie in"):
+        inference.read_tokens(str(tmp_path / "bad.npy"), 384)
+    with pytest.raises(UserError, match="already has model.norm_weights=folded"):
+        inference.fold_norms(str(folded), str(tmp_path / "again"))
 
 
 def test_norm_cancellation_with_qk_norms_keeps_the_function():

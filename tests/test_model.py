@@ -11,6 +11,7 @@ from flax import nnx
 from scaletrain.model import Llama, ModelConfig, abstract
 from scaletrain.model import rope
 from scaletrain.model.attention import Attention
+from scaletrain.model.layers import project
 from scaletrain.sharding import LOGICAL_AXES
 
 CFG = ModelConfig(vocab_size=300, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64,
@@ -72,6 +73,16 @@ def np_attention(x, wq, wk, wv, wo, positions, segments, inv_freq):
     return np.einsum("btnh,nhd->btd", out, wo)
 
 
+class _NoNorm:
+    """Attention normalises its input with the norm it is given; these tests check attention alone."""
+
+    def project(self, x, w, w_logical, out_dtype=None):
+        return project(x, w, out_dtype=out_dtype)
+
+
+NO_NORM = _NoNorm()
+
+
 def test_grouped_query_causal_attention_matches_numpy():
     attn = Attention(CFG, nnx.Rngs(0))
     rng = np.random.default_rng(1)
@@ -80,7 +91,7 @@ def test_grouped_query_causal_attention_matches_numpy():
     positions = np.array([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5]])
     inv_freq = CFG.inverse_frequencies()
     sin, cos = rope.sin_cos(jnp.asarray(positions), inv_freq)
-    got = attn(jnp.asarray(x), sin, cos, jnp.asarray(segments))
+    got = attn(jnp.asarray(x), NO_NORM, sin, cos, jnp.asarray(segments))
     want = np_attention(x, *(np.asarray(w[...]) for w in (attn.wq, attn.wk, attn.wv, attn.wo)), positions,
                         segments, inv_freq)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -154,9 +165,10 @@ def test_blocked_attention_equals_full_attention_and_its_gradient():
 
     def loss(module):
         graphdef, params = nnx.split(module)
-        return lambda p: jnp.sum(nnx.merge(graphdef, p)(x, sin, cos, segments) ** 2)
+        return lambda p: jnp.sum(nnx.merge(graphdef, p)(x, NO_NORM, sin, cos, segments) ** 2)
 
-    np.testing.assert_allclose(blocked(x, sin, cos, segments), full(x, sin, cos, segments), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(blocked(x, NO_NORM, sin, cos, segments), full(x, NO_NORM, sin, cos, segments),
+                               rtol=1e-5, atol=1e-6)
     grads = [jax.grad(loss(m))(nnx.split(m)[1]) for m in (blocked, full)]
     for a, b in zip(*(jax.tree.leaves(g) for g in grads)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

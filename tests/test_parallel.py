@@ -59,10 +59,14 @@ LAYOUTS = {  # beyond the matrix below
 # whose 8 heads and 384-token vocabulary split 8 ways; its 2 kv heads are sharded at tensor=2 and replicated
 # at tensor=4 and 8. Sequence parallelism is on (the default).
 MATRIX_MODEL = ["model.num_heads=8", "model.head_dim=8"]
+# Every factorisation of 8 devices with the fsdp preset; ZeRO-1 (which differs in where the moments live) on
+# the meshes where it shards them differently: over data, over data x fsdp, and with tensor.
+_ZERO1_MESHES = ((8, 1, 1), (2, 4, 1), (2, 2, 2), (4, 1, 2))
 MATRIX = {
     f"{preset} data={d} fsdp={f} tensor={t}": (preset, d, f, t)
     for preset in ("fsdp", "zero1")
-    for d, f, t in itertools.product((1, 2, 4, 8), repeat=3) if d * f * t == 8
+    for d, f, t in itertools.product((1, 2, 4, 8), repeat=3)
+    if d * f * t == 8 and (preset == "fsdp" or (d, f, t) in _ZERO1_MESHES)
 }
 
 

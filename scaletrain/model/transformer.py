@@ -14,7 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 from scaletrain import remat
 from scaletrain.model import rope
 from scaletrain.model.attention import Attention
-from scaletrain.model.layers import Embed, RMSNorm, param
+from scaletrain.model.layers import Embed, RMSNorm, param, project
 from scaletrain.model.mlp import MLP
 from scaletrain.sharding import constrain, constrain_param
 
@@ -115,12 +115,16 @@ class Llama(nnx.Module):
             return nnx.merge(graphdef, layer_params)(x_btd, sin_bth, cos_bth, segment_ids_bt), None
 
         x_btd, _ = jax.lax.scan(remat.apply(layer, cfg.remat, cfg.remat_custom), x_btd, stacked)
-        # Gathered along the sequence for the vocab-parallel output projection, so that the backward pass
-        # reduce-scatters its input gradient rather than all-reducing it.
-        x_btd = constrain(x_btd, ("batch", "seq", "embed"))
-        if cfg.tie_embeddings:
-            logits = self.embed.attend(self.final_norm(x_btd))
+        # Gathered along the sequence for the vocab-parallel output projection. The standard norm runs before
+        # the gather, on the sequence-split stream, so that the backward pass reduce-scatters its input
+        # gradient rather than all-reducing it; deferred and fused norms need whole rows, so run after it.
+        if cfg.tie_embeddings or cfg.norm == "standard":
+            x_btd = constrain(constrain(self.final_norm(x_btd), ("batch", "residual_seq", "embed")),
+                              ("batch", "seq", "embed"))
+            logits = (self.embed.attend(x_btd) if cfg.tie_embeddings else
+                      project(x_btd, self.lm_head[...], out_dtype=jnp.float32))
         else:
+            x_btd = constrain(x_btd, ("batch", "seq", "embed"))
             logits = self.final_norm.project(x_btd, self.lm_head[...], ("embed", "vocab"), out_dtype=jnp.float32)
         return constrain(logits, ("batch", "seq", "vocab"))
 
