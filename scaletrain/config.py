@@ -18,10 +18,13 @@ import ml_collections
 import yaml
 
 from scaletrain import remat, tokenizer
-from scaletrain.model.layers import NORM_WEIGHTS, NORMS
 from scaletrain.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "pipeline", "tensor")
+# model.norm: how RMSNorm meets the matmul after it; model.norm_weights: whether the norms carry their gains
+# (docs/flashnorm.md). Here rather than in the model, so that checking a config never imports Flax.
+NORMS = ("standard", "deferred", "fused")
+NORM_WEIGHTS = ("standard", "folded", "weightless")
 
 
 def defaults() -> ml_collections.ConfigDict:

@@ -183,7 +183,7 @@ def test_fold_norms_and_logits_commands(tmp_path):
     assert "norm_weights: folded" in (folded / "config.yaml").read_text()
     np.save(tmp_path / "tokens.npy", np.random.RandomState(0).randint(0, 384, (2, 16)))
     outputs = []
-    for source, extra in ((run, []), (folded, []), (folded, ["--set", "model.norm=fused"])):
+    for source, extra in ((run, []), (folded, ["--set", "model.norm=fused"])):
         out = tmp_path / f"logits{len(outputs)}.npy"
         done = run_cli(["logits", "--run-dir", str(source), "--tokens", str(tmp_path / "tokens.npy"), "--out", str(out),
                         *extra], module=True)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from scaletrain.config import NORMS
 from scaletrain.kernels import norm_matmul
 from scaletrain.sharding import active_device, constrain, local
 
@@ -38,10 +39,6 @@ def project(x: jax.Array, w: jax.Array, in_dims: int = 1, out_dtype=None) -> jax
     return y.reshape(*lead, *out)
 
 
-NORMS = ("standard", "deferred", "fused")
-# model.norm_weights: `standard` trains the gains g; `folded` runs a checkpoint whose gains were folded into
-# the following weights (`convert fold-norms`); `weightless` trains such weights from scratch (an ablation).
-NORM_WEIGHTS = ("standard", "folded", "weightless")
 
 
 class RMSNorm(nnx.Module):

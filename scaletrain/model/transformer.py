@@ -43,8 +43,8 @@ class ModelConfig:
     remat_custom: tuple[tuple[str, str], ...] = ()  # (checkpoint name, remat|device|offload) for "custom"
     attention_block: int = 0
     fuse_qkv: bool = True  # False where kv heads are replicated over `tensor` (set by the trainer)
-    norm: str = "standard"  # how RMSNorm meets the following matmul: layers.NORMS
-    norm_weights: str = "standard"  # layers.NORM_WEIGHTS
+    norm: str = "standard"  # how RMSNorm meets the following matmul: config.NORMS
+    norm_weights: str = "standard"  # config.NORM_WEIGHTS
     qk_norm: bool = False  # per-head RMSNorm of Q and K before RoPE (Qwen3, Gemma 3)
     qk_norm_eps: float = 1e-6
     norm_cancellation: bool = False  # drop the input norm's 1/rms for Q and K (their norms undo it)
