@@ -80,7 +80,6 @@ class RMSNorm(nnx.Module):
         out_dtype = out_dtype or x_btd.dtype
         if self.mode == "standard":
             return project(self(x_btd), w, out_dtype=out_dtype)
-        g = self._gain()
         if self.mode == "deferred":
             y = self.project_unscaled(x_btd, w)
             return (y * self.row_scale(x_btd, w.ndim - 1)).astype(out_dtype)
@@ -93,7 +92,8 @@ class RMSNorm(nnx.Module):
             return z.reshape(b, t, *w.shape[1:])
 
         x_logical = ("batch", "seq", "embed")
-        return local(fused, (x_logical, ("embed",), w_logical), x_logical[:2] + w_logical[1:])(x_btd, g, w)
+        return local(fused, (x_logical, ("embed",), w_logical), x_logical[:2] + w_logical[1:])(
+            x_btd, self._gain(), w)
 
 
 class Embed(nnx.Module):
