@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CPU_DEVICES ?= 8
 
-.PHONY: venv train test bench clean
+.PHONY: venv train test bench bench-gpu clean
 
 venv: $(STAMP)
 
@@ -19,11 +19,19 @@ $(STAMP): pyproject.toml constraints.txt
 train: $(STAMP)
 	$(PY) train.py --config configs/llama_tiny.yaml --cpu-devices $(CPU_DEVICES)
 
+# Two workers, a test module each at a time: compiles are single-threaded, so two cores give nearly twice the
+# speed, and module-scoped fixtures (one compile per module) stay in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 bench: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) benchmarks/train_throughput.py
+
+# On a machine with an NVIDIA GPU: JAX's CUDA plugin, then FlashNorm's Triton kernels timed against XLA.
+bench-gpu: $(STAMP)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[gpu]'
+	$(PY) benchmarks/flashnorm.py gpu
 
 clean:
 	rm -rf $(VENV) runs

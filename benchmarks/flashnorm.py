@@ -1,15 +1,17 @@
-"""FlashNorm: standard vs deferred vs fused RMSNorm + projection, by correctness, XLA op counts and ahead-of-time
-TPU compiles.
+"""FlashNorm: standard vs deferred vs fused RMSNorm + projection, by correctness, XLA op counts, ahead-of-time
+TPU compiles and, on a GPU, timings.
 
     python benchmarks/flashnorm.py ops  [--topology v5p:2x2x1]
     python benchmarks/flashnorm.py step [--config configs/llama3_8b.yaml] [--topology v5p:4x4x2] [--set K=V]...
+    python benchmarks/flashnorm.py gpu  [--repeats 20]
 
 `ops`: one norm + projection (forward and backward) at Llama-3-8B and 70B shapes (8192 tokens per device; Q/K/V
 and gate/up), first on the CPU against the jnp reference (a smaller M, the kernels interpreted), then compiled
 for one chip of the topology: XLA's op counts, FLOPs, bytes accessed, optimal_seconds and temporaries.
 `step`: the real train step compiled for the topology with each model.norm: HBM per device, optimal_seconds.
-On a machine with a GPU or TPU nothing here times the kernels: `optimal_seconds` is XLA's estimate. Results
-go in docs/benchmarks.md.
+`gpu`: on a machine with a GPU, the Triton kernels' forward + backward at the `ops` shapes, timed against the
+standard and deferred forms XLA compiles (median wall time, bf16). Without one, `optimal_seconds` (XLA's
+estimate) is all there is. Results go in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ def ops(topology: str) -> None:
         interpreted = nm.Blocks(m=64, n=1024, k=2048, compiled=False)
         fns = {mode: _norm_projection(mode) for mode in MODES[:2]}
         fns["fused"] = lambda x, g, w: nm.norm_matmul(x, g, w, EPS, blocks=interpreted)
+        fns["fused (Triton)"] = lambda x, g, w: nm.norm_matmul(x, g, w, EPS, blocks=nm.GpuBlocks(compiled=False))
         for mode, fn in fns.items():
             got = jax.jit(_train_fn(fn))(x, g, w, dz)
             errs = [float(np.linalg.norm(a - b) / np.linalg.norm(b)) for a, b in zip(got, want)]
@@ -132,15 +135,57 @@ def step(config_path: str, topology: str, overrides: list[str]) -> None:
               f"{cost.get('optimal_seconds', float('nan')):.3f} | {time.perf_counter() - t0:.0f} |", flush=True)
 
 
+def gpu(repeats: int) -> None:
+    import statistics
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from scaletrain.kernels import norm_matmul as nm
+
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        print(f"error: `gpu` times the Triton kernels on a GPU; this machine's first device is a "
+              f"{device.platform} ({device.device_kind}). Expected a machine with an NVIDIA GPU.", file=sys.stderr)
+        sys.exit(2)
+    print(f"## {time.strftime('%Y-%m-%d')}  {device.device_kind}: forward + backward, bf16, M={TOKENS}, "
+          f"median of {repeats}\n")
+    print("| shape | mode | ms | TFLOP/s | worst relative error vs reference |\n|---|---|---|---|---|")
+    for (model, site), (k, n) in SHAPES.items():
+        ks = jax.random.split(jax.random.PRNGKey(0), 4)
+        x, dz = (jax.random.normal(kk, s, jnp.bfloat16) for kk, s in ((ks[0], (TOKENS, k)), (ks[3], (TOKENS, n))))
+        g = (1 + 0.2 * jax.random.normal(ks[1], (k,))).astype(jnp.bfloat16)
+        w = (0.02 * jax.random.normal(ks[2], (k, n))).astype(jnp.bfloat16)
+        want = jax.jit(_train_fn(lambda x, g, w: nm.reference(x, g, w, EPS)))(x, g, w, dz)
+        for mode in MODES:
+            fn = jax.jit(_train_fn(_norm_projection(mode)))
+            got = jax.block_until_ready(fn(x, g, w, dz))
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(x, g, w, dz))
+                times.append(time.perf_counter() - t0)
+            seconds = statistics.median(times)
+            err = max(float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32))
+                            / np.linalg.norm(np.asarray(b, np.float32))) for a, b in zip(got, want))
+            # forward, dx and dW: three matmuls of 2 M K N each.
+            print(f"| {model} {site} | {mode} | {seconds * 1e3:.2f} | {3 * 2 * TOKENS * k * n / seconds / 1e12:.0f} | "
+                  f"{err:.1e} |", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=("ops", "step"))
+    p.add_argument("part", choices=("ops", "step", "gpu"))
     p.add_argument("--config", default=str(ROOT / "configs" / "llama3_8b.yaml"))
     p.add_argument("--topology", default=None, help="default: v5p:2x2x1 for ops, v5p:4x4x2 for step")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args()
     runtime.configure(None)
-    if args.part == "ops":
+    if args.part == "gpu":
+        gpu(args.repeats)
+    elif args.part == "ops":
         ops(args.topology or "v5p:2x2x1")
     else:
         step(args.config, args.topology or "v5p:4x4x2", args.set)

@@ -5,6 +5,9 @@ import sys
 from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
+# The suite runs in two pytest-xdist workers (Makefile); libtpu's lockfile would let only one of them compile for a
+# TPU topology. There is no TPU here to share, so the lock guards nothing.
+os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

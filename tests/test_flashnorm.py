@@ -1,6 +1,7 @@
-"""FlashNorm: the fused RMSNorm + matmul kernels against their jnp twin (interpret mode), free of races on a
-simulated megacore, compiled by Mosaic for TPU generations ahead of time, and the model trains alike in every
-model.norm mode on a sharded mesh."""
+"""FlashNorm: the fused RMSNorm + matmul kernels, TPU (Mosaic) and GPU (Triton), against their jnp twin
+(interpret mode); the TPU ones free of races on a simulated megacore and compiled by Mosaic for TPU generations
+ahead of time, the GPU ones lowered to Triton for CUDA; and the model trains alike in every model.norm mode on a
+sharded mesh."""
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +11,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from scaletrain import config, trainer
 from scaletrain.kernels import norm_matmul as nm
+from scaletrain.kernels import norm_matmul_tpu as tpu
 from tests.conftest import tiny_overrides
 
 EPS = 1e-5
-# Small blocks, so that every grid axis has several steps; no dimension below is a block multiple.
+# Small blocks, so that every grid axis and every in-kernel loop has several steps; no dimension below is a
+# block multiple.
 BLOCKS = nm.Blocks(m=16, n=128, k=128, compiled=False)
+KERNELS = {"tpu": BLOCKS, "gpu": nm.GpuBlocks(m=16, n=32, k=16, compiled=False)}
 
 
 def _operands(m, k, n, dtype, seed=0):
@@ -36,21 +40,24 @@ def _value_and_grads(fn, x, g, w, dz):
     return (z, *vjp(dz))
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("dtype, tol, shape", [(jnp.float32, 1e-5, (40, 200, 300)), (jnp.float32, 1e-5, (8, 384, 256)),
                                                (jnp.bfloat16, 1e-2, (40, 200, 300))])
-def test_kernels_equal_the_reference(dtype, tol, shape):
+def test_kernels_equal_the_reference(dtype, tol, shape, kernels):
     """Forward, dx, dg and dW, each against jax.vjp of the jnp reference (norm, then matmul)."""
     x, g, w, dz = _operands(*shape, dtype)
-    fused = _value_and_grads(lambda x, g, w: nm.norm_matmul(x, g, w, EPS, blocks=BLOCKS), x, g, w, dz)
+    blocks = KERNELS[kernels]
+    fused = _value_and_grads(lambda x, g, w: nm.norm_matmul(x, g, w, EPS, blocks=blocks), x, g, w, dz)
     reference = _value_and_grads(lambda x, g, w: nm.reference(x, g, w, EPS), x, g, w, dz)
     for name, got, want in zip(("z", "dx", "dg", "dW"), fused, reference):
         assert got.shape == want.shape and got.dtype == want.dtype, name
         assert _relative(got, want) <= tol, (name, _relative(got, want))
 
 
-def test_float32_logits_from_bfloat16_inputs():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_float32_logits_from_bfloat16_inputs(kernels):
     x, g, w, _ = _operands(24, 256, 384, jnp.bfloat16)
-    got = nm.norm_matmul(x, g, w, EPS, out_dtype=jnp.float32, blocks=BLOCKS)
+    got = nm.norm_matmul(x, g, w, EPS, out_dtype=jnp.float32, blocks=KERNELS[kernels])
     assert got.dtype == jnp.float32
     assert _relative(got, nm.reference(x, g, w, EPS, out_dtype=jnp.float32)) <= 1e-2
 
@@ -67,7 +74,7 @@ MEGACORE = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, unin
 def test_no_race_and_no_nan_on_a_simulated_megacore():
     """TPU interpret mode with two cores splitting the "parallel" grid axes, uninitialised memory as NaN."""
     x, g, w, dz = _operands(40, 300, 260, jnp.float32)
-    with nm.interpret_mode(MEGACORE):
+    with tpu.interpret_mode(MEGACORE):
         fused = _value_and_grads(lambda x, g, w: nm.norm_matmul(x, g, w, EPS, blocks=BLOCKS), x, g, w, dz)
         fused = [np.asarray(a) for a in fused]
     assert not _races_found()
@@ -81,8 +88,8 @@ def test_a_state_carrying_axis_marked_parallel_is_caught():
     """The check above can fail: with the K axis (which carries the accumulators) marked "parallel", the
     second core starts from uninitialised scratch."""
     x, g, w, _ = _operands(32, 256, 256, jnp.float32)
-    with nm.interpret_mode(MEGACORE):
-        bad = np.asarray(nm._forward(x, g, w, EPS, BLOCKS, jnp.float32, semantics=("parallel",) * 3))
+    with tpu.interpret_mode(MEGACORE):
+        bad = np.asarray(tpu.forward(x, g, w, EPS, BLOCKS, jnp.float32, semantics=("parallel",) * 3))
     assert np.isnan(bad).any() or _races_found()
 
 
@@ -96,11 +103,11 @@ def test_mosaic_compiles_the_kernels_for_tpu_at_llama3_8b_shapes(topology):
 
     device = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[0]
     blocks = nm.blocks_for(device)
-    assert blocks.compiled and blocks == nm.GENERATIONS[topology.split(":")[0]]
+    assert blocks.compiled and blocks == tpu.GENERATIONS[topology.split(":")[0]]
     sharding = NamedSharding(jax.sharding.Mesh(np.array([device]), ("d",)), PartitionSpec())
     m, k = 8192, 4096
     for n in (6144, 2 * 14336) if topology.startswith("v5p") else (2 * 14336,):
-        assert nm.vmem_bytes(m, n, k, blocks) <= blocks.vmem_limit_bytes
+        assert tpu.vmem_bytes(m, n, k, blocks) <= blocks.vmem_limit_bytes
         shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in ((m, k), (k,), (k, n), (m, n))]
 
         def step(x, g, w, dz):
@@ -108,6 +115,20 @@ def test_mosaic_compiles_the_kernels_for_tpu_at_llama3_8b_shapes(topology):
 
         text = jax.jit(step).lower(*shapes).compile().as_text()
         assert text.count("tpu_custom_call") >= 3  # forward, dx/dg, dW: Mosaic kernels, not interpreted
+
+
+def test_the_gpu_kernels_lower_to_triton_for_cuda_at_llama3_8b_shapes():
+    """Pallas writes the Triton IR on the CPU (for compute capability 9.0): every kernel's loads, dots and
+    stores must pass Triton's rules (power-of-two tensors, dot sides of 16 and more) at real shapes with the
+    default blocks. Compiling the IR to PTX needs a GPU (`make bench-gpu`)."""
+    m, k, n = 8192, 4096, 2 * 14336
+    shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (k,), (k, n), (m, n))]
+
+    def step(x, g, w, dz):
+        return _value_and_grads(lambda x, g, w: nm.norm_matmul(x, g, w, EPS, blocks=nm.GpuBlocks()), x, g, w, dz)
+
+    text = jax.jit(step).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dx/dg, dW
 
 
 STEPS = 3
