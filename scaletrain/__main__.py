@@ -9,6 +9,7 @@ import sys
 from scaletrain.errors import UserError
 
 EXIT_USAGE = 2
+EXIT_DOES_NOT_FIT = 3  # `compile`: the step needs more HBM per device than the chip has
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,7 +54,42 @@ def parser() -> argparse.ArgumentParser:
     logits.add_argument("--out", required=True, help="where to write the logits [batch, seq, vocab], .npy")
     logits.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override the run's config, e.g. --set model.norm=fused")
+    plan = sub.add_parser("plan", help="predict step time, memory and communication for a mesh (no compile)")
+    _add_config_args(plan)
+    plan.add_argument("--hardware", required=True, help="chip and slice, e.g. v5p:16x16x16 or v5e:16x16")
+    plan.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    comp = sub.add_parser("compile", help="compile the train step ahead of time for a TPU topology")
+    _add_config_args(comp)
+    comp.add_argument("--topology", required=True, help="a TPU topology, e.g. v5e:4x4, v5p:4x4x4, v6e:8x8")
+    comp.add_argument("--json", action="store_true", help="print the result as JSON")
+    comp.add_argument("--no-loop-correction", action="store_true",
+                      help="skip the two small compiles that correct XLA's estimate for loops (faster)")
     return p
+
+
+def plan(args: argparse.Namespace) -> int:
+    import json
+
+    from scaletrain import config
+    from scaletrain.planner import roofline
+
+    result = roofline.plan(config.load(args.config, args.set), args.hardware)
+    print(json.dumps(result, indent=1) if args.json else roofline.format_table(result))
+    return 0
+
+
+def compile_(args: argparse.Namespace) -> int:
+    import json
+
+    from scaletrain import config, runtime
+
+    cfg = config.load(args.config, args.set)
+    runtime.configure(None)
+    from scaletrain.planner import aot
+
+    result = aot.compile_step(cfg, args.topology, loop_correction=not args.no_loop_correction)
+    print(json.dumps(result, indent=1) if args.json else aot.describe(result))
+    return 0 if result["fits"] else EXIT_DOES_NOT_FIT
 
 
 def ckpt(args: argparse.Namespace) -> int:
@@ -114,7 +150,7 @@ def train(args: argparse.Namespace) -> int:
     return trainer.run(cfg)
 
 
-COMMANDS = {"train": train, "ckpt": ckpt, "convert": convert, "logits": logits}
+COMMANDS = {"train": train, "ckpt": ckpt, "convert": convert, "logits": logits, "plan": plan, "compile": compile_}
 
 
 def main(argv: list[str] | None = None) -> int:

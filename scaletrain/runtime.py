@@ -23,8 +23,14 @@ def configure(cpu_devices: int | None, coordinator: str | None = None, num_proce
     initialises."""
     import jax
 
-    if not os.environ.get("JAX_PLATFORMS") and not has_accelerator():
-        jax.config.update("jax_platforms", "cpu")
+    if not has_accelerator():
+        if not os.environ.get("JAX_PLATFORMS"):
+            jax.config.update("jax_platforms", "cpu")
+        # Ahead-of-time TPU compiles load libtpu here, which looks for the slice it runs on and prints a page of
+        # warnings (no `error:` line would be alone on stderr). Describing a one-host "slice" silences it; the
+        # topology compiled for is still the one asked for.
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
     if cpu_devices:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives across CPU processes

@@ -88,14 +88,16 @@ def _check_parallelism(cfg, mesh: Mesh) -> None:
                           f"by mesh.data x mesh.fsdp = {ways} (with DCN degrees), which shard the batch")
 
 
-def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
-    """Everything a run needs, from shapes only: no array is allocated here. Raises ConfigError."""
+def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool = False) -> Setup:
+    """Everything a run needs, from shapes only: no array is allocated here. Raises ConfigError.
+    `unroll_loops` builds a step for XLA's cost estimate only (planner/aot.py)."""
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
     _check_parallelism(cfg, mesh)
     shard_kv_heads = cfg.model.num_kv_heads % mesh.shape["tensor"] == 0
     rules = sharding.rules_for(cfg.sharding.preset, cfg.sharding.sequence_parallel, shard_kv_heads)
     model_cfg = model_lib.ModelConfig.from_config(
-        cfg.model, fuse_qkv=shard_kv_heads, remat=cfg.remat.policy, remat_custom=tuple(cfg.remat.custom.items()))
+        cfg.model, fuse_qkv=shard_kv_heads, remat=cfg.remat.policy, remat_custom=tuple(cfg.remat.custom.items()),
+        unroll_loops=unroll_loops)
     graphdef, abstract_params, logical = model_lib.abstract(model_cfg)
 
     tx, lr = optim.make(cfg.optim, cfg.steps, logical)

@@ -33,7 +33,7 @@ def dot_attention(q_btkgh, k_bskh, v_bskh, mask) -> jax.Array:
     return jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
 
 
-def blocked_attention(q_btkgh, k_bskh, v_bskh, segment_ids_bt, block: int) -> jax.Array:
+def blocked_attention(q_btkgh, k_bskh, v_bskh, segment_ids_bt, block: int, unroll: bool = False) -> jax.Array:
     """dot_attention one block of queries at a time, each block rematerialised in the backward pass, so the
     [t, s] score matrix never exists whole: memory O(block x s) instead of O(t x s), the same FLOPs."""
     b, t = q_btkgh.shape[:2]
@@ -46,7 +46,8 @@ def blocked_attention(q_btkgh, k_bskh, v_bskh, segment_ids_bt, block: int) -> ja
         q, seg, offset = args
         return dot_attention(q, k_bskh, v_bskh, block_mask(seg, segment_ids_bt, offset))
 
-    out = jax.lax.map(one, (q_blocks, seg_blocks, jnp.arange(n) * block))
+    _, out = jax.lax.scan(lambda _, args: (None, one(args)), None, (q_blocks, seg_blocks, jnp.arange(n) * block),
+                          unroll=unroll)
     return out.swapaxes(0, 1).reshape(q_btkgh.shape)
 
 
@@ -110,7 +111,7 @@ class Attention(nnx.Module):
         q_btkgh = q_btnh.reshape(b, t, k, n // k, h) * jnp.asarray(h ** -0.5, dt)
         block = cfg.attention_block
         if 0 < block < t and t % block == 0:
-            out_btkgh = blocked_attention(q_btkgh, k_btkh, v_btkh, segment_ids_bt, block)
+            out_btkgh = blocked_attention(q_btkgh, k_btkh, v_btkh, segment_ids_bt, block, cfg.unroll_loops)
         else:
             out_btkgh = dot_attention(q_btkgh, k_btkh, v_btkh, attention_mask(segment_ids_bt))
         out_btnh = checkpoint_name(out_btkgh.reshape(b, t, n, h), "attention_out")

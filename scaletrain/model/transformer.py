@@ -48,6 +48,9 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm of Q and K before RoPE (Qwen3, Gemma 3)
     qk_norm_eps: float = 1e-6
     norm_cancellation: bool = False  # drop the input norm's 1/rms for Q and K (their norms undo it)
+    # Unroll the layer scan and the attention block loop. Only for XLA's cost estimate, which counts a loop's
+    # body once (planner/aot.py); never for training (compile time and code size grow with the depth).
+    unroll_loops: bool = False
 
     @classmethod
     def from_config(cls, model_cfg, **derived) -> "ModelConfig":
@@ -114,7 +117,8 @@ class Llama(nnx.Module):
                                         layer_params, is_leaf=lambda v: isinstance(v, nnx.Variable))
             return nnx.merge(graphdef, layer_params)(x_btd, sin_bth, cos_bth, segment_ids_bt), None
 
-        x_btd, _ = jax.lax.scan(remat.apply(layer, cfg.remat, cfg.remat_custom), x_btd, stacked)
+        x_btd, _ = jax.lax.scan(remat.apply(layer, cfg.remat, cfg.remat_custom), x_btd, stacked,
+                                unroll=cfg.unroll_loops)
         # Gathered along the sequence for the vocab-parallel output projection. The standard norm runs before
         # the gather, on the sequence-split stream, so that the backward pass reduce-scatters its input
         # gradient rather than all-reducing it; deferred and fused norms need whole rows, so run after it.

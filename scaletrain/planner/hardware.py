@@ -1,24 +1,38 @@
-"""Peak throughput of the machine a run is on: the chip table (hardware.yaml), or a measured CPU peak."""
+"""The chip table (hardware.yaml) and what it says of a machine: the peak FLOP/s of the devices a run is on (or a
+measured CPU peak), and for the planner a chip's full spec and a parsed slice topology such as `v5p:4x4x4`."""
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import platform
+import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import yaml
 
+from scaletrain.errors import ConfigError
+
 _TABLE = Path(__file__).with_name("hardware.yaml")
 _CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "scaletrain" / "cpu_peak.json"
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2 floats: PyYAML follows YAML 1.1, which reads 2.75e14 (no '+' in the exponent) as a string."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                              list("-+0123456789."))
+
+
 @functools.cache
 def table() -> dict[str, dict]:
-    return yaml.safe_load(_TABLE.read_text())
+    return yaml.load(_TABLE.read_text(), Loader=_Loader)
 
 
 def chip(device_kind: str) -> str | None:
@@ -71,3 +85,114 @@ def peak_flops(devices: Sequence, per_device_override: float | None = None) -> f
         return cpu_peak() * len({d.process_index for d in devices})  # one host's peak per process
     name = chip(kind)
     return table()[name]["bf16_flops"] * len(devices) if name else None
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One chip of the table, in the planner's terms: a TPU's links are those of its torus; a GPU's "ICI" is its
+    NVLink node (a switch: every GPU one hop from every other) and its "DCN" its share of the node's egress."""
+
+    name: str
+    bf16_flops: float
+    int8_ops: float
+    hbm_bytes: float
+    hbm_bandwidth: float
+    ici_bandwidth_oneway: float  # TPU: per link and direction; GPU: NVLink egress per GPU and direction
+    ici_bandwidth_bidi: float  # TPU: per link, both directions; GPU: the same as one-way (a switch port)
+    torus_dims: int | None  # None: a switched GPU node
+    max_pod: tuple[int, ...] | None
+    dcn_bandwidth: float | None  # per chip, across slices (GPU: across nodes)
+    chips_per_host: int | None  # GPU: per NVLink node
+    vmem_bytes: int | None = None
+    mxu: int | None = None
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.torus_dims is None
+
+
+def spec(name: str) -> Chip:
+    """The table entry `name` (case-insensitive; v4p is v4) as a Chip. Raises ConfigError for an unknown name."""
+    key = {"v4p": "v4"}.get(name.lower(), name.lower())
+    if key not in table():
+        raise ConfigError(f"unknown chip '{name}'; expected one of {', '.join(table())} (scaletrain/planner/"
+                          f"hardware.yaml)")
+    e = table()[key]
+    if "nvlink_bandwidth" in e:
+        return Chip(name=key, bf16_flops=e["bf16_flops"], int8_ops=e["int8_ops"], hbm_bytes=e["hbm_bytes"],
+                    hbm_bandwidth=e["hbm_bandwidth"], ici_bandwidth_oneway=e["nvlink_bandwidth"],
+                    ici_bandwidth_bidi=e["nvlink_bandwidth"], torus_dims=None, max_pod=None,
+                    dcn_bandwidth=e["node_egress_bandwidth"] / e["gpus_per_node"], chips_per_host=e["gpus_per_node"])
+    return Chip(name=key, bf16_flops=e["bf16_flops"], int8_ops=e["int8_ops"], hbm_bytes=e["hbm_bytes"],
+                hbm_bandwidth=e["hbm_bandwidth"], ici_bandwidth_oneway=e["ici_bandwidth_oneway"],
+                ici_bandwidth_bidi=e["ici_bandwidth_bidi"], torus_dims=e["torus_dims"],
+                max_pod=tuple(e["max_pod"]) if e["max_pod"] else None, dcn_bandwidth=e["dcn_bandwidth"],
+                chips_per_host=e["chips_per_host"], vmem_bytes=e["vmem_bytes"], mxu=e["mxu"])
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A machine to plan for: `slices` identical slices (GPU: NVLink nodes) of `dims` chips, joined by DCN."""
+
+    chip: Chip
+    dims: tuple[int, ...]  # chips along each physical torus axis of one slice; GPU: (GPUs per node,)
+    slices: int
+    wraps: tuple[bool, ...]  # per torus axis: has wraparound links; empty for a GPU node (a switch)
+
+    @property
+    def chips_per_slice(self) -> int:
+        return math.prod(self.dims)
+
+    @property
+    def num_chips(self) -> int:
+        return self.chips_per_slice * self.slices
+
+    def __str__(self) -> str:
+        return f"{f'{self.slices}x' if self.slices > 1 else ''}{self.chip.name}:{'x'.join(map(str, self.dims))}"
+
+
+_TOPOLOGY = re.compile(r"(?:(\d+)x)?([a-z][a-z0-9]*):(\d+(?:x\d+)*)")
+_FORM = "[SLICESx]CHIP:DIMS, e.g. v5p:4x4x4, v5e:16x16, 2xv5p:4x4x4 (2 slices over DCN) or h100:8"
+
+
+def wraparound(chip: Chip, dims: tuple[int, ...]) -> tuple[bool, ...]:
+    """Which torus axes have wraparound links (scaling.md): a 3D slice (v4, v5p, TPU7x) wraps on every axis when
+    it is made of whole 4x4x4 cubes and on none otherwise; a 2D one (v5e, v6e) on each axis of size 16."""
+    if chip.is_gpu:
+        return ()
+    if chip.torus_dims == 3:
+        return (all(d % 4 == 0 for d in dims),) * 3
+    return tuple(d == 16 for d in dims)
+
+
+def topology(text: str) -> Topology:
+    """Parse `[SLICESx]CHIP:DIMS`. TPU DIMS name every torus axis (v5p:4x4x2, v5e:8x16); a GPU's DIMS is a count
+    of GPUs: up to one node (h100:4), or whole nodes (h100:32 is 4 nodes of 8), the nodes playing slices. Raises
+    ConfigError for a malformed string, an unknown chip, or a slice the chip's pods cannot form."""
+    match = _TOPOLOGY.fullmatch(text.strip().lower())
+    if not match:
+        raise ConfigError(f"hardware '{text}' is not of the form {_FORM}")
+    prefix, name, dims_text = match.groups()
+    chip = spec(name)
+    dims = tuple(int(d) for d in dims_text.split("x"))
+    slices = int(prefix) if prefix else 1
+    if slices < 1 or min(dims) < 1:
+        raise ConfigError(f"hardware '{text}': slice counts and dims must be positive; expected {_FORM}")
+    if chip.is_gpu:
+        per_node = chip.chips_per_host
+        if len(dims) != 1 or (dims[0] > per_node and dims[0] % per_node):
+            raise ConfigError(f"hardware '{text}': a {chip.name} topology is a GPU count, at most {per_node} (one "
+                              f"node) or a multiple of {per_node} (whole nodes), e.g. {chip.name}:{per_node}")
+        slices *= max(1, dims[0] // per_node)
+        dims = (min(dims[0], per_node),)
+    else:
+        if len(dims) != chip.torus_dims:
+            raise ConfigError(f"hardware '{text}': {chip.name} is a {chip.torus_dims}D torus, so DIMS needs "
+                              f"{chip.torus_dims} sizes, e.g. {chip.name}:{'x'.join(['4'] * chip.torus_dims)}")
+        if chip.max_pod and any(d > m for d, m in zip(sorted(dims), sorted(chip.max_pod))):
+            raise ConfigError(f"hardware '{text}': a {chip.name} slice is at most "
+                              f"{'x'.join(map(str, chip.max_pod))} chips")
+    if slices > 1 and chip.dcn_bandwidth is None:
+        raise ConfigError(f"hardware '{text}': hardware.yaml has no DCN bandwidth for {chip.name}, so it cannot "
+                          f"plan across slices; use one slice")
+    return Topology(chip=chip, dims=dims, slices=slices, wraps=wraparound(chip, dims))

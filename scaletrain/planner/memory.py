@@ -1,8 +1,29 @@
-"""Memory per device: what XLA's compiled step says it needs (and, with the planner, what it predicts)."""
+"""Memory per device: what XLA's compiled step says it needs, and what the planner predicts from the config.
+
+The prediction (`predict`) counts the training state by how the sharding preset divides it (sharding.PRESETS),
+the gradients, and the activations the remat policy keeps for the backward pass (remat.py), plus the float32
+logits and their gradient, which dominate small models. docs/planner.md states every rule.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import asdict, dataclass
+from typing import Mapping, Sequence
+
+from scaletrain import remat, sharding
+from scaletrain.planner import flops
+
 GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+# Outputs of matmuls without batch dims (remat.policy save_dots): every projection; the attention einsums have
+# batch dims and are recomputed.
+SAVE_DOTS = ("query_proj", "key_proj", "value_proj", "out_proj", "mlp_gate", "mlp_up", "mlp_out")
+# scaling.md: "about 2 * 20 * B*T*D bytes per layer with no remat" - 20 tensors of [tokens, d_model], of which
+# this many lie on the residual stream (the layer input, the two norm outputs, the attention and MLP outputs and
+# the mid-block sum), split over `tensor` only with sequence parallelism; the rest live inside attention and the
+# MLP, split over `tensor` always.
+NONE_TENSORS, RESIDUAL_TENSORS = 20, 6
 
 
 def compiled(stats) -> dict[str, int]:
@@ -25,3 +46,148 @@ def describe(memory: dict[str, int]) -> str:
     if memory["host_total"]:
         line += f"; host (pinned) {memory['host_total'] / GIB:.3f} GiB"
     return line
+
+
+def embed_axes(preset: str, role: str) -> tuple[str, ...]:
+    """Mesh axes the `embed` dim of `role` arrays (params, grads, opt_state) is sharded over in a preset."""
+    entry = getattr(sharding.PRESETS[preset], role).get("embed")
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def kv_ways(m, tensor: int) -> int:
+    """The ways kv heads are split: over `tensor` where it divides them, replicated otherwise (sharding.rules_for)."""
+    return tensor if m.num_kv_heads % tensor == 0 else 1
+
+
+def param_split(m, axes: Mapping[str, int], embed: Sequence[str]) -> tuple[float, float]:
+    """Parameters one device holds (one layer's, those outside the layers) when `embed` names the mesh axes the
+    embed dim is sharded over; heads, mlp and vocab are split over `tensor` in every preset, kv heads `kv_ways`.
+    `m` has flops.param_count's fields."""
+    count = flops.param_count(m)
+    t = axes["tensor"]
+    e = math.prod(axes[a] for a in embed)
+    q_and_o = 2 * m.d_model * m.num_heads * m.head_dim
+    layer = ((q_and_o + count.mlp) / t + (count.attention - q_and_o) / kv_ways(m, t) + count.norms) / e
+    outside = ((count.embedding + count.lm_head) / t + count.final_norm) / e
+    return layer, outside
+
+
+def kept(policy: str, custom: Mapping[str, str]) -> dict[str, str]:
+    """The named activations a remat policy (other than none) keeps per layer, and where: 'device' or 'offload'
+    (to pinned host memory). The layer input is left out: every policy keeps it on the device (the scan carry)."""
+    if policy == "full":
+        return {}
+    if policy == "save_dots":
+        return dict.fromkeys(SAVE_DOTS, "device")
+    modes = custom if policy == "custom" else remat.NAMED[policy]
+    return {n: mode for n, mode in modes.items() if mode != "remat" and n != "decoder_layer_input"}
+
+
+def tensor_elements(m, tensor: int, sequence_parallel: bool) -> dict[str, float]:
+    """Elements per token one device holds of each named activation (docs/memory.md's table), split as
+    sharding.py splits it: residual-stream tensors over `tensor` with sequence parallelism, heads and mlp
+    always, kv heads where `tensor` divides them."""
+    residual = m.d_model / (tensor if sequence_parallel else 1)
+    heads, kv = m.num_heads * m.head_dim / tensor, m.num_kv_heads * m.head_dim / kv_ways(m, tensor)
+    return {"decoder_layer_input": residual, "query_proj": heads, "key_proj": kv, "value_proj": kv,
+            "attention_out": heads, "out_proj": residual, "mlp_gate": m.d_ff / tensor, "mlp_up": m.d_ff / tensor,
+            "mlp_out": residual}
+
+
+def blocked_attention(cfg) -> bool:
+    """model.attention_block splits the queries (model/attention.py): scores are rematerialised per block."""
+    block, seq = cfg.model.attention_block, cfg.data.seq_len
+    return 0 < block < seq and seq % block == 0
+
+
+def _unremat_layer(cfg, tensor: int, dtype_bytes: int) -> float:
+    """Bytes per token of one layer with nothing rematerialised: scaling.md's 20 tensors of d_model, plus the
+    attention scores when no query blocking bounds them (the float32 softmax output its VJP reads and the
+    probabilities cast for the values matmul: N T elements per token)."""
+    m, sp = cfg.model, cfg.sharding.sequence_parallel
+    d = m.d_model
+    residual = RESIDUAL_TENSORS * d / (tensor if sp else 1)
+    inner = (NONE_TENSORS - RESIDUAL_TENSORS) * d / tensor
+    scores = 0.0 if blocked_attention(cfg) else m.num_heads / tensor * cfg.data.seq_len * (4 + dtype_bytes)
+    return (residual + inner) * dtype_bytes + scores
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Bytes per device: device memory by role (the CONTRACT's keys), the activations' parts, and host memory."""
+
+    params: float
+    optimizer: float
+    gradients: float
+    activations: float
+    saved_activations: float  # what the remat policy keeps for every layer on the device
+    layer_working_set: float  # one layer rematerialised in the backward pass
+    logits: float  # float32 logits and their gradient
+    host_params: float
+    host_optimizer: float
+    host_gradients: float
+    host_activations: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.optimizer + self.gradients + self.activations
+
+    @property
+    def host_total(self) -> float:
+        return self.host_params + self.host_optimizer + self.host_gradients + self.host_activations
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "total": self.total, "host_total": self.host_total}
+
+
+def replica_tokens(cfg, axes: Mapping[str, int]) -> float:
+    """Tokens of one microbatch of one data-parallel replica (data x fsdp ways): the batch its devices' matmuls
+    see (tensor devices share it)."""
+    return cfg.train.global_batch * cfg.data.seq_len / (cfg.train.grad_accum_steps * axes["data"] * axes["fsdp"])
+
+
+def activation_tokens(cfg, axes: Mapping[str, int]) -> float:
+    """Tokens whose activations one device holds at the peak: one microbatch of its data-parallel replica, or
+    all of them with pipelining (a GPipe stage keeps every microbatch until its backward pass)."""
+    return replica_tokens(cfg, axes) * (cfg.train.grad_accum_steps if axes["pipeline"] > 1 else 1)
+
+
+def predict(cfg, axes: Mapping[str, int]) -> Prediction:
+    """Bytes per device of a train step for config `cfg` on a mesh whose axis sizes (ICI x DCN) are `axes`.
+
+    State: parameters in model.param_dtype (the master copy: no other is kept), Adam's two moments in the same
+    dtype (optax's default), gradients in it too - twice over with gradient accumulation (the running sum and
+    a microbatch's) - each divided as sharding.PRESETS divides it; layer parameters over `pipeline` as well.
+    optim.offload moves the moments to host memory, params.offload parameters, moments and gradients.
+    Activations: the remat policy's saved tensors for every layer of the device's stage (policy none:
+    scaling.md's 20 [tokens, d_model] tensors per layer), one layer's full set while the backward pass
+    rematerialises it (every other policy), and the float32 logits and their gradient."""
+    m = cfg.model
+    preset, t, stage_layers = cfg.sharding.preset, axes["tensor"], m.num_layers / axes["pipeline"]
+    pb, ab = DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[m.dtype]
+
+    def state(role: str) -> float:
+        layer, outside = param_split(m, axes, embed_axes(preset, role))
+        return (layer * stage_layers + outside) * pb
+
+    params, moments = state("params"), 2 * state("opt_state")
+    grads = state("grads") * (2 if cfg.train.grad_accum_steps > 1 else 1)
+    tokens = activation_tokens(cfg, axes)
+    elements = tensor_elements(m, t, cfg.sharding.sequence_parallel)
+    policy = cfg.remat.policy
+    if policy == "none":
+        saved, working, offloaded = _unremat_layer(cfg, t, ab) * tokens * stage_layers, 0.0, 0.0
+    else:
+        where = kept(policy, cfg.remat.custom)
+        device = elements["decoder_layer_input"] + sum(elements[n] for n, w in where.items() if w == "device")
+        host = sum(elements[n] for n, w in where.items() if w == "offload")
+        saved, offloaded = device * ab * tokens * stage_layers, host * ab * tokens * stage_layers
+        working = _unremat_layer(cfg, t, ab) * tokens
+    logits = 2 * tokens * m.vocab_size / t * 4
+    on_host = cfg.params.offload
+    return Prediction(
+        params=0.0 if on_host else params, optimizer=0.0 if on_host or cfg.optim.offload else moments,
+        gradients=0.0 if on_host else grads, activations=saved + working + logits, saved_activations=saved,
+        layer_working_set=working, logits=logits, host_params=params if on_host else 0.0,
+        host_optimizer=moments if on_host or cfg.optim.offload else 0.0, host_gradients=grads if on_host else 0.0,
+        host_activations=offloaded)

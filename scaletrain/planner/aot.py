@@ -1,0 +1,176 @@
+"""The real train step compiled ahead of time for a TPU topology (libtpu, on any machine): does it fit, what does
+XLA estimate, which collectives does it run.
+
+XLA's cost analysis counts a while loop's body once, whatever its trip count (jax-notes.md), so the step's raw
+`flops` and `optimal_seconds` miss most of the scanned layer stack. The loop-corrected figures come from two
+more compiles of the same step with 1 and 2 layers, every model loop unrolled and the windowed-einsum loops
+XLA builds around sharded matmuls turned off: per layer = c(2) - c(1), outside the layers = 2 c(1) - c(2),
+the step = outside + L x per layer. With gradient accumulation those compiles take one microbatch and the
+result is multiplied by their number (which counts the optimizer update once per microbatch: an overestimate
+of a few percent). The offloaded optimizer's layer loop (optim.offload) stays counted once.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import time
+
+from scaletrain.errors import ConfigError
+from scaletrain.planner import hardware, hlo, memory
+
+# Compiler options of the cost-estimate compiles: no loops around sharded matmuls.
+_NO_WINDOWED_EINSUM = {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
+                       "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}
+_COSTS = ("flops", "bytes accessed", "optimal_seconds")
+
+
+def topology_devices(topology: str) -> list:
+    """The devices of a TPU topology such as `v5p:4x4x4` or `v5e:2x2`, described by libtpu."""
+    from jax.experimental import topologies
+
+    name, _, shape = topology.partition(":")
+    dims = shape.split("x")
+    if not name or not all(d.isdigit() and int(d) > 0 for d in dims):
+        raise ConfigError(f"topology '{topology}' is not GENERATION:AxBxC; expected e.g. v5e:2x2, v5p:4x4x4, v6e:8x8")
+    try:
+        return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+    except Exception as e:  # noqa: BLE001 - libtpu's errors name no fix
+        if "lockfile" in str(e):
+            raise ConfigError("another process on this machine holds libtpu (its lockfile); wait for it, or set "
+                              "ALLOW_MULTIPLE_LIBTPU_LOAD=1 where no TPU is attached") from None
+        raise ConfigError(f"libtpu does not know topology '{topology}' ({str(e).splitlines()[0][:160]}); expected "
+                          f"a TPU generation and chip grid, e.g. v5e:2x2, v5p:2x2x2, v6e:8x8") from None
+
+
+def _cost(compiled) -> dict[str, float]:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {k: float(cost.get(k, 0.0)) for k in _COSTS}
+
+
+def _loop_corrected(cfg, devices) -> dict[str, float]:
+    from scaletrain import trainer
+
+    accum = cfg.train.grad_accum_steps
+    costs = []
+    for layers in (1, 2):
+        variant = copy.deepcopy(cfg)
+        variant.model.num_layers = layers
+        variant.train.global_batch = cfg.train.global_batch // accum
+        variant.train.grad_accum_steps = 1
+        setup = trainer.build(variant, devices, unroll_loops=True)
+        compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile(_NO_WINDOWED_EINSUM)
+        costs.append(_cost(compiled))
+    one, two = costs
+    layers = cfg.model.num_layers
+    return {k: accum * (2 * one[k] - two[k] + layers * (two[k] - one[k])) for k in _COSTS}
+
+
+def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
+    """CONTRACT.md's `compile` result for `cfg` on `topology`. Raises ConfigError for a config or topology the
+    step cannot be built for."""
+    import jax
+
+    from scaletrain import trainer
+
+    devices = topology_devices(topology)
+    setup = trainer.build(cfg, devices)
+    start = time.perf_counter()
+    try:
+        compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
+    except Exception as e:  # noqa: BLE001 - running out of HBM is a result, any other failure is not
+        if needed := _out_of_memory(str(e)):
+            return _does_not_fit(topology, devices, needed, time.perf_counter() - start, str(e).splitlines()[0])
+        raise
+    compile_seconds = time.perf_counter() - start
+    mem = memory.compiled(compiled.memory_analysis())
+    raw = _cost(compiled)
+    corrected = _loop_corrected(cfg, devices) if loop_correction else None
+    best = corrected or raw
+    estimate = best["optimal_seconds"]
+    if estimate <= 0 or raw["optimal_seconds"] <= 0:
+        # libtpu's estimate of some programs (seen on tied-embedding models) comes out negative: no estimate.
+        estimate = None
+    chip = _chip(devices[0])
+    capacity = _capacity(devices[0])
+    collectives = hlo.summary(hlo.inventory(compiled.as_text(), setup.mesh))
+    return {
+        "topology": topology,
+        "chips": len(devices),
+        "device_kind": devices[0].device_kind,
+        "fits": capacity is None or mem["device_total"] <= capacity,
+        "hbm_per_device_bytes": mem["device_total"],
+        "hbm_capacity_bytes": capacity,
+        "host_per_device_bytes": mem["host_total"],
+        "memory": mem,
+        "xla_flops": best["flops"],
+        "xla_bytes_accessed": best["bytes accessed"],
+        "xla_optimal_seconds": estimate,
+        # The chip's roofline applied to XLA's own counts: compute and HBM traffic, not overlapped with each other.
+        "xla_roofline_seconds": max(best["flops"] / chip.bf16_flops, best["bytes accessed"] / chip.hbm_bandwidth)
+        if chip else None,
+        "loop_corrected": corrected is not None,
+        "xla_raw": raw,
+        "collectives": {kind: {"count": int(v["count"]), "bytes": int(v["bytes"])} for kind, v in collectives.items()},
+        "compile_seconds": compile_seconds,
+        "jax_version": jax.__version__,
+    }
+
+
+def _out_of_memory(message: str) -> int | None:
+    """The bytes XLA says a step needs, when it refused to compile one that does not fit in HBM."""
+    m = re.search(r"RESOURCE_EXHAUSTED: Ran out of memory[^(]*\(([\d.]+)([KMGT])\)", message)
+    return int(float(m.group(1)) * 2 ** (10 * "KMGT".index(m.group(2)) + 10)) if m else None
+
+
+def _chip(device) -> hardware.Chip | None:
+    name = hardware.chip(device.device_kind)
+    return hardware.spec(name) if name else None
+
+
+def _capacity(device) -> int | None:
+    chip = _chip(device)
+    return int(chip.hbm_bytes) if chip else None
+
+
+def _does_not_fit(topology: str, devices, needed: int, seconds: float, message: str) -> dict:
+    return {"topology": topology, "chips": len(devices), "device_kind": devices[0].device_kind, "fits": False,
+            "hbm_per_device_bytes": needed, "hbm_capacity_bytes": _capacity(devices[0]), "host_per_device_bytes": 0,
+            "memory": None, "xla_flops": None, "xla_bytes_accessed": None, "xla_optimal_seconds": None,
+            "xla_roofline_seconds": None,
+            "loop_corrected": False, "xla_raw": None, "collectives": None, "compile_seconds": seconds,
+            "error": message}
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "unavailable"
+    return f"{value:.3f} s" if value >= 1 else f"{value * 1e3:.3g} ms"
+
+
+def describe(result: dict) -> str:
+    """The compile result for a console."""
+    gib = memory.GIB
+    capacity = result["hbm_capacity_bytes"]
+    if result["memory"] is None:
+        return (f"{result['topology']}: {result['chips']} x {result['device_kind']}: DOES NOT FIT - XLA needs at least "
+                f"{result['hbm_per_device_bytes'] / gib:.2f} GiB of HBM per device"
+                + (f" of {capacity / gib:.2f} GiB" if capacity else "") + f"\n  ({result['error']})")
+    lines = [
+        f"{result['topology']}: {result['chips']} x {result['device_kind']}, compiled in "
+        f"{result['compile_seconds']:.0f} s",
+        f"HBM per device: {result['hbm_per_device_bytes'] / gib:.2f} GiB of "
+        + (f"{capacity / gib:.2f} GiB - {'fits' if result['fits'] else 'DOES NOT FIT'}" if capacity else "unknown"),
+        f"  state and batch {result['memory']['device_arguments'] / gib:.2f}, temporaries "
+        f"{result['memory']['device_temporaries'] / gib:.2f}, new outputs {result['memory']['device_outputs'] / gib:.2f}"
+        + (f"; host (pinned) {result['host_per_device_bytes'] / gib:.2f} GiB" if result["host_per_device_bytes"] else ""),
+        f"XLA per device and step{' (loop-corrected)' if result['loop_corrected'] else ' (raw: loop bodies once)'}: "
+        f"{result['xla_flops'] / 1e12:.4g} TFLOP, {result['xla_bytes_accessed'] / 1e9:.4g} GB accessed; "
+        f"optimal_seconds {_seconds(result['xla_optimal_seconds'])}, roofline of those counts "
+        f"{_seconds(result['xla_roofline_seconds'])}",
+        "collectives per step (count, full-array bytes):",
+    ]
+    lines += [f"  {kind:<18} {v['count']:>6}  {v['bytes'] / 1e9:10.4g} GB" for kind, v in
+              sorted(result["collectives"].items())]
+    return "\n".join(lines)

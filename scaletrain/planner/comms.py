@@ -1,0 +1,256 @@
+"""Communication per train step: the bytes each device sends and the time of every collective, per mesh axis.
+
+Conventions (../shared/reference/scaling.md, "Collectives on a torus"; docs/planner.md):
+- V is the bytes of the whole array a collective gathers or reduces over one mesh axis of X devices (for an
+  all-to-all, of the whole array exchanged; for a pipeline send, of the array sent).
+- Bytes per device are those each device sends on a ring: V (X-1)/X for an all-gather or a reduce-scatter,
+  2 V (X-1)/X for an all-reduce (= reduce-scatter + all-gather), V (X-1)/X^2 for an all-to-all, V for a send;
+  the same convention as the compiled inventory (planner/hlo.py, `Collective.moved_bytes`).
+- Time on a TPU torus: an all-gather or reduce-scatter takes V (X-1)/X / W, W the sum over the physical axes the
+  mesh axis spans (M_X of them) of W_ici bidirectional per axis with wraparound, W_ici one-way without (twice as
+  long); an all-reduce twice that; an all-to-all V max(parts) / (4 X W / M_X). A pipeline send crosses one link
+  one way: V / W_oneway. On a GPU node (a switch) W is the NVLink egress per GPU, and an all-to-all
+  V (X-1) / (X^2 W) (the book's GPU chapter); across slices (DCN, or GPU nodes) W is the DCN bandwidth per chip.
+- Latency floor: each execution takes at least hops x 1 us: X/2 hops per wrapped axis, X-1 per open axis or
+  switch ring. DCN latency is not modelled.
+- A collective over a mesh axis that also has a DCN part (mesh.dcn_X > 1), or over several mesh axes, runs level
+  by level, innermost first: the ICI level moves V, the level after it V / X_ici (gathering an array that is
+  also sharded over another axis moves 1/|that axis| of it) - so DCN carries as little as it can.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from scaletrain.config import MESH_AXES
+from scaletrain.planner.hardware import Topology
+
+HOP_LATENCY_S = 1e-6  # scaling.md: "ICI latency about 1 us per hop"; assumed for NVLink too
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "send")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One level of a mesh axis: how the devices a collective over it spans are connected."""
+
+    name: str  # the mesh axis ("fsdp") or its DCN part ("dcn_fsdp")
+    size: int  # X
+    parts: tuple[int, ...]  # devices along each physical axis the level spans (a switch: (X,))
+    wraps: tuple[bool, ...]  # per part: a whole physical axis with wraparound links
+    oneway: float  # bytes/s of one link in one direction (a switch: egress per device)
+    bidi: float  # bytes/s of one link in both directions
+    switch: bool  # every device one hop from every other: a GPU node, or DCN
+    hop_latency: float = HOP_LATENCY_S
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes/s a device gathers at: W_bidi per wrapped part, W_oneway per open one (a switch: its egress)."""
+        if self.switch:
+            return self.oneway
+        return sum(self.bidi if w else self.oneway for w in self.wraps)
+
+    @property
+    def hops(self) -> float:
+        if self.switch:
+            return self.size - 1
+        return sum(p / 2 if w else p - 1 for p, w in zip(self.parts, self.wraps))
+
+    def bytes_sent(self, kind: str, full_bytes: float) -> float:
+        """Bytes one device sends for one execution (the module docstring's convention)."""
+        x = self.size
+        return {"all-gather": full_bytes * (x - 1) / x, "reduce-scatter": full_bytes * (x - 1) / x,
+                "all-reduce": 2 * full_bytes * (x - 1) / x, "all-to-all": full_bytes * (x - 1) / x**2,
+                "send": full_bytes}[kind]
+
+    def seconds(self, kind: str, full_bytes: float) -> float:
+        """One execution: the bandwidth time, or the latency floor when that is longer."""
+        if kind == "send":
+            return max(full_bytes / self.oneway, self.hop_latency)
+        if kind == "all-to-all" and not self.switch:
+            moving = full_bytes * max(self.parts) / (4 * self.size * self.bandwidth / len(self.parts))
+        else:
+            moving = self.bytes_sent(kind, full_bytes) / self.bandwidth
+        return max(moving, self.hops * self.hop_latency)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One kind of collective of a train step on one level of one mesh axis."""
+
+    axis: str
+    kind: str
+    what: str
+    full_bytes: float  # V of one execution
+    count: int  # executions per step
+    bytes_per_device: float  # per step
+    seconds: float  # per step
+
+
+def collective(kind: str, what: str, full_bytes: float, count: int, levels: Sequence[Link]) -> list[Transfer]:
+    """`count` executions of one collective of V = `full_bytes` over `levels` (innermost first): level i moves
+    V / (X_1 ... X_{i-1}). Levels of size 1 move nothing and are left out."""
+    out = []
+    for link in levels:
+        if link.size > 1 and count:
+            out.append(Transfer(axis=link.name, kind=kind, what=what, full_bytes=full_bytes, count=count,
+                                bytes_per_device=count * link.bytes_sent(kind, full_bytes),
+                                seconds=count * link.seconds(kind, full_bytes)))
+            full_bytes /= link.size
+    return out
+
+
+def _weights(layer_bytes: float, layers: int, other_bytes: float) -> list[tuple[str, float, int]]:
+    """The units weights move in: one layer at a time inside the scanned stack, the rest (embedding, output
+    projection, final norm) once."""
+    return [("layer", layer_bytes, layers), ("embedding and output", other_bytes, 1)]
+
+
+def fsdp(layer_bytes: float, layers: int, other_bytes: float, microbatches: int,
+         levels: Sequence[Link]) -> list[Transfer]:
+    """FSDP / ZeRO-3 per microbatch: each layer's weights all-gathered for the forward pass and again for the
+    backward pass (which also serves a remat recomputation; the compiled fsdp=8 step re-gathers in the backward
+    even without remat, docs/parallelism.md), and its gradient reduce-scattered. Bytes are one device's tensor
+    and pipeline shard of the weights, unsharded over fsdp."""
+    out = []
+    for what, v, n in _weights(layer_bytes, layers, other_bytes):
+        out += collective("all-gather", f"{what} weights, forward", v, n * microbatches, levels)
+        out += collective("all-gather", f"{what} weights, backward", v, n * microbatches, levels)
+        out += collective("reduce-scatter", f"{what} gradients", v, n * microbatches, levels)
+    return out
+
+
+def all_reduce_gradients(layer_bytes: float, layers: int, other_bytes: float, microbatches: int,
+                         levels: Sequence[Link]) -> list[Transfer]:
+    """Data parallelism with replicated gradients: every microbatch's gradients all-reduced (the accumulation
+    keeps them replicated, train_step.py), layer by layer."""
+    out = []
+    for what, v, n in _weights(layer_bytes, layers, other_bytes):
+        out += collective("all-reduce", f"{what} gradients", v, n * microbatches, levels)
+    return out
+
+
+def zero(stage: int, layer_bytes: float, layers: int, other_bytes: float, microbatches: int,
+         levels: Sequence[Link]) -> list[Transfer]:
+    """ZeRO-1 / ZeRO-2 over the data-parallel levels: the optimizer updates 1/X of the state, so the gradients
+    are reduce-scattered into its layout and the updated parameters all-gathered back to every device.
+    ZeRO-2 keeps gradients scattered, so each microbatch reduce-scatters; ZeRO-1 keeps them replicated, so all
+    microbatches but the last all-reduce (its compiled step turns the last all-reduce into a reduce-scatter:
+    docs/benchmarks.md's zero1 meshes move 2x the weights, all-gather and reduce-scatter)."""
+    out = []
+    for what, v, n in _weights(layer_bytes, layers, other_bytes):
+        scatters = microbatches if stage == 2 else 1
+        out += collective("all-reduce", f"{what} gradients", v, n * (microbatches - scatters), levels)
+        out += collective("reduce-scatter", f"{what} gradients", v, n * scatters, levels)
+        out += collective("all-gather", f"{what} updated weights", v, n, levels)
+    return out
+
+
+def tensor(activation_bytes: float, layers: int, microbatches: int, sequence_parallel: bool,
+           recomputed: Iterable[str], levels: Sequence[Link]) -> list[Transfer]:
+    """Megatron tensor parallelism per microbatch, V = one replica's [tokens, d_model] activations.
+    With sequence parallelism, per layer: forward all-gather before Q/K/V and before gate/up, reduce-scatter after
+    the output and down projections; the backward pass their transposes (2 more of each); a remat recomputation
+    repeats the all-gather of the Q/K/V or gate/up projection and the reduce-scatter of the output projection it
+    recomputes (`recomputed`: matmul groups, as roofline.recomputed names them). Outside the layers the vocab-parallel
+    embedding reduce-scatters and the output projection all-gathers its input (transposed backward).
+    Without sequence parallelism each all-gather / reduce-scatter pair is one all-reduce: after the output and
+    down projections forward, of the Q/K/V and gate/up input gradients backward, again for a recomputed output
+    projection, and once each for the embedding (forward) and the output projection (backward)."""
+    recomputed = set(recomputed)
+    if sequence_parallel:
+        gathers = 4 + ("qkv" in recomputed) + ("gate_up" in recomputed)
+        scatters = 4 + ("out" in recomputed)
+        return (collective("all-gather", "layer activations", activation_bytes, gathers * layers * microbatches,
+                           levels)
+                + collective("reduce-scatter", "layer activations", activation_bytes,
+                             scatters * layers * microbatches, levels)
+                + collective("all-gather", "embedding and output activations", activation_bytes, 2 * microbatches,
+                             levels)
+                + collective("reduce-scatter", "embedding and output activations", activation_bytes,
+                             2 * microbatches, levels))
+    reduces = 4 + ("out" in recomputed)
+    return (collective("all-reduce", "layer activations", activation_bytes, reduces * layers * microbatches, levels)
+            + collective("all-reduce", "embedding and output activations", activation_bytes, 2 * microbatches,
+                         levels))
+
+
+def pipeline(activation_bytes: float, microbatches: int, levels: Sequence[Link]) -> list[Transfer]:
+    """Pipeline stages per microbatch: the activations sent to the next stage forward and their gradient back
+    (2BD bytes each in bf16: scaling.md). A schedule advances at the pace of its slowest hop, so every send is
+    timed on the slowest level the pipeline axis spans (DCN when mesh.dcn_pipeline > 1)."""
+    spanned = [link for link in levels if link.size > 1]
+    if not spanned:
+        return []
+    slowest = min(spanned, key=lambda link: link.oneway)
+    return collective("send", "stage activations and their gradients", activation_bytes, 2 * microbatches,
+                      [slowest])
+
+
+def expert(routed_bytes: float, moe_layers: int, microbatches: int, levels: Sequence[Link]) -> list[Transfer]:
+    """Expert parallelism per MoE layer and microbatch: an all-to-all to dispatch the routed activations
+    (tokens x top-k x d_model) to their experts and one to combine them, forward and again backward."""
+    return collective("all-to-all", "routed activations (dispatch, combine)", routed_bytes,
+                      4 * moe_layers * microbatches, levels)
+
+
+def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The idle fraction of a pipeline schedule: GPipe (P-1)/(M+P-1) for P stages and M microbatches, circular
+    (P-1)/(R M+P-1) with R repeats (scaling.md: the book gives no formula of its own)."""
+    return (stages - 1) / (repeats * microbatches + stages - 1)
+
+
+def _layout(dims: tuple[int, ...], sizes: Sequence[tuple[str, int]]) -> dict[str, list[int]]:
+    """Chips each mesh axis takes along each physical axis, after jax.experimental.mesh_utils' rule: axes
+    innermost first (tensor first: the most network-intensive), each on whole free physical axes whose product is
+    its size (as many as possible), else on factors of them, taken in physical-axis order (mesh.py allows split
+    physical axes). jax's own splitting is not called: it cannot factor a size with a prime factor above its
+    square root (it fails on the full v5p pod's 28)."""
+    free, out = list(dims), {}
+    for name, size in reversed(sizes):
+        take = [1] * len(dims)
+        whole = [c for n in range(len(dims), 0, -1) for c in itertools.combinations(range(len(dims)), n)
+                 if all(free[i] > 1 for i in c) and math.prod(free[i] for i in c) == size]
+        if size > 1 and whole:
+            for i in whole[0]:
+                take[i] = free[i]
+        else:  # always completes: the free chips multiply to the product of this and the outer axes' sizes
+            need = size
+            for i in range(len(dims)):
+                take[i] = math.gcd(need, free[i])
+                need //= take[i]
+        free = [f // t for f, t in zip(free, take)]
+        out[name] = take
+    return out
+
+
+def links(topo: Topology, ici: Mapping[str, int], dcn: Mapping[str, int]) -> dict[str, list[Link]]:
+    """Each mesh axis's levels, innermost first: its ICI part (laid out on the slice's torus, or a GPU node)
+    and its DCN part (named dcn_AXIS)."""
+    chip = topo.chip
+    layout = {} if chip.is_gpu else _layout(topo.dims, [(a, ici[a]) for a in MESH_AXES])
+    out = {}
+    for axis in MESH_AXES:
+        if chip.is_gpu:
+            ici_link = Link(axis, ici[axis], (ici[axis],), (False,), chip.ici_bandwidth_oneway,
+                            chip.ici_bandwidth_bidi, switch=True)
+        else:
+            spans = [(t, t == d and w) for t, d, w in zip(layout[axis], topo.dims, topo.wraps) if t > 1]
+            ici_link = Link(axis, ici[axis], tuple(t for t, _ in spans), tuple(w for _, w in spans),
+                            chip.ici_bandwidth_oneway, chip.ici_bandwidth_bidi, switch=False)
+        dcn_bw = chip.dcn_bandwidth or 0.0  # topology() refuses slices > 1 without a DCN figure
+        dcn_link = Link(f"dcn_{axis}", dcn[axis], (dcn[axis],), (False,), dcn_bw, dcn_bw, switch=True, hop_latency=0.0)
+        out[axis] = [ici_link, dcn_link]
+    return out
+
+
+def by_axis(transfers: Iterable[Transfer]) -> tuple[dict[str, float], dict[str, float]]:
+    """(bytes per device, seconds) per step for every level of every mesh axis (ICI `fsdp`, DCN `dcn_fsdp`)."""
+    names = [*MESH_AXES, *(f"dcn_{a}" for a in MESH_AXES)]
+    sent, seconds = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
+    for t in transfers:
+        sent[t.axis] += t.bytes_per_device
+        seconds[t.axis] += t.seconds
+    return sent, seconds

@@ -1,0 +1,318 @@
+"""The analytic planner: a train step's FLOPs, memory, communication and roofline time for a config on a machine
+that need not exist, with no compile - the scaling book's method (../shared/reference/scaling.md).
+
+`plan(cfg, "v5p:4x4x4")` returns CONTRACT.md's `plan` keys and the terms behind them; `format_table` prints it.
+The step time is a lower bound: the longest of compute (model FLOPs plus remat recomputation, stretched by the
+pipeline bubble), HBM traffic, and the busiest mesh axis's collectives on ICI and on DCN, each assumed to overlap
+the others perfectly. docs/planner.md states every formula and what is not modelled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Mapping
+
+from scaletrain import mesh as mesh_lib
+from scaletrain.config import MESH_AXES
+from scaletrain.planner import comms, flops, memory
+from scaletrain.planner import hardware as hw
+
+GB = 1e9
+_QKV = {"query_proj", "key_proj", "value_proj"}
+
+
+def resolve_mesh(mesh_cfg, topo: hw.Topology) -> mesh_lib.MeshShape:
+    """mesh.resolve for a machine that is described rather than attached: DCN degrees fill the slices, ICI degrees
+    one slice's chips (-1 fills, at most one of each). Raises ConfigError."""
+    dcn = mesh_lib._fill({a: int(mesh_cfg[f"dcn_{a}"]) for a in MESH_AXES}, topo.slices, "DCN", "mesh.dcn_")
+    ici = mesh_lib._fill({a: int(mesh_cfg[a]) for a in MESH_AXES}, topo.chips_per_slice, "ICI", "mesh.")
+    return mesh_lib.MeshShape(ici=ici, dcn=dcn)
+
+
+def matmul_shapes(m, tensor: int) -> dict[str, tuple[float, float]]:
+    """(input, output) features per device of each projection of a layer: Megatron splits Q/K/V and gate/up by
+    their outputs, the output and down projections by their inputs (kv heads only where `tensor` divides them)."""
+    elements = memory.tensor_elements(m, tensor, sequence_parallel=False)
+    qkv = elements["query_proj"] + elements["key_proj"] + elements["value_proj"]
+    return {"qkv": (m.d_model, qkv), "out": (elements["attention_out"], m.d_model),
+            "gate_up": (m.d_model, 2 * elements["mlp_gate"]), "down": (elements["mlp_gate"], m.d_model)}
+
+
+def forward_flops(m, seq_len: int, tensor: int = 1) -> dict[str, float]:
+    """Forward FLOPs per token of one layer on one device, by matmul group: 2 x in x out per projection, and
+    causal attention as flops.py counts it (its training FLOPs are 3x the forward's)."""
+    out = {group: 2 * i * o for group, (i, o) in matmul_shapes(m, tensor).items()}
+    out["attention"] = flops.attention_flops_per_token(m, seq_len) / (3 * m.num_layers * tensor)
+    return out
+
+
+def recomputed(cfg) -> frozenset[str]:
+    """Matmul groups the backward pass computes a second time. Attention always - its probabilities are never
+    kept - except under policy none without query blocking (blocked attention rematerialises each block
+    itself); a projection when its output is not kept: Q/K/V (attention needs them again), the output projection
+    (the MLP's weight gradients read the mid-block sum), gate/up (the MLP's backward); never the down projection,
+    whose output nothing in the backward pass reads (jax leaves it out of the recomputation)."""
+    if cfg.remat.policy == "none":
+        return frozenset({"attention"} if memory.blocked_attention(cfg) else ())
+    kept = memory.kept(cfg.remat.policy, cfg.remat.custom).keys()
+    return frozenset({"attention"} | ({"qkv"} if not _QKV <= kept else set())
+                     | ({"out"} if "out_proj" not in kept else set())
+                     | ({"gate_up"} if not {"mlp_gate", "mlp_up"} <= kept else set()))
+
+
+def hbm_bytes(cfg, axes: Mapping[str, int], recompute: frozenset[str]) -> float:
+    """HBM traffic of one device per step. Each projection reads its input and weights and writes its output
+    (scaling.md: 2BD + 2DF + 2BF bytes in bf16) once forward, twice backward (input and weight gradients) and
+    once more when recomputed; attention reads Q, K, V and writes its output per pass; the output projection
+    writes float32 logits, the loss reads them and writes their gradient; the optimizer reads parameters,
+    gradients and both moments and writes parameters and moments, on its shard of the state."""
+    m = cfg.model
+    t, stages = axes["tensor"], axes["pipeline"]
+    ab, pb = memory.DTYPE_BYTES[m.dtype], memory.DTYPE_BYTES[m.param_dtype]
+    tokens = memory.replica_tokens(cfg, axes)
+    layer = sum((3 + (g in recompute)) * ab * (tokens * i + i * o + tokens * o)
+                for g, (i, o) in matmul_shapes(m, t).items())
+    elements = memory.tensor_elements(m, t, sequence_parallel=False)
+    qkvo = 2 * elements["query_proj"] + 2 * elements["key_proj"]
+    layer += (3 + ("attention" in recompute)) * ab * tokens * qkvo
+    vocab = m.vocab_size / t
+    head = 3 * (ab * (tokens * m.d_model + m.d_model * vocab) + 4 * tokens * vocab) + 2 * 4 * tokens * vocab
+    layer_params, outside = memory.param_split(m, axes, memory.embed_axes(cfg.sharding.preset, "opt_state"))
+    update = 7 * pb * (layer_params * m.num_layers / stages + outside)
+    return cfg.train.grad_accum_steps * (layer * m.num_layers + head) / stages + update
+
+
+def _moe(m) -> tuple[int, int]:
+    """(MoE layers, experts per token) from Mixtral-style keys model.num_experts / model.experts_per_token; the
+    dense Llama of today has neither: no MoE layer, no expert traffic."""
+    experts = m.get("num_experts", 0)
+    return (m.num_layers if experts else 0), m.get("experts_per_token", 0)
+
+
+def step_transfers(cfg, axes: Mapping[str, int], links: Mapping[str, list[comms.Link]],
+                   recompute: frozenset[str]) -> list[comms.Transfer]:
+    """Every collective of one train step: the preset's data parallelism (FSDP with a replica `data` axis
+    all-reducing the scattered gradients; plain data parallelism; ZeRO-1/2 over data x fsdp), tensor, pipeline
+    and expert parallelism (comms.py)."""
+    m = cfg.model
+    pb, ab = memory.DTYPE_BYTES[m.param_dtype], memory.DTYPE_BYTES[m.dtype]
+    accum, f, t = cfg.train.grad_accum_steps, axes["fsdp"], axes["tensor"]
+    layers = math.ceil(m.num_layers / axes["pipeline"])
+    layer_params, outside = memory.param_split(m, axes, ())
+    weights, rest = layer_params * pb, outside * pb
+
+    def levels(*names: str) -> list[comms.Link]:
+        return [links[a][0] for a in names] + [links[a][1] for a in names]
+
+    preset = cfg.sharding.preset
+    if preset == "fsdp":
+        out = (comms.fsdp(weights, layers, rest, accum, levels("fsdp"))
+               + comms.all_reduce_gradients(weights / f, layers, rest / f, accum, levels("data")))
+    elif preset == "dp":
+        out = comms.all_reduce_gradients(weights, layers, rest, accum, levels("fsdp", "data"))
+    else:
+        out = comms.zero(int(preset[-1]), weights, layers, rest, accum, levels("fsdp", "data"))
+    activations = memory.replica_tokens(cfg, axes) * m.d_model * ab
+    sp = cfg.sharding.sequence_parallel
+    moe_layers, top_k = _moe(m)
+    return (out + comms.tensor(activations, layers, accum, sp, recompute, levels("tensor"))
+            + comms.pipeline(activations / (t if sp else 1), accum, levels("pipeline"))
+            + comms.expert(activations * top_k, moe_layers, accum, levels("expert")))
+
+
+def _criterion(rule: str, threshold: float, value: float, below: bool = False) -> dict:
+    met = value < threshold if below else value > threshold
+    return {"rule": rule, "threshold": threshold, "value": value, "met": met}
+
+
+def critical_batches(cfg, topo: hw.Topology, axes: Mapping[str, int],
+                     links: Mapping[str, list[comms.Link]]) -> dict[str, dict]:
+    """scaling.md's conditions for staying compute-bound, each with its threshold, this plan's value and whether
+    it is met. W is the mesh axis's ICI bandwidth as comms.Link gives it (M_X x W_ici with wraparound, so the
+    thresholds read alpha / M_X etc. with alpha = C / W_ici)."""
+    chip, m = topo.chip, cfg.model
+    c = chip.bf16_flops
+    replica_tokens = memory.replica_tokens(cfg, axes)
+    out = {"hbm": _criterion("tokens per data-parallel replica (per microbatch) > C / W_hbm",
+                             c / chip.hbm_bandwidth, replica_tokens)}
+    w_x = sum(links[a][0].bandwidth for a in ("data", "fsdp") if links[a][0].size > 1)
+    w_y = links["tensor"][0].bandwidth if links["tensor"][0].size > 1 else 0.0
+    if w_x:
+        out["data_parallel"] = _criterion("tokens per data-parallel device > alpha / M_X = C / (M_X W_ici)",
+                                          c / w_x, replica_tokens)
+    if w_y:
+        out["tensor"] = _criterion("tensor ways < M_Y F / alpha", m.d_ff * w_y / c, axes["tensor"], below=True)
+    if w_x and w_y:
+        out["fsdp_x_tensor"] = _criterion("tokens per chip > alpha^2 / (M_X M_Y F)", c**2 / (w_x * w_y * m.d_ff),
+                                          replica_tokens / axes["tensor"])
+    if topo.slices > 1:
+        out["dcn"] = _criterion("tokens per slice (per microbatch) > C / W_dcn", c / chip.dcn_bandwidth,
+                                replica_tokens * axes["data"] * axes["fsdp"] / topo.slices)
+    return out
+
+
+def fsdp_tensor_split(cfg, topo: hw.Topology) -> dict:
+    """The book's best FSDP degree for FSDP x tensor on one slice of N chips, X_opt = sqrt((B/F)(M_X/M_Y) N)
+    (scaling.md), B the slice's tokens per microbatch, laid out as the book does: tensor on one torus axis,
+    FSDP on the rest (M_X = torus dims - 1, M_Y = 1; a GPU node 1 and 1). Rounded to the power-of-two tensor
+    degree nearest N / X_opt (in log scale) that divides N and the heads."""
+    chip, m, n = topo.chip, cfg.model, topo.chips_per_slice
+    m_x, m_y = (1, 1) if chip.is_gpu else (chip.torus_dims - 1, 1)
+    tokens = cfg.train.global_batch * cfg.data.seq_len / (cfg.train.grad_accum_steps * topo.slices)
+    x_opt = math.sqrt(tokens / m.d_ff * m_x / m_y * n)
+    ways = [2**k for k in range(n.bit_length()) if n % 2**k == 0 and m.num_heads % 2**k == 0]
+    y = min(ways, key=lambda w: abs(math.log2(w) - math.log2(n / x_opt)))
+    return {"x_opt": x_opt, "m_x": m_x, "m_y": m_y, "fsdp": n // y, "tensor": y}
+
+
+def _warnings(cfg, axes: Mapping[str, int], mem: memory.Prediction, chip: hw.Chip) -> list[str]:
+    """What the trainer would refuse or what makes the plan less than it seems; the plan is made regardless."""
+    m, out = cfg.model, []
+    micro = cfg.train.global_batch // cfg.train.grad_accum_steps
+    ways = axes["data"] * axes["fsdp"]
+    if micro % ways:
+        out.append(f"{micro} sequences per microbatch over {ways} data-parallel ways: the plan assumes the "
+                   f"book's sequence sharding (token-level data parallelism); the trainer shards whole sequences "
+                   f"and refuses this mesh")
+    for key in ("num_heads", "d_ff", "vocab_size"):
+        if m[key] % axes["tensor"]:
+            out.append(f"model.{key}={m[key]} is not divisible by tensor={axes['tensor']}: the trainer refuses it")
+    if m.num_layers % axes["pipeline"]:
+        out.append(f"model.num_layers={m.num_layers} is not divisible by pipeline={axes['pipeline']}")
+    for axis in ("pipeline", "expert"):
+        if axes[axis] > 1:
+            out.append(f"{axis}={axes[axis]}: not implemented in the trainer yet (it refuses the mesh); planned here "
+                       f"as {'a GPipe schedule' if axis == 'pipeline' else 'all-to-all dispatch'}")
+    if axes["expert"] > 1 and not _moe(m)[0]:
+        out.append(f"expert={axes['expert']} with no MoE layers: its devices repeat each other's work")
+    if mem.total > chip.hbm_bytes:
+        out.append(f"does not fit: {mem.total / GB:.1f} GB per device of {chip.hbm_bytes / GB:.0f} GB HBM")
+    return out
+
+
+def plan(cfg, hardware: str) -> dict:
+    """The analytic prediction for config `cfg` (scaletrain.config.load) on `hardware` (`[Sx]CHIP:DIMS`, e.g.
+    v5p:4x4x4): CONTRACT.md's keys, the terms behind them, scaling.md's critical batch sizes and the FSDP x
+    tensor split the book recommends. Plain JSON types. Raises ConfigError for an unknown chip, a malformed
+    topology, or mesh degrees that do not multiply to its chips."""
+    topo = hw.topology(hardware)
+    chip, m = topo.chip, cfg.model
+    shape = resolve_mesh(cfg.mesh, topo)
+    axes = {a: shape.ici[a] * shape.dcn[a] for a in MESH_AXES}
+    links = comms.links(topo, shape.ici, shape.dcn)
+    recompute = recomputed(cfg)
+
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    per_token = flops.flops_per_token(m, cfg.data.seq_len)
+    step_flops = per_token * tokens
+    recompute_flops = tokens * m.num_layers * sum(forward_flops(m, cfg.data.seq_len)[g] for g in recompute)
+    bubble = comms.bubble(axes["pipeline"], cfg.train.grad_accum_steps)
+    # The expert axis splits nothing of a dense model (the batch is not sharded over it): its devices repeat work.
+    working_devices = axes["data"] * axes["fsdp"] * axes["tensor"] * axes["pipeline"]
+    transfers = step_transfers(cfg, axes, links, recompute)
+    sent, seconds = comms.by_axis(transfers)
+    hbm = hbm_bytes(cfg, axes, recompute)
+    times = {"compute": (step_flops + recompute_flops) / working_devices / chip.bf16_flops / (1 - bubble),
+             "hbm": hbm / chip.hbm_bandwidth,
+             "ici": max(seconds[a] for a in MESH_AXES),
+             "dcn": max(seconds[f"dcn_{a}"] for a in MESH_AXES)}
+    bound = max(times, key=times.get)
+    step_time = times[bound]
+    mem = memory.predict(cfg, axes)
+    detail = mem.as_dict()
+    return {
+        "hardware": str(topo), "chip": chip.name, "chips": topo.num_chips, "slices": topo.slices,
+        "torus": list(topo.dims), "wraparound": list(topo.wraps),
+        "mesh": {"ici": dict(shape.ici), "dcn": dict(shape.dcn), "sizes": axes},
+        "layout": {a: {"physical_axes": list(links[a][0].parts), "wraparound": list(links[a][0].wraps),
+                       "switch": links[a][0].switch, "bandwidth": links[a][0].bandwidth}
+                   for a in MESH_AXES if links[a][0].size > 1},
+        "params": flops.param_count(m).total,
+        "flops_per_token": per_token,
+        "tokens_per_step": tokens,
+        "tokens_per_chip": tokens / topo.num_chips,
+        "tokens_per_replica": memory.replica_tokens(cfg, axes),
+        "step_flops": step_flops,
+        "recompute_flops": recompute_flops,
+        "recomputed": sorted(recompute),
+        "step_time_s": step_time,
+        "bound": bound,
+        "time_s": times,
+        "pipeline_bubble": bubble,
+        "tokens_per_second": tokens / step_time,
+        "mfu_upper_bound": step_flops / (topo.num_chips * chip.bf16_flops * step_time),
+        "memory_per_device_bytes": {k: detail[k] for k in ("params", "optimizer", "gradients", "activations",
+                                                           "total")},
+        "memory_detail_bytes": detail,
+        "hbm_capacity_bytes": chip.hbm_bytes,
+        "fits": mem.total <= chip.hbm_bytes,
+        "hbm_traffic_bytes": hbm,
+        "comm_bytes_per_device": sent,
+        "comm_time_s": seconds,
+        "collectives": [asdict(t) for t in transfers],
+        "alpha": chip.bf16_flops / chip.ici_bandwidth_bidi,
+        "critical_batch": critical_batches(cfg, topo, axes, links),
+        "fsdp_tensor_split": fsdp_tensor_split(cfg, topo),
+        "warnings": _warnings(cfg, axes, mem, chip),
+    }
+
+
+def _si(x: float, unit: str = "") -> str:
+    for scale, prefix in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}".rstrip()
+
+
+def _binary(x: float) -> str:
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if x >= scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def _seconds(x: float) -> str:
+    return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+
+
+def format_table(result: dict) -> str:
+    """A plan for humans: the machine and mesh, the roofline terms, memory, communication, the book's thresholds."""
+    r = result
+    mesh = " x ".join(f"{a}={n}" for a, n in r["mesh"]["sizes"].items() if n > 1) or "1 device"
+    layout = "; ".join(f"{a} over NVLink" if v["switch"] else
+                       f"{a} on torus axes {'x'.join(map(str, v['physical_axes']))}"
+                       f"{'' if all(v['wraparound']) else ' (not all wrapped)'}" for a, v in r["layout"].items())
+    lines = [f"{_si(r['params'])} parameters on {r['hardware']}: {r['chips']} x {r['chip']}, "
+             f"{r['slices']} slice{'s' if r['slices'] > 1 else ''}; mesh {mesh}" + (f" ({layout})" if layout else ""),
+             f"batch {r['tokens_per_step']:,} tokens per step: {r['tokens_per_chip']:.0f} per chip, "
+             f"{r['tokens_per_replica']:.0f} per data-parallel replica and microbatch",
+             f"{_si(r['flops_per_token'], 'FLOP')} per token, {_si(r['step_flops'], 'FLOP')} per step (model FLOPs), "
+             f"+{_si(r['recompute_flops'], 'FLOP')} recomputed ({', '.join(r['recomputed']) or 'nothing'})",
+             "",
+             f"step time >= {_seconds(r['step_time_s'])} ({r['bound']}-bound), {_si(r['tokens_per_second'])} "
+             f"tokens/s, MFU <= {100 * r['mfu_upper_bound']:.1f}%"]
+    lines += [f"  {k:<8}{_seconds(v):>12}" for k, v in r["time_s"].items()]
+    if r["pipeline_bubble"]:
+        lines.append(f"  (compute includes a pipeline bubble of {100 * r['pipeline_bubble']:.1f}%)")
+    detail = r["memory_detail_bytes"]
+    lines += ["", f"memory per device, of {_binary(r['hbm_capacity_bytes'])} HBM: "
+              + ("fits" if r["fits"] else "DOES NOT FIT")]
+    lines += [f"  {k:<12}{_binary(v):>12}" for k, v in r["memory_per_device_bytes"].items()]
+    lines.append(f"  (activations: saved {_binary(detail['saved_activations'])}, one layer rematerialised "
+                 f"{_binary(detail['layer_working_set'])}, logits and their gradient {_binary(detail['logits'])})")
+    if detail["host_total"]:
+        lines.append(f"  host (pinned) {_binary(detail['host_total'])}")
+    lines += ["", "communication per device per step:"]
+    lines += [f"  {a:<14}{_si(b, 'B'):>10}{_seconds(r['comm_time_s'][a]):>12}"
+              for a, b in r["comm_bytes_per_device"].items() if b]
+    if not any(r["comm_bytes_per_device"].values()):
+        lines.append("  none")
+    lines += ["", f"compute-bound conditions (alpha = C / W_ici = {r['alpha']:.0f}):"]
+    lines += [f"  {name:<14}{c['rule']}: {c['value']:.4g} vs {c['threshold']:.4g} - {'met' if c['met'] else 'NOT met'}"
+              for name, c in r["critical_batch"].items()]
+    s = r["fsdp_tensor_split"]
+    lines.append(f"FSDP x tensor: X_opt = sqrt((B/F)(M_X/M_Y)N) = {s['x_opt']:.0f} (M_X={s['m_x']}, M_Y={s['m_y']}) "
+                 f"-> fsdp={s['fsdp']} x tensor={s['tensor']}")
+    lines += ["", *(f"warning: {w}" for w in r["warnings"])] if r["warnings"] else []
+    return "\n".join(lines)

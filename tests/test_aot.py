@@ -1,0 +1,68 @@
+"""`python -m scaletrain compile`: the real train step compiled ahead of time for TPU topologies through libtpu,
+its memory against the chip's HBM (exit 3 when it does not fit), XLA's loop-corrected counts, its collectives."""
+
+import json
+
+import pytest
+
+from scaletrain import config
+from scaletrain.model import ModelConfig
+from scaletrain.planner import flops
+from tests.conftest import run_cli
+
+
+def _compile(*args):
+    return run_cli(["compile", "--json", *args], module=True, timeout=600)
+
+
+def _result(proc) -> dict:
+    assert proc.returncode in (0, 3), proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+CONTRACT_KEYS = {"fits", "hbm_per_device_bytes", "hbm_capacity_bytes", "xla_flops", "xla_optimal_seconds",
+                 "collectives", "compile_seconds"}
+
+
+def test_tiny_step_on_v5p_with_loop_corrected_counts():
+    """XLA counts a loop body once; corrected, its FLOPs cover every layer: at least the model FLOPs of the
+    step (flops.py; XLA also counts the masked half of causal attention and the rematerialised forward)."""
+    result = _result(_compile("--config", "configs/llama_tiny.yaml", "--topology", "v5p:2x2x2"))
+    assert CONTRACT_KEYS <= result.keys() and result["fits"] and result["chips"] == 8
+    assert result["hbm_capacity_bytes"] == 96e9 and 0 < result["hbm_per_device_bytes"] < 1e9
+    assert result["loop_corrected"] and result["xla_optimal_seconds"] > 0
+    cfg = config.load("configs/llama_tiny.yaml", [])
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    model_flops = flops.flops_per_token(ModelConfig.from_config(cfg.model), cfg.data.seq_len) * tokens / 8
+    # The raw count sees one of the 4 layers; the corrected one all of them.
+    assert result["xla_raw"]["flops"] < 0.7 * model_flops <= 0.7 * result["xla_flops"]
+    assert result["xla_flops"] < 1.6 * model_flops
+    # FSDP over 8 chips: parameters gathered, gradients reduce-scattered.
+    assert result["collectives"]["all-gather"]["count"] > 0 and result["collectives"]["reduce-scatter"]["bytes"] > 0
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x2"])
+def test_llama_1b_fits(topology):
+    """A ~1B model (Llama 3.2 1B shapes, 2 x 4096 tokens per chip on v5e, 1 x 4096 on v5p) fits; its state
+    alone is 1.24e9 x 12 bytes (fp32 parameters, two moments) over the chips."""
+    result = _result(_compile("--config", "configs/llama3_1b.yaml", "--topology", topology, "--no-loop-correction"))
+    chips = result["chips"]
+    assert result["fits"] and result["hbm_per_device_bytes"] <= result["hbm_capacity_bytes"]
+    assert result["memory"]["device_arguments"] >= 1.2e9 * 12 / chips
+    assert not result["loop_corrected"]
+
+
+def test_a_step_that_does_not_fit_exits_3():
+    proc = _compile("--config", "configs/llama3_1b.yaml", "--topology", "v5e:2x2", "--no-loop-correction",
+                    "--set", "train.global_batch=32")
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert not result["fits"] and result["hbm_per_device_bytes"] > result["hbm_capacity_bytes"]
+
+
+@pytest.mark.parametrize("topology, says", [("v5x:2x2", "libtpu does not know topology"),
+                                            ("v5e", "is not GENERATION:AxBxC")])
+def test_bad_topology_is_one_error_line(topology, says):
+    proc = _compile("--config", "configs/llama_tiny.yaml", "--topology", topology)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error:") and says in proc.stderr and proc.stderr.count("\n") == 1

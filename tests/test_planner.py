@@ -1,0 +1,492 @@
+"""The analytic planner against hand-computed values: the chip table and topologies, each memory term, each
+collective, the roofline, and the scaling book's own Llama-3-70B analysis ("Training LLaMA 3 on TPUs",
+https://jax-ml.github.io/scaling-book/applied-training). Pure Python: nothing is compiled."""
+
+import json
+import math
+import types
+
+import pytest
+
+from scaletrain import config
+from scaletrain.errors import ConfigError
+from scaletrain.planner import comms, flops, hardware, memory, roofline
+from tests.conftest import ROOT
+
+# A model small enough to count by hand: per layer attention 2*64*(4+2)*16 = 12288 (Q and O 8192, K and V 4096),
+# MLP 3*64*128 = 24576, norms 128 -> 36992; two layers 73984; embedding and output projection 384*64 = 24576
+# each, final norm 64: 123200 parameters. 8 sequences of 32 tokens per step.
+SMALL = {"model.vocab_size": 384, "model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4,
+         "model.num_kv_heads": 2, "model.head_dim": 16, "model.d_ff": 128, "data.seq_len": 32,
+         "train.global_batch": 8, "mesh.fsdp": -1}
+
+
+def _cfg(path: str | None = None, **overrides):
+    values = {**(SMALL if path is None else {}), **overrides}
+    return config.load(ROOT / "configs" / path if path else None, [f"{k}={v}" for k, v in values.items()])
+
+
+def _axes(**sizes) -> dict[str, int]:
+    return {"data": 1, "fsdp": 1, "expert": 1, "pipeline": 1, "tensor": 1, **sizes}
+
+
+def _ring(size: int, wrapped: bool, parts: tuple[int, ...] | None = None) -> comms.Link:
+    """A v5p ICI level (9e10 one way, 1.8e11 both ways per link)."""
+    parts = parts or (size,)
+    return comms.Link("fsdp", size, parts, (wrapped,) * len(parts), 9.0e10, 1.8e11, switch=False)
+
+
+# --- hardware ---------------------------------------------------------------------------------------------------
+
+
+def test_chip_table_numbers_are_numbers():
+    # PyYAML (YAML 1.1) reads 4.59e14 as a string; peak_flops multiplied it by the device count as a string.
+    chips = [types.SimpleNamespace(device_kind="TPU v5p", platform="tpu")] * 4
+    assert hardware.peak_flops(chips) == 4 * 4.59e14
+    v5p = hardware.spec("v5p")
+    assert (v5p.bf16_flops, v5p.hbm_bandwidth, v5p.ici_bandwidth_bidi, v5p.dcn_bandwidth) == (4.59e14, 2.8e12,
+                                                                                             1.8e11, 6.25e9)
+    assert (v5p.max_pod, v5p.chips_per_host, v5p.vmem_bytes, v5p.mxu) == ((16, 20, 28), 4, 64 * 2**20, 128)
+    h100 = hardware.spec("H100")
+    # NVLink 450 GB/s per GPU; DCN = the node's 400e9 B/s egress shared by its 8 GPUs = 5e10 per GPU.
+    assert (h100.ici_bandwidth_oneway, h100.dcn_bandwidth, h100.chips_per_host, h100.is_gpu) == (4.5e11, 5e10, 8,
+                                                                                                 True)
+    assert hardware.spec("v4p") == hardware.spec("v4")
+
+
+@pytest.mark.parametrize("text, dims, slices, chips, wraps", [
+    ("v5p:4x4x4", (4, 4, 4), 1, 64, (True,) * 3),  # a whole 4x4x4 cube: wraparound on every axis
+    ("v5p:4x4x8", (4, 4, 8), 1, 128, (True,) * 3),  # made of whole cubes
+    ("v5p:4x4x2", (4, 4, 2), 1, 32, (False,) * 3),  # smaller than a cube: no wraparound at all
+    ("v4:2x2x2", (2, 2, 2), 1, 8, (False,) * 3),
+    ("v5p:16x20x28", (16, 20, 28), 1, 8960, (True,) * 3),  # the full pod
+    ("v5e:16x16", (16, 16), 1, 256, (True, True)),  # v5e/v6e: an axis wraps only at size 16
+    ("v5e:16x8", (16, 8), 1, 128, (True, False)),
+    ("v6e:8x8", (8, 8), 1, 64, (False, False)),
+    ("2xv5p:4x4x4", (4, 4, 4), 2, 128, (True,) * 3),  # two slices over DCN
+    ("h100:8", (8,), 1, 8, ()),  # one NVLink node: a switch, no torus
+    ("h100:4", (4,), 1, 4, ()),
+    ("h100:32", (8,), 4, 32, ()),  # four nodes, playing slices
+])
+def test_topology(text, dims, slices, chips, wraps):
+    topo = hardware.topology(text)
+    assert (topo.dims, topo.slices, topo.num_chips, topo.wraps) == (dims, slices, chips, wraps)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("v9:4x4", "unknown chip 'v9'"),
+    ("v5p4x4x4", "is not of the form"),
+    ("v5p:4x4", "needs 3 sizes"),
+    ("v5e:4x4x4", "needs 2 sizes"),
+    ("v5p:4x4x32", "at most 16x20x28"),
+    ("h100:12", "a multiple of 8"),
+    ("2xv4:4x4x4", "no DCN bandwidth"),
+])
+def test_bad_hardware_is_a_config_error(text, says):
+    with pytest.raises(ConfigError, match=says) as error:
+        hardware.topology(text)
+    assert "\n" not in str(error.value)
+
+
+def test_critical_intensities_of_the_chip_table():
+    # scaling.md: a matmul is compute-bound above C / W_hbm tokens: ~240 v5e, ~164 v5p, ~575 v6e, ~295 H100.
+    c_over_w = {name: hardware.spec(name).bf16_flops / hardware.spec(name).hbm_bandwidth
+                for name in ("v5e", "v5p", "v6e", "h100")}
+    assert c_over_w == pytest.approx({"v5e": 240.2, "v5p": 163.9, "v6e": 575.0, "h100": 295.5}, abs=0.1)
+    v5p = hardware.spec("v5p")
+    assert v5p.bf16_flops / v5p.ici_bandwidth_bidi == pytest.approx(2550)  # alpha
+    assert v5p.bf16_flops / v5p.dcn_bandwidth == pytest.approx(73440)  # batch per slice across DCN
+
+
+# --- collectives ------------------------------------------------------------------------------------------------
+
+
+def test_ring_collectives_with_and_without_wraparound():
+    v = 1e9
+    wrapped, open_ring = _ring(4, True), _ring(4, False)
+    # All-gather over a wrapped ring of 4: 3/4 of V sent, at W_bidi = 1.8e11: 0.75e9 / 1.8e11 = 4.17 ms.
+    assert wrapped.bytes_sent("all-gather", v) == 0.75e9
+    assert wrapped.seconds("all-gather", v) == pytest.approx(0.75e9 / 1.8e11)
+    # Without wraparound one direction only, W_oneway = 9e10: twice as long.
+    assert open_ring.seconds("all-gather", v) == pytest.approx(2 * wrapped.seconds("all-gather", v))
+    # Reduce-scatter costs what an all-gather does; an all-reduce is both: 2 x 0.75e9 bytes.
+    assert wrapped.seconds("reduce-scatter", v) == wrapped.seconds("all-gather", v)
+    assert wrapped.bytes_sent("all-reduce", v) == 1.5e9
+    assert wrapped.seconds("all-reduce", v) == pytest.approx(1.5e9 / 1.8e11)
+    # Over M_X = 2 wrapped torus axes (4x4 = 16 chips) the time divides by 2: (15/16) 1e9 / 3.6e11.
+    plane = _ring(16, True, (4, 4))
+    assert plane.bandwidth == 3.6e11
+    assert plane.seconds("all-gather", v) == pytest.approx(0.9375e9 / 3.6e11)
+
+
+def test_latency_floor():
+    # 1 us per hop: X/2 hops around a wrapped ring of 16 (8 us), X-1 along an open one (15 us), X-1 on a switch.
+    tiny = 1000.0
+    assert _ring(16, True).seconds("all-gather", tiny) == pytest.approx(8e-6)
+    assert _ring(16, False).seconds("all-gather", tiny) == pytest.approx(15e-6)
+    # Two open axes 2 and 4 (v5e:2x4): 1 + 3 hops.
+    assert _ring(8, False, (2, 4)).seconds("reduce-scatter", tiny) == pytest.approx(4e-6)
+    node = comms.Link("tensor", 8, (8,), (False,), 4.5e11, 4.5e11, switch=True)
+    assert node.seconds("all-gather", tiny) == pytest.approx(7e-6)
+
+
+def test_all_to_all():
+    v = 1e9
+    # A bidirectional ring: V / (4 W) = 1e9 / 7.2e11 = 1.39 ms, whatever X.
+    assert _ring(8, True).seconds("all-to-all", v) == pytest.approx(v / (4 * 1.8e11))
+    # A 4x4 torus: V max(4, 4) / (4 N W) with N = 16: 1e9 * 4 / (64 * 1.8e11).
+    assert _ring(16, True, (4, 4)).seconds("all-to-all", v) == pytest.approx(v * 4 / (4 * 16 * 1.8e11))
+    # A GPU node (the book's GPU chapter): V (N-1) / (W N^2) = 1e9 * 7 / (4.5e11 * 64); each GPU sends that many bytes.
+    node = comms.Link("expert", 8, (8,), (False,), 4.5e11, 4.5e11, switch=True)
+    assert node.bytes_sent("all-to-all", v) == pytest.approx(v * 7 / 64)
+    assert node.seconds("all-to-all", v) == pytest.approx(v * 7 / (64 * 4.5e11))
+
+
+def test_a_collective_across_slices_sends_dcn_only_what_the_slice_has_not_gathered():
+    # fsdp = 4 (ICI, wrapped) x 2 (DCN): the ICI level gathers V = 1e9 (0.75e9 sent), the DCN level V/4 = 2.5e8
+    # between the 2 slices (half of it sent: 1.25e8) at 6.25e9 B/s per chip = 20 ms.
+    dcn = comms.Link("dcn_fsdp", 2, (2,), (False,), 6.25e9, 6.25e9, switch=True, hop_latency=0.0)
+    ici, across = comms.collective("all-gather", "weights", 1e9, 1, [_ring(4, True), dcn])
+    assert (ici.axis, ici.bytes_per_device) == ("fsdp", 0.75e9)
+    assert (across.axis, across.full_bytes, across.bytes_per_device) == ("dcn_fsdp", 2.5e8, 1.25e8)
+    assert across.seconds == pytest.approx(1.25e8 / 6.25e9)
+
+
+def _sent(transfers) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for t in transfers:
+        out[t.kind] = out.get(t.kind, 0.0) + t.bytes_per_device
+    return out
+
+
+def test_fsdp_gathers_twice_and_scatters_once_per_microbatch():
+    # Layers of 100 bytes (2 of them), 10 bytes outside, 3 microbatches, fsdp = 4: per microbatch an all-gather
+    # forward and backward and a reduce-scatter of (2 x 100 + 10) bytes, each sending 3/4 of it.
+    out = comms.fsdp(100.0, 2, 10.0, 3, [_ring(4, True)])
+    assert _sent(out) == {"all-gather": 2 * 3 * 210 * 0.75, "reduce-scatter": 3 * 210 * 0.75}
+    assert sum(t.count for t in out) == 3 * 3 * (2 + 1)
+
+
+def test_data_parallel_and_zero():
+    link = [_ring(4, True)]
+    # Replicated gradients: an all-reduce of every microbatch's 210 bytes: 2 x 3/4 x 210 x 3.
+    assert _sent(comms.all_reduce_gradients(100.0, 2, 10.0, 3, link)) == {"all-reduce": 2 * 0.75 * 210 * 3}
+    # ZeRO-1, one microbatch: a reduce-scatter of the gradients and an all-gather of the updated weights: the same
+    # bytes as the all-reduce (docs/benchmarks.md's zero1 meshes). Three microbatches: two all-reduces first.
+    assert _sent(comms.zero(1, 100.0, 2, 10.0, 1, link)) == {"reduce-scatter": 0.75 * 210, "all-gather": 0.75 * 210}
+    assert _sent(comms.zero(1, 100.0, 2, 10.0, 3, link)) == {"all-reduce": 2 * 2 * 0.75 * 210,
+                                                             "reduce-scatter": 0.75 * 210, "all-gather": 0.75 * 210}
+    # ZeRO-2 scatters every microbatch's gradients.
+    assert _sent(comms.zero(2, 100.0, 2, 10.0, 3, link)) == {"reduce-scatter": 3 * 0.75 * 210,
+                                                             "all-gather": 0.75 * 210}
+
+
+def test_tensor_parallel_collectives():
+    link, v = [_ring(4, True)], 1000.0
+    # Sequence parallel, 2 layers, 1 microbatch, no remat: per layer 4 all-gathers + 4 reduce-scatters (2 of each
+    # forward, their transposes backward), plus 2 of each for the embedding and output projection.
+    counts = {t.kind: t.count for t in comms.tensor(v, 2, 1, True, (), link) if t.what == "layer activations"}
+    assert counts == {"all-gather": 8, "reduce-scatter": 8}
+    assert _sent(comms.tensor(v, 2, 1, True, (), link)) == {"all-gather": 10 * 750, "reduce-scatter": 10 * 750}
+    # Full remat recomputes Q/K/V, the output projection and gate/up: 2 more all-gathers, 1 more reduce-scatter.
+    full = {"attention", "qkv", "out", "gate_up"}
+    counts = {t.kind: t.count for t in comms.tensor(v, 2, 1, True, full, link) if t.what == "layer activations"}
+    assert counts == {"all-gather": 2 * 6, "reduce-scatter": 2 * 5}
+    # Without sequence parallelism: all-reduces, 4 per layer (+1 for a recomputed output projection) + 2 outside.
+    assert _sent(comms.tensor(v, 2, 1, False, (), link)) == {"all-reduce": (8 + 2) * 2 * 750}
+    assert _sent(comms.tensor(v, 2, 1, False, full, link)) == {"all-reduce": (10 + 2) * 2 * 750}
+
+
+def test_pipeline_sends_and_bubble():
+    # GPipe: (P-1)/(M+P-1) = 3/15 for 4 stages and 12 microbatches; circular with 2 repeats 3/27.
+    assert comms.bubble(4, 12) == pytest.approx(0.2)
+    assert comms.bubble(4, 12, repeats=2) == pytest.approx(3 / 27)
+    assert comms.bubble(1, 12) == 0
+    # Per microbatch one send forward and one back, each V / W_oneway (one link, one way) - on the slowest level.
+    ici = comms.Link("pipeline", 4, (4,), (True,), 9.0e10, 1.8e11, switch=False)
+    dcn = comms.Link("dcn_pipeline", 2, (2,), (False,), 6.25e9, 6.25e9, switch=True, hop_latency=0.0)
+    (sends,) = comms.pipeline(1e6, 12, [ici, comms.Link("dcn_pipeline", 1, (1,), (False,), 6.25e9, 6.25e9, True)])
+    assert (sends.count, sends.bytes_per_device, sends.seconds) == (24, 24e6, pytest.approx(24 * 1e6 / 9e10))
+    (sends,) = comms.pipeline(1e6, 12, [ici, dcn])
+    assert (sends.axis, sends.seconds) == ("dcn_pipeline", pytest.approx(24 * 1e6 / 6.25e9))
+
+
+def test_expert_all_to_alls():
+    link = [_ring(8, True)]
+    assert comms.expert(1e6, 0, 4, link) == []  # no MoE layer: nothing moves
+    (a2a,) = comms.expert(1e9, 3, 2, link)  # 2 per layer forward (dispatch, combine), 2 backward
+    assert (a2a.count, a2a.seconds) == (4 * 3 * 2, pytest.approx(24 * 1e9 / (4 * 1.8e11)))
+
+
+def test_mesh_axes_are_laid_out_on_the_torus_like_jax():
+    v5p = hardware.topology("v5p:4x4x4")
+    links = comms.links(v5p, _axes(fsdp=16, tensor=4), _axes())
+    # tensor (innermost) takes one whole axis, fsdp the other two: M_Y = 1, M_X = 2, all wrapped.
+    assert (links["tensor"][0].parts, links["fsdp"][0].parts) == ((4,), (4, 4))
+    assert (links["tensor"][0].bandwidth, links["fsdp"][0].bandwidth) == (1.8e11, 3.6e11)
+    # The v5p pod with tensor = 4: no whole axis of 4, so tensor takes 4 of the 16 (a split axis: no wraparound)
+    # and fsdp = 2240 the rest: 4 (open) x 20 x 28 (wrapped): 9e10 + 2 x 1.8e11 = 4.5e11.
+    pod = comms.links(hardware.topology("v5p:16x20x28"), _axes(fsdp=2240, tensor=4), _axes())
+    assert (pod["tensor"][0].parts, pod["tensor"][0].wraps) == ((4,), (False,))
+    assert (pod["fsdp"][0].parts, pod["fsdp"][0].wraps, pod["fsdp"][0].bandwidth) == ((4, 20, 28),
+                                                                                     (False, True, True), 4.5e11)
+    # tensor = 8 on v5e:4x4 takes one axis whole and 2 of the other (split); fsdp the 2 left.
+    small = comms.links(hardware.topology("v5e:4x4"), _axes(fsdp=2, tensor=8), _axes())
+    assert (small["tensor"][0].parts, small["fsdp"][0].parts) == ((4, 2), (2,))
+
+
+# --- FLOPs ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["llama_tiny.yaml", "llama3_8b.yaml", "llama3_70b.yaml"])
+def test_forward_flops_are_flops_py_split_by_matmul(path):
+    # One cost model: 3 x (forward of every layer) + 6 x the output projection = flops.flops_per_token.
+    cfg = _cfg(path)
+    m, seq = cfg.model, cfg.data.seq_len
+    forward = sum(roofline.forward_flops(m, seq).values())
+    assert 3 * m.num_layers * forward + 6 * m.d_model * m.vocab_size == pytest.approx(flops.flops_per_token(m, seq))
+
+
+@pytest.mark.parametrize("policy, block, groups", [
+    ("none", 0, set()),  # everything kept, scores included
+    ("none", 8, {"attention"}),  # blocked attention rematerialises its blocks itself
+    ("full", 0, {"attention", "qkv", "out", "gate_up"}),  # the forward again, but for the down projection
+    ("save_dots", 0, {"attention"}),
+    ("save_qkv_proj", 0, {"attention", "out", "gate_up"}),
+    ("save_out_proj", 0, {"attention", "qkv", "gate_up"}),
+    ("minimal", 0, {"attention", "gate_up"}),
+    ("minimal_offloaded", 0, {"attention", "gate_up"}),
+])
+def test_what_remat_recomputes(policy, block, groups):
+    assert roofline.recomputed(_cfg(**{"remat.policy": policy, "model.attention_block": block})) == groups
+
+
+# --- memory -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, axes, params, optimizer, gradients", [
+    # fsdp = 8: 123200 float32 parameters / 8 = 61600 bytes; Adam's two moments 123200; gradients 61600.
+    ({}, _axes(fsdp=8), 61600, 123200, 61600),
+    # data = 2 x fsdp = 4: data is a replica axis of the fsdp preset: / 4.
+    ({"mesh.data": 2}, _axes(data=2, fsdp=4), 123200, 246400, 123200),
+    # dp: everything replicated, 123200 x 4 bytes.
+    ({"sharding.preset": "dp"}, _axes(data=8), 492800, 985600, 492800),
+    # ZeRO-1: moments over data x fsdp (2 x 492800 / 8); ZeRO-2: gradients too.
+    ({"sharding.preset": "zero1"}, _axes(data=2, fsdp=4), 492800, 123200, 492800),
+    ({"sharding.preset": "zero2"}, _axes(data=2, fsdp=4), 492800, 123200, 61600),
+    # tensor = 2 (divides the 2 kv heads): per layer ((8192 + 24576) / 2 + 4096 / 2 + 128) / 4 = 4640, outside
+    # (49152 / 2 + 64) / 4 = 6160: 2 x 4640 + 6160 = 15440 parameters, x 4 bytes.
+    ({}, _axes(fsdp=4, tensor=2), 61760, 123520, 61760),
+    # tensor = 4 replicates the 2 kv heads: ((8192 + 24576) / 4 + 4096 + 128) / 2 = 6208 per layer, outside
+    # (49152 / 4 + 64) / 2 = 6176: 18592 parameters.
+    ({}, _axes(fsdp=2, tensor=4), 74368, 148736, 74368),
+    # pipeline = 2: one layer per stage (36992 / 4 = 9248), everything outside the layers on each: 49216 / 4.
+    ({}, _axes(fsdp=4, pipeline=2), 86208, 172416, 86208),
+    # bfloat16 parameters: 2 bytes, and so are Adam's moments (optax keeps the parameters' dtype).
+    ({"model.param_dtype": "bfloat16"}, _axes(fsdp=8), 30800, 61600, 30800),
+    # gradient accumulation holds the running sum and one microbatch's gradients.
+    ({"train.grad_accum_steps": 2}, _axes(fsdp=8), 61600, 123200, 123200),
+    ({"optim.offload": True}, _axes(fsdp=8), 61600, 0, 61600),
+    ({"params.offload": True}, _axes(fsdp=8), 0, 0, 0),
+])
+def test_state_memory(overrides, axes, params, optimizer, gradients):
+    mem = memory.predict(_cfg(**overrides), axes)
+    assert (mem.params, mem.optimizer, mem.gradients) == pytest.approx((params, optimizer, gradients))
+
+
+def test_offloaded_state_is_counted_in_host_memory():
+    mem = memory.predict(_cfg(**{"params.offload": True}), _axes(fsdp=8))
+    assert (mem.host_params, mem.host_optimizer, mem.host_gradients) == (61600, 123200, 61600)
+    assert memory.predict(_cfg(**{"optim.offload": True}), _axes(fsdp=8)).host_optimizer == 123200
+
+
+# fsdp = 8: 8 x 32 / 8 = 32 tokens per device, bfloat16 activations (2 bytes). Elements per token: the layer input
+# D = 64; Q 4 x 16 = 64, K and V 2 x 16 = 32 each; out_proj and mlp_out 64; gate and up 128 each.
+# Policy none: scaling.md's 20 x D x 2 = 2560 bytes per token and layer, plus (no attention_block) the scores:
+# N x T x (4 + 2) = 4 x 32 x 6 = 768 -> 3328 x 32 tokens = 106496 per layer.
+LAYER_NONE = 3328 * 32
+LOGITS = 2 * 32 * 384 * 4  # float32 logits and their gradient: 98304
+
+
+@pytest.mark.parametrize("policy, device_per_token, host_per_token", [
+    ("full", 64, 0),  # the layer input only
+    ("save_qkv_proj", 64 + 128, 0),
+    ("save_out_proj", 64 + 64, 0),
+    ("minimal", 64 + 128 + 64 + 64, 0),  # + Q, K, V, out_proj, mlp_out
+    ("save_dots", 64 + 128 + 64 + 256 + 64, 0),  # every projection's output
+    ("qkv_proj_offloaded", 64, 128),
+    ("minimal_offloaded", 64, 256),
+])
+def test_activations_per_remat_policy(policy, device_per_token, host_per_token):
+    mem = memory.predict(_cfg(**{"remat.policy": policy}), _axes(fsdp=8))
+    # Saved: 2 layers x 32 tokens x elements x 2 bytes; one layer rematerialised at a time on top.
+    assert mem.saved_activations == 2 * 32 * device_per_token * 2
+    assert mem.host_activations == 2 * 32 * host_per_token * 2
+    assert (mem.layer_working_set, mem.logits) == (LAYER_NONE, LOGITS)
+    assert mem.activations == mem.saved_activations + LAYER_NONE + LOGITS
+
+
+def test_activations_without_remat_and_custom():
+    none = memory.predict(_cfg(), _axes(fsdp=8))
+    assert (none.saved_activations, none.layer_working_set, none.activations) == (2 * LAYER_NONE, 0,
+                                                                                  2 * LAYER_NONE + LOGITS)
+    # attention_block bounds the scores: 2560 bytes per token and layer.
+    blocked = memory.predict(_cfg(**{"model.attention_block": 8}), _axes(fsdp=8))
+    assert blocked.saved_activations == 2 * 2560 * 32
+    custom = memory.predict(_cfg(**{"remat.policy": "custom", "remat.custom.mlp_up": "device",
+                                    "remat.custom.attention_out": "offload"}), _axes(fsdp=8))
+    assert (custom.saved_activations, custom.host_activations) == (2 * 32 * (64 + 128) * 2, 2 * 32 * 64 * 2)
+
+
+def test_activations_over_tensor_with_and_without_sequence_parallelism():
+    # fsdp = 4 x tensor = 2: 64 tokens per device. With sequence parallelism all 20 d_model tensors split:
+    # 20 x 32 x 2 = 1280 bytes, scores 2 heads x 32 x 6 = 384: 1664 per token. Without, the 6 on the residual
+    # stream stay whole: (6 x 64 + 14 x 32) x 2 + 384 = 2048. Logits split over the vocabulary: 2 x 64 x 192 x 4.
+    axes = _axes(fsdp=4, tensor=2)
+    sp = memory.predict(_cfg(), axes)
+    no_sp = memory.predict(_cfg(**{"sharding.sequence_parallel": False}), axes)
+    assert (sp.saved_activations, no_sp.saved_activations) == (2 * 64 * 1664, 2 * 64 * 2048)
+    assert sp.logits == 2 * 64 * 192 * 4
+    # Full remat keeps the layer input, split along the sequence only with sequence parallelism.
+    full = {"remat.policy": "full"}
+    assert memory.predict(_cfg(**full), axes).saved_activations == 2 * 64 * 32 * 2
+    assert memory.predict(_cfg(**full, **{"sharding.sequence_parallel": False}), axes).saved_activations == (
+        2 * 64 * 64 * 2)
+
+
+def test_pipeline_stages_hold_every_microbatch():
+    # pipeline = 2 x fsdp = 4, 2 microbatches: a GPipe stage keeps both: 8 x 32 / 4 = 64 tokens, 1 layer each.
+    mem = memory.predict(_cfg(**{"train.grad_accum_steps": 2, "remat.policy": "full"}), _axes(fsdp=4, pipeline=2))
+    assert mem.saved_activations == 1 * 64 * 64 * 2
+
+
+# --- the roofline -----------------------------------------------------------------------------------------------
+
+
+def test_hbm_traffic():
+    # fsdp = 8, no remat, no attention blocking: nothing recomputed; 32 tokens per device, 2-byte activations.
+    # Projections (in, out): qkv (64, 128), out (64, 64), gate_up (64, 256), down (128, 64); each pass moves
+    # 2 (32 in + in out + 32 out): 28672 + 16384 + 53248 + 28672 = 126976, three passes: 380928. Attention reads
+    # Q, K, V and writes its output: 3 x 2 x 32 x (64 + 32 + 32 + 64) = 36864. Per layer 417792, 2 layers.
+    # Output projection: 3 x (2 (32 x 64 + 64 x 384) + 4 x 32 x 384) + loss 2 x 4 x 32 x 384 = 405504.
+    # Update: 7 x 4 bytes x 123200 / 8 parameters = 431200.
+    cfg = _cfg()
+    assert roofline.hbm_bytes(cfg, _axes(fsdp=8), frozenset()) == 2 * 417792 + 405504 + 431200
+
+
+def test_small_model_on_v5e_fsdp_collectives_are_latency_bound():
+    r = roofline.plan(_cfg(), "v5e:2x4")
+    # fsdp = 8 over both open axes (2 and 4) of v5e:2x4: 2 x 4.5e10 B/s, 1 + 3 hops.
+    assert r["layout"]["fsdp"] == {"physical_axes": [2, 4], "wraparound": [False, False], "switch": False,
+                                   "bandwidth": 9e10}
+    # A layer's weights: 36992 x 4 = 147968 bytes (docs/parallelism.md measured this all-gather on fsdp=8);
+    # outside: 49216 x 4 = 196864. Per step 3 collectives of each (2 layers), each sending 7/8 of its array.
+    assert r["comm_bytes_per_device"]["fsdp"] == pytest.approx(3 * (2 * 147968 + 196864) * 7 / 8)
+    # 147968 x 7/8 / 9e10 = 1.4 us < 4 us of latency: 9 collectives x 4 us.
+    assert r["comm_time_s"]["fsdp"] == pytest.approx(9 * 4e-6)
+    assert r["comm_bytes_per_device"]["tensor"] == 0
+
+
+def test_step_time_is_the_longest_term():
+    r = roofline.plan(_cfg("llama3_8b.yaml"), "v5p:4x4x2")
+    assert r["step_time_s"] == max(r["time_s"].values()) == r["time_s"][r["bound"]]
+    # MFU counts model FLOPs only: step FLOPs / (chips x peak x step time).
+    assert r["mfu_upper_bound"] == pytest.approx(r["step_flops"] / (32 * 4.59e14 * r["step_time_s"]))
+    # Compute: (model + recomputed FLOPs) / 32 chips / 4.59e14.
+    assert r["time_s"]["compute"] == pytest.approx((r["step_flops"] + r["recompute_flops"]) / 32 / 4.59e14)
+    assert r["bound"] == "compute"
+
+
+def test_llama3_8b_on_v5p_64_memory_against_the_compiled_step():
+    # docs/benchmarks.md: the compiled step needs 44.51 GiB per device (fsdp = 32, 32768 tokens per chip, full
+    # remat). Predicted: state 12 + gradients 4 bytes x 8.03e9 / 32 = 4.0e9, layer inputs 32 x 32768 x 4096 x 2
+    # = 8.6e9, one layer rematerialised 20 x 32768 x 4096 x 2 = 5.4e9, logits 2 x 32768 x 128256 x 4 = 33.6e9.
+    r = roofline.plan(_cfg("llama3_8b.yaml"), "v5p:4x4x2")
+    assert r["memory_detail_bytes"]["saved_activations"] == 32 * 32768 * 4096 * 2
+    assert r["memory_detail_bytes"]["logits"] == 2 * 32768 * 128256 * 4
+    assert 1.0 < r["memory_per_device_bytes"]["total"] / (44.51 * memory.GIB) < 1.1
+
+
+def test_dcn_data_parallel_across_two_slices():
+    # Llama-3-8B, fsdp = 64 in each of 2 v5p slices, data parallel across them: each device all-reduces its
+    # fsdp shard of the gradients over DCN, 2 x (32.1e9 / 64) x 1/2 = 501,891,328 bytes, at 6.25e9 B/s.
+    r = roofline.plan(_cfg("llama3_8b.yaml", **{"mesh.dcn_data": 2}), "2xv5p:4x4x4")
+    params = flops.param_count(_cfg("llama3_8b.yaml").model).total
+    assert r["comm_bytes_per_device"]["dcn_data"] == pytest.approx(params * 4 / 64)
+    assert r["time_s"]["dcn"] == pytest.approx(params * 4 / 64 / 6.25e9)
+    # scaling.md: across slices the batch per slice must exceed C / W_dcn = 73,440 tokens (here 524,288).
+    assert r["critical_batch"]["dcn"] == {"rule": r["critical_batch"]["dcn"]["rule"], "threshold": 73440.0,
+                                          "value": 524288.0, "met": True}
+
+
+def test_plan_is_json_with_the_contract_keys():
+    r = roofline.plan(_cfg("llama_tiny.yaml"), "v5e:2x4")
+    for key in ("params", "flops_per_token", "step_flops", "step_time_s", "bound", "memory_per_device_bytes",
+                "comm_bytes_per_device", "mfu_upper_bound"):
+        assert key in r
+    assert set(r["memory_per_device_bytes"]) == {"params", "optimizer", "gradients", "activations", "total"}
+    assert r["bound"] in ("compute", "hbm", "ici", "dcn")
+    assert json.loads(json.dumps(r)) == r
+    table = roofline.format_table(r)
+    assert f"{r['bound']}-bound" in table and "fits" in table
+
+
+@pytest.mark.parametrize("hardware_text, overrides, says", [
+    ("v5p:4x4x2", {"mesh.fsdp": 16}, "ICI mesh degrees multiply to 16"),
+    ("2xv5p:4x4x4", {}, "DCN mesh degrees multiply to 1"),
+    ("tpu9:4x4", {}, "unknown chip"),
+    ("v5p:4x4", {}, "needs 3 sizes"),
+])
+def test_plan_refuses_bad_input(hardware_text, overrides, says):
+    with pytest.raises(ConfigError, match=says):
+        roofline.plan(_cfg("llama_tiny.yaml", **overrides), hardware_text)
+
+
+# --- the scaling book's case: Llama-3-70B, 4M tokens, a full v5p pod ---------------------------------------------
+
+BOOK = {"data.seq_len": 4096, "train.global_batch": 1024}  # "1024 sequences of length 4096 per batch"
+
+
+def test_llama3_70b_on_a_v5p_pod_as_the_scaling_book_does_it():
+    r = roofline.plan(_cfg("llama3_70b.yaml", **BOOK), "v5p:16x20x28")
+    # Book: 56.3e9 FFW + 2.1e9 vocab + 12e9 attention = 70.4e9 (its 12e9 rounds 12.08e9); ours adds the norms:
+    # 80 x (704,643,072 + 150,994,944 + 16,384) + 2 x 1,050,673,152 + 8,192 = 70,553,706,496.
+    assert r["params"] == 70_553_706_496
+    assert r["params"] == pytest.approx(70.4e9, rel=0.005)
+    # Book: "roughly 6 * 70e9 = 4.2e11 FLOPs / token". Ours: 6 x 69,501,714,432 matmul weights (1% off the book's
+    # round 70e9) plus causal attention 6 x 4096 x 64 x 128 x 80 = 1.61e10.
+    assert r["flops_per_token"] == 6 * 69_501_714_432 + 6 * 4096 * 64 * 128 * 80
+    assert 6 * 69_501_714_432 == pytest.approx(4.2e11, rel=0.01)
+    # Book: "a per-TPU batch size of 4 * 1024 * 1024 / 8960 = 468 tokens".
+    assert r["tokens_per_chip"] == pytest.approx(468.1, abs=0.05)
+    # Book: FSDP is ICI-bound below 2550 / M_X per device, "a lower bound of 850" with 3 axes: "the answer is no".
+    dp = r["critical_batch"]["data_parallel"]
+    assert (dp["threshold"], dp["value"], dp["met"]) == (pytest.approx(850), pytest.approx(468.1, abs=0.05), False)
+    assert r["bound"] == "ici"
+    # Book: X_opt = sqrt(2 B N / F) = sqrt(2 x 4.19e6 x 8960 / 28672) = 1618 -> "roughly 2048-way FSDP and 4-way
+    # tensor parallelism". Ours, B = 4,194,304 exactly: sqrt(4194304 / 28672 x 2 x 8960) = 1619.1; 8960 / 1619.1
+    # = 5.53 is nearest 4 (log scale): fsdp = 8960 / 4 = 2240.
+    split = r["fsdp_tensor_split"]
+    assert split == {"x_opt": pytest.approx(1619.1, abs=0.05), "m_x": 2, "m_y": 1, "fsdp": 2240, "tensor": 4}
+
+
+def test_llama3_70b_fsdp_x_tensor_is_compute_bound():
+    r = roofline.plan(_cfg("llama3_70b.yaml", **BOOK, **{"mesh.tensor": 4}), "v5p:16x20x28")
+    assert (r["mesh"]["sizes"]["fsdp"], r["bound"]) == (2240, "compute")
+    assert r["critical_batch"]["fsdp_x_tensor"]["met"] and r["critical_batch"]["tensor"]["met"]
+    # Full remat recomputes Q/K/V, attention, the output projection and gate/up for every token and layer:
+    # 2 x 8192 x 10240 + 2 x 4096 x 64 x 128 + 2 x 8192 x 8192 + 4 x 8192 x 28672 = 1,308,622,848 FLOPs.
+    assert r["recompute_flops"] == 4194304 * 80 * 1_308_622_848
+    # The saved layer inputs are the book's activation checkpoints, one per layer instead of its two:
+    # 2 bytes x 8192 x 4,194,304 tokens x 80 layers / 8960 chips.
+    assert r["memory_detail_bytes"]["saved_activations"] == pytest.approx(2 * 8192 * 4194304 * 80 / 8960)
+
+
+def test_llama3_70b_book_thresholds_with_tensor_on_a_whole_axis():
+    # tensor = 16 takes the pod's 16-axis whole, fsdp = 560 the 20 x 28 plane: the book's M_X = 2, M_Y = 1.
+    r = roofline.plan(_cfg("llama3_70b.yaml", **BOOK, **{"mesh.tensor": 16}), "v5p:16x20x28")
+    # Book: comms-bound below 2550^2 / 2F = 113 tokens per chip; tensor ICI-bound above F / 2550 = 11 ways.
+    assert r["critical_batch"]["fsdp_x_tensor"]["threshold"] == pytest.approx(2550**2 / (2 * 28672))
+    assert r["critical_batch"]["tensor"]["threshold"] == pytest.approx(28672 / 2550)
+    assert not r["critical_batch"]["tensor"]["met"]
+    assert math.isclose(2550**2 / (2 * 28672), 113.4, abs_tol=0.05)
