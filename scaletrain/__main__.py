@@ -64,16 +64,36 @@ def parser() -> argparse.ArgumentParser:
     comp.add_argument("--json", action="store_true", help="print the result as JSON")
     comp.add_argument("--no-loop-correction", action="store_true",
                       help="skip the two small compiles that correct XLA's estimate for loops (faster)")
+    sweep = sub.add_parser("sweep", help="plan, compile and run every variant of a sweep file")
+    sweep.add_argument("sweep_file", metavar="SWEEP.yaml", help="e.g. configs/sweeps/tiny_cpu.yaml")
+    sweep.add_argument("--out", required=True, help="directory for results.jsonl, summary.md, sweep.png")
+    sweep.add_argument("--cpu-devices", type=int, default=None, metavar="N",
+                       help="simulate N devices on the CPU for the run stage (ignored where an accelerator is present)")
     return p
+
+
+def sweep(args: argparse.Namespace) -> int:
+    from scaletrain import runtime
+    from scaletrain.planner import sweep as sweep_lib
+
+    spec = sweep_lib.load(args.sweep_file)  # before JAX starts: a bad sweep file costs milliseconds
+    runtime.configure(args.cpu_devices)
+    records = sweep_lib.run(spec, args.out, log=lambda line: print(line, flush=True))
+    ok = sum(r["status"] == "ok" for r in records)
+    print(f"{ok} of {len(records)} variants ok; {args.out}/summary.md, results.jsonl, sweep.png")
+    return 0
 
 
 def plan(args: argparse.Namespace) -> int:
     import json
 
-    from scaletrain import config
+    from scaletrain import config, runtime
+
+    cfg = config.load(args.config, args.set)
+    runtime.configure(None)  # `cpu:N` measures this machine's CPU
     from scaletrain.planner import roofline
 
-    result = roofline.plan(config.load(args.config, args.set), args.hardware)
+    result = roofline.plan(cfg, args.hardware)
     print(json.dumps(result, indent=1) if args.json else roofline.format_table(result))
     return 0
 
@@ -150,7 +170,8 @@ def train(args: argparse.Namespace) -> int:
     return trainer.run(cfg)
 
 
-COMMANDS = {"train": train, "ckpt": ckpt, "convert": convert, "logits": logits, "plan": plan, "compile": compile_}
+COMMANDS = {"train": train, "ckpt": ckpt, "convert": convert, "logits": logits, "plan": plan, "compile": compile_,
+            "sweep": sweep}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -442,6 +442,29 @@ def test_plan_refuses_bad_input(hardware_text, overrides, says):
         roofline.plan(_cfg("llama_tiny.yaml", **overrides), hardware_text)
 
 
+def test_the_plan_command(capsys):
+    """`python -m scaletrain plan`: the table by default, JSON with --json, one error line for bad hardware."""
+    from scaletrain.__main__ import main
+
+    args = ["plan", "--config", "configs/llama3_8b.yaml", "--hardware", "v5p:4x4x2"]
+    assert main(args) == 0
+    assert "compute-bound" in capsys.readouterr().out
+    assert main([*args, "--json", "--set", "mesh.tensor=4"]) == 0
+    assert json.loads(capsys.readouterr().out)["mesh"]["sizes"]["fsdp"] == 8
+    assert main(["plan", "--config", "configs/llama3_8b.yaml", "--hardware", "v5p:4x4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "needs 3 sizes" in err and err.count("\n") == 1
+
+
+def test_this_cpu_as_simulated_devices(monkeypatch):
+    """`cpu:N`: the measured peak and bandwidth shared by N devices that talk through memory (one switch)."""
+    monkeypatch.setattr(hardware, "cpu_peak", lambda: 8e10)
+    monkeypatch.setattr(hardware, "cpu_bandwidth", lambda: 1.6e10)
+    topo = hardware.topology("cpu:8")
+    assert topo.num_chips == 8 and topo.slices == 1 and topo.chip.is_gpu
+    assert topo.chip.bf16_flops == 1e10 and topo.chip.hbm_bandwidth == 2e9 == topo.chip.ici_bandwidth_oneway
+
+
 # --- the scaling book's case: Llama-3-70B, 4M tokens, a full v5p pod ---------------------------------------------
 
 BOOK = {"data.seq_len": 4096, "train.global_batch": 1024}  # "1024 sequences of length 4096 per batch"

@@ -43,6 +43,20 @@ def topology_devices(topology: str) -> list:
                           f"a TPU generation and chip grid, e.g. v5e:2x2, v5p:2x2x2, v6e:8x8") from None
 
 
+def devices_for(topology: str) -> list:
+    """A TPU topology's devices, or with `cpu` / `cpu:N` this process's own CPU devices (a sweep measured here
+    compiles for them)."""
+    import jax
+
+    if topology == "cpu" or topology.startswith("cpu:"):
+        local = jax.devices("cpu")
+        if topology != "cpu" and topology != f"cpu:{len(local)}":
+            raise ConfigError(f"topology '{topology}': this process has {len(local)} CPU devices; expected "
+                              f"cpu:{len(local)} (or start it with --cpu-devices N)")
+        return local
+    return topology_devices(topology)
+
+
 def _cost(compiled) -> dict[str, float]:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -60,7 +74,8 @@ def _loop_corrected(cfg, devices) -> dict[str, float]:
         variant.train.global_batch = cfg.train.global_batch // accum
         variant.train.grad_accum_steps = 1
         setup = trainer.build(variant, devices, unroll_loops=True)
-        compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile(_NO_WINDOWED_EINSUM)
+        options = _NO_WINDOWED_EINSUM if devices[0].platform == "tpu" else None
+        compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile(options)
         costs.append(_cost(compiled))
     one, two = costs
     layers = cfg.model.num_layers
@@ -68,13 +83,13 @@ def _loop_corrected(cfg, devices) -> dict[str, float]:
 
 
 def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
-    """CONTRACT.md's `compile` result for `cfg` on `topology`. Raises ConfigError for a config or topology the
-    step cannot be built for."""
+    """CONTRACT.md's `compile` result for `cfg` on `topology` (a TPU topology, or `cpu`: devices_for). Raises
+    ConfigError for a config or topology the step cannot be built for."""
     import jax
 
     from scaletrain import trainer
 
-    devices = topology_devices(topology)
+    devices = devices_for(topology)
     setup = trainer.build(cfg, devices)
     start = time.perf_counter()
     try:
@@ -92,8 +107,8 @@ def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
     if estimate <= 0 or raw["optimal_seconds"] <= 0:
         # libtpu's estimate of some programs (seen on tied-embedding models) comes out negative: no estimate.
         estimate = None
-    chip = _chip(devices[0])
-    capacity = _capacity(devices[0])
+    chip = _chip(devices)
+    capacity = int(chip.hbm_bytes) if chip else None
     collectives = hlo.summary(hlo.inventory(compiled.as_text(), setup.mesh))
     return {
         "topology": topology,
@@ -124,19 +139,21 @@ def _out_of_memory(message: str) -> int | None:
     return int(float(m.group(1)) * 2 ** (10 * "KMGT".index(m.group(2)) + 10)) if m else None
 
 
-def _chip(device) -> hardware.Chip | None:
-    name = hardware.chip(device.device_kind)
+def _chip(devices) -> hardware.Chip | None:
+    if devices[0].platform == "cpu":
+        return hardware.cpu(len(devices))
+    name = hardware.chip(devices[0].device_kind)
     return hardware.spec(name) if name else None
 
 
-def _capacity(device) -> int | None:
-    chip = _chip(device)
+def _capacity(devices) -> int | None:
+    chip = _chip(devices)
     return int(chip.hbm_bytes) if chip else None
 
 
 def _does_not_fit(topology: str, devices, needed: int, seconds: float, message: str) -> dict:
     return {"topology": topology, "chips": len(devices), "device_kind": devices[0].device_kind, "fits": False,
-            "hbm_per_device_bytes": needed, "hbm_capacity_bytes": _capacity(devices[0]), "host_per_device_bytes": 0,
+            "hbm_per_device_bytes": needed, "hbm_capacity_bytes": _capacity(devices), "host_per_device_bytes": 0,
             "memory": None, "xla_flops": None, "xla_bytes_accessed": None, "xla_optimal_seconds": None,
             "xla_roofline_seconds": None,
             "loop_corrected": False, "xla_raw": None, "collectives": None, "compile_seconds": seconds,

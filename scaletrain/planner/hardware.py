@@ -41,33 +41,52 @@ def chip(device_kind: str) -> str | None:
     return max(matches)[1] if matches else None
 
 
-def measure_cpu_peak(n: int = 2048, repeats: int = 5) -> float:
+def _best_seconds(fn, arg, repeats: int = 5) -> float:
+    fn(arg).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(arg).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_cpu_peak(n: int = 2048) -> float:
     """FLOP/s of a large float32 matmul on the host CPU: the honest peak for CPU runs, which all simulated
     devices share."""
     import jax
     import jax.numpy as jnp
 
-    cpu = jax.devices("cpu")[0]
-    a = jax.device_put(jnp.ones((n, n), jnp.float32), cpu)
-    matmul = jax.jit(lambda x: x @ x)
-    matmul(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        matmul(a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), jax.devices("cpu")[0])
+    return 2 * n**3 / _best_seconds(jax.jit(lambda x: x @ x), a)
+
+
+def measure_cpu_bandwidth(n: int = 2**26) -> float:
+    """Bytes/s of the host's memory: a 256 MiB float32 array read and written once."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.device_put(jnp.ones((n,), jnp.float32), jax.devices("cpu")[0])
+    return 2 * 4 * n / _best_seconds(jax.jit(lambda x: x + 1), a)
 
 
 def cpu_peak() -> float:
+    return _measured("", measure_cpu_peak)
+
+
+def cpu_bandwidth() -> float:
+    return _measured("/bandwidth", measure_cpu_bandwidth)
+
+
+def _measured(what: str, measure) -> float:
     """Measured once per machine (CPU model and core count) and cached."""
-    key = f"{platform.processor() or platform.machine()}/{os.cpu_count()}"
+    key = f"{platform.processor() or platform.machine()}/{os.cpu_count()}{what}"
     try:
         cached = json.loads(_CACHE.read_text())
     except (OSError, ValueError):
         cached = {}
     if key not in cached:
-        cached[key] = measure_cpu_peak()
+        cached[key] = measure()
         try:
             _CACHE.parent.mkdir(parents=True, exist_ok=True)
             _CACHE.write_text(json.dumps(cached))
@@ -130,6 +149,17 @@ def spec(name: str) -> Chip:
                 chips_per_host=e["chips_per_host"], vmem_bytes=e["vmem_bytes"], mxu=e["mxu"])
 
 
+def cpu(devices: int) -> Chip:
+    """This machine's CPU as `devices` simulated devices (`cpu:8`), to plan runs measured here: they share its
+    measured matmul peak and memory bandwidth, and exchange data through that memory (a switch, as in a GPU
+    node). A rough machine model - CPU collectives are memory copies - kept for comparing layouts."""
+    peak, bandwidth = cpu_peak() / devices, cpu_bandwidth() / devices
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Chip(name="cpu", bf16_flops=peak, int8_ops=peak, hbm_bytes=ram / devices, hbm_bandwidth=bandwidth,
+                ici_bandwidth_oneway=bandwidth, ici_bandwidth_bidi=bandwidth, torus_dims=None, max_pod=None,
+                dcn_bandwidth=None, chips_per_host=devices)
+
+
 @dataclass(frozen=True)
 class Topology:
     """A machine to plan for: `slices` identical slices (GPU: NVLink nodes) of `dims` chips, joined by DCN."""
@@ -152,7 +182,8 @@ class Topology:
 
 
 _TOPOLOGY = re.compile(r"(?:(\d+)x)?([a-z][a-z0-9]*):(\d+(?:x\d+)*)")
-_FORM = "[SLICESx]CHIP:DIMS, e.g. v5p:4x4x4, v5e:16x16, 2xv5p:4x4x4 (2 slices over DCN) or h100:8"
+_FORM = ("[SLICESx]CHIP:DIMS, e.g. v5p:4x4x4, v5e:16x16, 2xv5p:4x4x4 (2 slices over DCN), h100:8, or cpu:8 (this "
+         "machine's CPU as 8 simulated devices)")
 
 
 def wraparound(chip: Chip, dims: tuple[int, ...]) -> tuple[bool, ...]:
@@ -173,7 +204,7 @@ def topology(text: str) -> Topology:
     if not match:
         raise ConfigError(f"hardware '{text}' is not of the form {_FORM}")
     prefix, name, dims_text = match.groups()
-    chip = spec(name)
+    chip = cpu(int(dims_text)) if name == "cpu" and dims_text.isdigit() and not prefix else spec(name)
     dims = tuple(int(d) for d in dims_text.split("x"))
     slices = int(prefix) if prefix else 1
     if slices < 1 or min(dims) < 1:

@@ -280,7 +280,7 @@ def format_table(result: dict) -> str:
     """A plan for humans: the machine and mesh, the roofline terms, memory, communication, the book's thresholds."""
     r = result
     mesh = " x ".join(f"{a}={n}" for a, n in r["mesh"]["sizes"].items() if n > 1) or "1 device"
-    layout = "; ".join(f"{a} over NVLink" if v["switch"] else
+    layout = "; ".join(f"{a} over {'memory' if r['chip'] == 'cpu' else 'NVLink'}" if v["switch"] else
                        f"{a} on torus axes {'x'.join(map(str, v['physical_axes']))}"
                        f"{'' if all(v['wraparound']) else ' (not all wrapped)'}" for a, v in r["layout"].items())
     lines = [f"{_si(r['params'])} parameters on {r['hardware']}: {r['chips']} x {r['chip']}, "

@@ -1,0 +1,114 @@
+"""`python -m scaletrain sweep`: variants of a base config planned, compiled and run, their results written as
+results.jsonl, summary.md and sweep.png, invalid variants recorded, disagreements between views flagged."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scaletrain import config
+from scaletrain.errors import ConfigError
+from scaletrain.planner import sweep as sweep_lib
+from tests.conftest import ROOT
+
+TINY = ["model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16",
+        "model.d_ff=128", "model.vocab_size=384", "data.seq_len=32", "train.global_batch=8", "mesh.fsdp=-1"]
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """Four meshes of a 2-layer model on the 8 CPU devices (fsdp fills what tensor leaves), every stage, and one
+    invalid variant."""
+    tmp = tmp_path_factory.mktemp("sweep")
+    path = _write(tmp, f"""
+base: {ROOT / 'configs' / 'llama_tiny.yaml'}
+set: {json.dumps(TINY)}
+stages: [plan, compile, run]
+hardware: cpu:8
+loop_correction: false
+steps: 2
+grid:
+  mesh.tensor: [1, 2, 3, 4]
+variants:
+  - {{mesh.data: 8, sharding.preset: dp}}
+""")
+    spec = sweep_lib.load(path)
+    assert spec.topology == "cpu:8"  # compile defaults to the planned hardware
+    return sweep_lib.run(spec, tmp / "out", log=lambda line: None), tmp / "out"
+
+
+def test_every_stage_of_every_valid_variant_is_recorded(swept):
+    records, out = swept
+    assert [r["name"] for r in records] == ["tensor=1", "tensor=2", "tensor=3", "tensor=4",
+                                            "data=8 sharding.preset=dp"]
+    # 8 devices are not a multiple of tensor=3: recorded, and the sweep went on.
+    assert [r["status"] for r in records] == ["ok", "ok", "invalid", "ok", "ok"]
+    assert "mesh.tensor=3" in records[2]["error"]
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["name"] for r in lines] == [r["name"] for r in records]
+    for r in (r for r in lines if r["status"] == "ok"):
+        assert r["plan"]["step_time_s"] > 0 and r["plan"]["memory_per_device_bytes"] > 0
+        assert r["compile"]["fits"] and r["compile"]["hbm_per_device_bytes"] > 0 and r["compile"]["xla_flops"] > 0
+        assert r["run"]["finite"] and len(r["run"]["losses"]) == 3 and r["run"]["step_time_s"] > 0
+    # The same model: the same first loss on every mesh.
+    first = [r["run"]["losses"][0] for r in lines if r["status"] == "ok"]
+    assert max(first) - min(first) < 1e-4
+
+
+def test_summary_ranks_by_the_best_step_time_and_the_plot_is_written(swept):
+    records, out = swept
+    text = (out / "summary.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| rank")]
+    ranked = [line.split(" | ")[1] for line in rows if not line.startswith("| -")]
+    measured = sorted((r["run"]["step_time_s"], r["name"]) for r in records if r["status"] == "ok")
+    assert ranked == [n for _, n in measured]
+    assert sum("invalid" in line for line in rows) == 1
+    assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_checks_flag_only_differences_over_the_tolerance():
+    spec = sweep_lib.Sweep(base=Path("x"), common=(), stages=sweep_lib.STAGES, hardware="cpu:8", topology="cpu:8",
+                           loop_correction=False, steps=1, variants=({},))
+    record = {"plan": {"chip": "cpu", "step_time_s": 1.0, "memory_per_device_bytes": 100.0},
+              "compile": {"topology": "cpu:8", "xla_flops": 1.0, "xla_optimal_seconds": None,
+                          "xla_roofline_seconds": 1.2, "hbm_per_device_bytes": 130.0},
+              "run": {"chip": "cpu", "step_time_s": 1.5, "memory_per_device_bytes": 110.0}}
+    flags = sweep_lib.checks(record, spec)
+    # plan 1.0 vs XLA 1.2 (-17%) and vs run 1.5 (-33%); memory 100 vs 130 (-23%) and vs 110 (-9%); XLA 1.2 vs
+    # run 1.5 (-20%): only the second is over 25%.
+    assert flags == ["step time: plan 1 s vs run 1.5 s (-33%)"]
+
+
+@pytest.mark.parametrize("text, says", [
+    ("base: a.yaml\nvariants: [{mesh.fsdp: 2}]\nstagez: [plan]", "unknown key(s) stagez"),
+    ("base: a.yaml\nstages: [plan]\nvariants: [{mesh.fsdp: 2}]", "needs 'hardware'"),
+    ("base: a.yaml\nstages: [run]", "no variants"),
+    ("base: a.yaml\nstages: [run]\ngrid: {mesh.fsdp: 2}", "non-empty lists"),
+    ("base: a.yaml\nstages: [fly]\nvariants: [{mesh.fsdp: 2}]", "expected a list of plan, compile, run"),
+    ("variants: [{mesh.fsdp: 2}]", "'base'"),
+])
+def test_bad_sweep_files_are_refused(tmp_path, text, says):
+    with pytest.raises(ConfigError, match=".*" + says.replace("(", r"\(").replace(")", r"\)")):
+        sweep_lib.load(_write(tmp_path, text))
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "sweeps").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_sweeps_are_valid(path):
+    spec = sweep_lib.load(path)
+    assert len(spec.variants) >= 4
+    for variant in spec.variants:
+        config.load(spec.base, [*spec.common, *(f"{k}={v}" for k, v in variant.items())])
+
+
+def test_the_command_refuses_a_bad_sweep_file_in_one_line(tmp_path, capsys):
+    from scaletrain.__main__ import main
+
+    assert main(["sweep", str(_write(tmp_path, "base: a.yaml")), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1
