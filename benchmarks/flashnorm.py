@@ -8,7 +8,8 @@ TPU compiles and, on a GPU, timings.
 `ops`: one norm + projection (forward and backward) at Llama-3-8B and 70B shapes (8192 tokens per device; Q/K/V
 and gate/up), first on the CPU against the jnp reference (a smaller M, the kernels interpreted), then compiled
 for one chip of the topology: XLA's op counts, FLOPs, bytes accessed, optimal_seconds and temporaries.
-`step`: the real train step compiled for the topology with each model.norm: HBM per device, optimal_seconds.
+`step`: the real train step compiled for the topology with each model.norm (planner/aot.py): HBM per device and
+XLA's loop-corrected counts and optimal_seconds (the raw one beside it).
 `gpu`: on a machine with a GPU, the Triton kernels' forward + backward at the `ops` shapes, timed against the
 standard and deferred forms XLA compiles (median wall time, bf16). Without one, `optimal_seconds` (XLA's
 estimate) is all there is. Results go in docs/benchmarks.md.
@@ -112,27 +113,18 @@ def ops(topology: str) -> None:
 
 
 def step(config_path: str, topology: str, overrides: list[str]) -> None:
-    from jax.experimental import topologies
+    from scaletrain import config
+    from scaletrain.planner import aot, memory
 
-    from scaletrain import config, trainer
-    from scaletrain.planner import memory
-
-    devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
-    print(f"## {time.strftime('%Y-%m-%d')}  {config_path} on {topology} ({len(devices)} chips)  {' '.join(overrides)}\n")
-    print("| model.norm | HBM per device GiB | temporaries GiB | XLA optimal_seconds | compile s |\n|---|---|---|---|---|")
+    print(f"## {time.strftime('%Y-%m-%d')}  {config_path} on {topology}  {' '.join(overrides)}\n")
+    print("| model.norm | HBM per device GiB | XLA TFLOP | XLA GB accessed | XLA optimal_seconds | raw optimal_seconds "
+          "| compile s |\n|---|---|---|---|---|---|---|")
     for mode in MODES:
-        setup = trainer.build(config.load(config_path, [f"model.norm={mode}", *overrides]), devices)
-        t0 = time.perf_counter()
-        try:
-            compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
-        except Exception as e:  # noqa: BLE001 - a failed compile is a result too
-            print(f"| {mode} | does not compile: {str(e).splitlines()[0][:160]} ||||", flush=True)
-            continue
-        m = memory.compiled(compiled.memory_analysis())
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        print(f"| {mode} | {m['device_total'] / memory.GIB:.2f} | {m['device_temporaries'] / memory.GIB:.2f} | "
-              f"{cost.get('optimal_seconds', float('nan')):.3f} | {time.perf_counter() - t0:.0f} |", flush=True)
+        r = aot.compile_step(config.load(config_path, [f"model.norm={mode}", *overrides]), topology)
+        estimate = "-" if r["xla_optimal_seconds"] is None else f"{r['xla_optimal_seconds']:.3f}"
+        print(f"| {mode} | {r['hbm_per_device_bytes'] / memory.GIB:.2f} | {r['xla_flops'] / 1e12:.0f} | "
+              f"{r['xla_bytes_accessed'] / 1e9:.0f} | {estimate} | {r['xla_raw']['optimal_seconds']:.3f} | "
+              f"{r['compile_seconds']:.0f} |", flush=True)
 
 
 def gpu(repeats: int) -> None:

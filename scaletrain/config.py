@@ -227,20 +227,30 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def read_mapping(path: str | Path, what: str, example: str, keys: Iterable[str] | None = None) -> dict:
+    """A YAML file holding a mapping - a config, sweep or launch file - with every failure one ConfigError line;
+    with `keys`, a key outside them is refused."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} '{path}' not found; expected a YAML file such as {example}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{what} '{path}' must hold a mapping of keys, got {type(tree).__name__}")
+    if keys is not None and (unknown := set(tree) - set(keys)):
+        raise ConfigError(f"{what} '{path}': unknown key(s) {', '.join(sorted(unknown))}; expected some of "
+                          f"{', '.join(sorted(keys))}")
+    return tree
+
+
 def load(path: str | Path | None = None, overrides: Iterable[str] = ()) -> ml_collections.ConfigDict:
     """defaults() <- YAML file <- --set overrides, each key checked; then validated."""
     cfg = defaults()
     known = flat_keys(cfg)
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file '{path}' not found; expected a YAML file such as configs/llama_tiny.yaml")
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"config file '{path}' must hold a mapping of keys, got {type(tree).__name__}")
+        tree = read_mapping(path, "config file", example="configs/llama_tiny.yaml")
         for key, value in _flatten(tree).items():
             _set(cfg, key, value, known)
     for text in overrides:

@@ -41,6 +41,12 @@ def test_tiny_step_on_v5p_with_loop_corrected_counts():
     assert result["collectives"]["all-gather"]["count"] > 0 and result["collectives"]["reduce-scatter"]["bytes"] > 0
 
 
+def test_tiny_step_on_v5e():
+    result = _result(_compile("--config", "configs/llama_tiny.yaml", "--topology", "v5e:2x2", "--no-loop-correction"))
+    assert result["fits"] and result["chips"] == 4 and result["hbm_capacity_bytes"] == 16e9
+    assert result["device_kind"] == "TPU v5 lite" and not result["loop_corrected"]
+
+
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x2"])
 def test_llama_1b_fits(topology):
     """A ~1B model (Llama 3.2 1B shapes, 2 x 4096 tokens per chip on v5e, 1 x 4096 on v5p) fits; its state

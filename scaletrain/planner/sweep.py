@@ -56,18 +56,10 @@ class Sweep:
 
 def load(path: str | Path) -> Sweep:
     """Read and check a sweep file. Raises ConfigError saying what is wrong and what is expected."""
+    from scaletrain.config import read_mapping
+
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read sweep file {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"sweep file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"sweep file {path}: expected a mapping with keys {', '.join(sorted(_KEYS))}")
-    if unknown := set(raw) - _KEYS:
-        raise ConfigError(f"sweep file {path}: unknown key(s) {', '.join(sorted(unknown))}; expected some of "
-                          f"{', '.join(sorted(_KEYS))}")
+    raw = read_mapping(path, "sweep file", "configs/sweeps/tiny_cpu.yaml", _KEYS)
     if "base" not in raw:
         raise ConfigError(f"sweep file {path}: 'base' (the config every variant starts from) is missing")
     stages = tuple(raw.get("stages", STAGES))

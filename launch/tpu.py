@@ -1,0 +1,357 @@
+"""Launch scaletrain on Cloud TPU slices: `python launch/tpu.py COMMAND --config launch/configs/NAME.yaml [--dry-run]`.
+
+Commands: create (a queued resource: one slice, or several for multislice), setup (scaletrain on every worker:
+this checkout copied over, or a git ref), run (train.py on every worker of every slice, run_dir under the
+bucket), sweep (a sweep's variants one after another on the same slice), status, logs, delete, and manifest (a
+GKE JobSet for teams on GKE). `--dry-run` prints every command, one per line, and runs nothing; `run --local N`
+runs the same training command as N local processes joined by jax.distributed on the CPU. docs/launch.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scaletrain.config import read_mapping  # noqa: E402
+from scaletrain.errors import ConfigError  # noqa: E402
+EXIT_USAGE = 2
+
+# Cloud TPU generations: accelerator-type prefix, what one unit of the type's number counts (v4 and v5p count
+# TensorCores, two per chip; v5e and v6e count chips), chips per host, default runtime version.
+GENERATIONS = {
+    "v4": dict(prefix="v4", cores_per_chip=2, chips_per_host=4, runtime="tpu-ubuntu2204-base"),
+    "v5e": dict(prefix="v5litepod", cores_per_chip=1, chips_per_host=4, runtime="v2-alpha-tpuv5-lite"),
+    "v5p": dict(prefix="v5p", cores_per_chip=2, chips_per_host=4, runtime="v2-alpha-tpuv5"),
+    "v6e": dict(prefix="v6e", cores_per_chip=1, chips_per_host=4, runtime="v2-alpha-tpuv6e"),
+}
+_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v5e": "v5e", "v4": "v4", "v5p": "v5p", "v6e": "v6e"}
+CAPACITY = ("on-demand", "spot", "reserved")
+MEGASCALE_PORT = 8080
+_KEYS = {"project", "zone", "accelerator", "runtime_version", "slices", "capacity", "bucket", "run_name", "train",
+         "sweep", "source", "env"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    project: str
+    zone: str
+    generation: str
+    accelerator: str  # as gcloud spells it, e.g. v5litepod-16
+    chips: int  # per slice
+    runtime_version: str
+    slices: int
+    capacity: str
+    bucket: str
+    run_name: str
+    train_config: str
+    overrides: tuple[str, ...]
+    sweep: str | None
+    source: dict | None  # None: this checkout; {"git": URL, "ref": REF}
+    env: dict
+
+    @property
+    def hosts(self) -> int:
+        return max(1, self.chips // GENERATIONS[self.generation]["chips_per_host"])
+
+    @property
+    def nodes(self) -> list[str]:
+        """TPU VM names: the run name for one slice; prefix-0 .. prefix-(n-1) for a multislice queued resource."""
+        return [self.run_name] if self.slices == 1 else [f"{self.run_name}-{i}" for i in range(self.slices)]
+
+    @property
+    def run_dir(self) -> str:
+        return f"{self.bucket.rstrip('/')}/{self.run_name}"
+
+
+def load(path: str | Path) -> Launch:
+    path = Path(path)
+    raw = read_mapping(path, "launch file", "launch/configs/v5e-16.yaml", _KEYS)
+    for key in ("project", "zone", "accelerator", "bucket", "run_name", "train"):
+        if not raw.get(key):
+            raise ConfigError(f"launch file {path}: '{key}' is missing" + (
+                "; expected a gs://bucket[/prefix] for run directories and checkpoints" if key == "bucket" else ""))
+    generation, accelerator, chips = accelerator_type(str(raw["accelerator"]))
+    if not str(raw["bucket"]).startswith("gs://"):
+        raise ConfigError(f"launch file {path}: bucket '{raw['bucket']}' is not a gs:// path; every worker must "
+                          f"reach the run directory, so it lives in Cloud Storage")
+    slices = raw.get("slices", 1)
+    if not isinstance(slices, int) or slices < 1:
+        raise ConfigError(f"launch file {path}: slices={slices!r}; expected a positive integer (the node count "
+                          f"of the queued resource)")
+    capacity = raw.get("capacity", "on-demand")
+    if capacity not in CAPACITY:
+        raise ConfigError(f"launch file {path}: capacity '{capacity}'; expected one of {', '.join(CAPACITY)}")
+    if not re.fullmatch(r"[a-z]([-a-z0-9]{0,48}[a-z0-9])?", str(raw["run_name"])):
+        raise ConfigError(f"launch file {path}: run_name '{raw['run_name']}' must be lowercase letters, digits "
+                          f"and hyphens, starting with a letter (it names the TPU VMs)")
+    train = raw["train"]
+    if not isinstance(train, dict) or "config" not in train:
+        raise ConfigError(f"launch file {path}: 'train' needs 'config' (a path in this repository) and may have "
+                          f"'set' (a list of KEY=VALUE)")
+    source = raw.get("source", "local")
+    if source != "local" and not (isinstance(source, dict) and {"git", "ref"} <= set(source)):
+        raise ConfigError(f"launch file {path}: source must be 'local' (this checkout) or {{git: URL, ref: REF}}")
+    return Launch(project=str(raw["project"]), zone=str(raw["zone"]), generation=generation,
+                  accelerator=accelerator, chips=chips,
+                  runtime_version=str(raw.get("runtime_version") or GENERATIONS[generation]["runtime"]),
+                  slices=slices, capacity=capacity, bucket=str(raw["bucket"]), run_name=str(raw["run_name"]),
+                  train_config=str(train["config"]), overrides=tuple(str(s) for s in train.get("set", [])),
+                  sweep=raw.get("sweep"), source=None if source == "local" else source,
+                  env={str(k): str(v) for k, v in (raw.get("env") or {}).items()})
+
+
+def accelerator_type(text: str) -> tuple[str, str, int]:
+    """`v5p-64` -> ("v5p", "v5p-64", 32 chips); `v5e-16` and `v5litepod-16` -> ("v5e", "v5litepod-16", 16)."""
+    m = re.fullmatch(r"(v4|v5p|v5e|v5lite|v5litepod|v6e)-(\d+)", text.strip().lower())
+    if not m:
+        raise ConfigError(f"unknown accelerator '{text}'; expected a Cloud TPU type such as v5e-16 (v5litepod-16), "
+                          f"v5p-64, v6e-256 or v4-32")
+    generation = _ALIASES[m.group(1)]
+    spec, units = GENERATIONS[generation], int(m.group(2))
+    if units % spec["cores_per_chip"]:
+        raise ConfigError(f"accelerator '{text}': {generation} types count TensorCores, two per chip; expected an "
+                          f"even number")
+    return generation, f"{spec['prefix']}-{units}", units // spec["cores_per_chip"]
+
+
+# --- commands --------------------------------------------------------------------------------------------
+
+def _gcloud(launch: Launch, *args: str) -> list[str]:
+    return ["gcloud", "compute", "tpus", *args, f"--project={launch.project}", f"--zone={launch.zone}"]
+
+
+def _ssh(launch: Launch, node: str, command: str, worker: str = "all") -> list[str]:
+    return _gcloud(launch, "tpu-vm", "ssh", node, f"--worker={worker}", f"--command={command}")
+
+
+def create(launch: Launch) -> list[list[str]]:
+    nodes = ([f"--node-id={launch.run_name}"] if launch.slices == 1 else
+             [f"--node-count={launch.slices}", f"--node-prefix={launch.run_name}"])
+    capacity = {"spot": ["--spot"], "reserved": ["--reserved"], "on-demand": []}[launch.capacity]
+    return [_gcloud(launch, "queued-resources", "create", launch.run_name, *nodes,
+                    f"--accelerator-type={launch.accelerator}", f"--runtime-version={launch.runtime_version}",
+                    *capacity)]
+
+
+def _install() -> str:
+    return "python3 -m pip install --quiet -c constraints.txt -e ."
+
+
+def setup(launch: Launch) -> list[list[str]]:
+    """The same scaletrain on every worker of every slice, with the pinned JAX stack (libtpu comes with the TPU
+    runtime image's jax[tpu] pin in constraints.txt)."""
+    if launch.source:
+        fetch = (f"rm -rf ~/scaletrain && git clone --quiet {shlex.quote(launch.source['git'])} ~/scaletrain && "
+                 f"cd ~/scaletrain && git checkout --quiet {shlex.quote(str(launch.source['ref']))}")
+        return [_ssh(launch, node, f"{fetch} && {_install()} 'jax[tpu]==0.10.2'") for node in launch.nodes]
+    archive = f"/tmp/scaletrain-{launch.run_name}.tgz"
+    commands = [["tar", "-czf", archive, "--exclude=./.venv", "--exclude=./runs", "--exclude=./.git", "-C", str(ROOT),
+                 "."]]
+    for node in launch.nodes:
+        commands.append(_gcloud(launch, "tpu-vm", "scp", archive, f"{node}:~/scaletrain.tgz", "--worker=all"))
+        commands.append(_ssh(launch, node, "rm -rf ~/scaletrain && mkdir ~/scaletrain && tar -xzf ~/scaletrain.tgz "
+                                           f"-C ~/scaletrain && cd ~/scaletrain && {_install()} 'jax[tpu]==0.10.2'"))
+    return commands
+
+
+def train_args(launch: Launch, run_dir: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """train.py's arguments: the config, the launch file's overrides, run_dir, and for a multislice job the
+    data-parallel DCN axis over the slices (unless the overrides place the slices themselves)."""
+    sets = [*launch.overrides, *extra, f"run_dir={run_dir}"]
+    if launch.slices > 1 and not any(s.startswith("mesh.dcn_") for s in sets):
+        sets.append(f"mesh.dcn_data={launch.slices}")
+    return ["train.py", "--config", launch.train_config, *(a for s in sets for a in ("--set", s))]
+
+
+def slice_env(launch: Launch, slice_id: int) -> dict[str, str]:
+    """What each slice's processes need beyond what the TPU runtime sets: the user's environment and, across
+    slices, the megascale (DCN) coordinator - worker 0 of slice 0 - and this slice's id."""
+    env = dict(launch.env)
+    if launch.slices > 1:
+        env.update(MEGASCALE_COORDINATOR_ADDRESS=f"$COORDINATOR:{MEGASCALE_PORT}",
+                   MEGASCALE_NUM_SLICES=str(launch.slices), MEGASCALE_SLICE_ID=str(slice_id),
+                   MEGASCALE_PORT=str(MEGASCALE_PORT))
+    return env
+
+
+def _coordinator(launch: Launch) -> list[list[str]]:
+    """Sets $COORDINATOR in the launcher's shell: slice 0's worker 0, by its internal address."""
+    if launch.slices == 1:
+        return []
+    return [["COORDINATOR=$(" + shlex.join(_gcloud(launch, "tpu-vm", "describe", launch.nodes[0],
+                                                   "--format=value(networkEndpoints[0].ipAddress)")) + ")"]]
+
+
+def _remote_train(launch: Launch, slice_id: int, args: list[str], log: str, background: bool) -> str:
+    env = " ".join(f"{k}={v if v.startswith('$') else shlex.quote(v)}" for k, v in slice_env(launch, slice_id).items())
+    command = f"cd ~/scaletrain && {env + ' ' if env else ''}python3 {shlex.join(args)} > {log} 2>&1"
+    return f"nohup sh -c {shlex.quote(command)} > /dev/null 2>&1 &" if background else command
+
+
+def run(launch: Launch) -> list[list[str]]:
+    """train.py on every worker of every slice, in the background. Run again after a preemption: the same
+    run_dir, so it resumes from the bucket's newest checkpoint."""
+    args = train_args(launch, launch.run_dir)
+    return _coordinator(launch) + [
+        _ssh(launch, node, _remote_train(launch, i, args, f"~/{launch.run_name}.log", background=True))
+        for i, node in enumerate(launch.nodes)]
+
+
+def sweep(launch: Launch) -> list[list[str]]:
+    """Each variant of the launch file's sweep trained in turn on the same slice(s), into run_dir/sweep/NAME;
+    each waits for the last (the ssh of slice 0 runs in the foreground)."""
+    from scaletrain.planner import sweep as sweep_lib
+
+    if not launch.sweep:
+        raise ConfigError("the launch file has no 'sweep' (a sweep file, e.g. configs/sweeps/llama3_8b_v5p64.yaml)")
+    spec = sweep_lib.load(ROOT / launch.sweep)
+    commands = _coordinator(launch)
+    for variant in spec.variants:
+        name = re.sub(r"[^a-z0-9.=-]+", "_", sweep_lib.name(variant).lower())
+        extra = (*spec.common, *(f"{k}={sweep_lib._scalar(v)}" for k, v in variant.items()))
+        args = train_args(launch, f"{launch.run_dir}/sweep/{name}", extra)
+        for i, node in reversed(list(enumerate(launch.nodes))):  # slice 0 last: its ssh waits for the run
+            commands.append(_ssh(launch, node, _remote_train(launch, i, args, f"~/{launch.run_name}-{name}.log",
+                                                             background=i > 0)))
+    return commands
+
+
+def status(launch: Launch) -> list[list[str]]:
+    return [_gcloud(launch, "queued-resources", "describe", launch.run_name)]
+
+
+def logs(launch: Launch) -> list[list[str]]:
+    return [_ssh(launch, launch.nodes[0], f"tail -n 200 ~/{launch.run_name}.log", worker="0")]
+
+
+def delete(launch: Launch) -> list[list[str]]:
+    return [_gcloud(launch, "queued-resources", "delete", launch.run_name, "--force", "--quiet")]
+
+
+def gke_topology(launch: Launch) -> str:
+    """GKE's topology label of a slice: v5e/v6e 2D (16 chips 4x4, 256 16x16), v4/v5p 3D (32 chips 2x4x4): the
+    smallest side doubled (the later of equal ones) until the slice has its chips."""
+    dims = [1, 1, 1] if launch.generation in ("v4", "v5p") else [1, 1]
+    while math.prod(dims) < launch.chips:
+        i = max(k for k, d in enumerate(dims) if d == min(dims))
+        dims[i] *= 2
+    if dims == [1, 2, 2]:
+        dims = [2, 2, 1]  # GKE spells the one-host v5p/v4 slice this way
+    return "x".join(map(str, dims))
+
+
+def manifest(launch: Launch) -> str:
+    """A GKE JobSet: one replicated job per slice, one pod per host, the same train.py command."""
+    accelerator = {"v4": "tpu-v4-podslice", "v5p": "tpu-v5p-slice", "v5e": "tpu-v5-lite-podslice",
+                   "v6e": "tpu-v6e-slice"}[launch.generation]
+    chips_per_host = min(launch.chips, GENERATIONS[launch.generation]["chips_per_host"])
+    command = shlex.join(["python3", *train_args(launch, launch.run_dir)])
+    env = [{"name": k, "value": v} for k, v in launch.env.items()]
+    job = {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+        "metadata": {"name": launch.run_name,
+                     "annotations": {"alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}},
+        "spec": {"failurePolicy": {"maxRestarts": 10}, "replicatedJobs": [{
+            "name": "slice", "replicas": launch.slices,
+            "template": {"spec": {
+                "parallelism": launch.hosts, "completions": launch.hosts, "backoffLimit": 0,
+                "template": {"spec": {
+                    "nodeSelector": {"cloud.google.com/gke-tpu-accelerator": accelerator,
+                                     "cloud.google.com/gke-tpu-topology": gke_topology(launch)},
+                    "restartPolicy": "Never",
+                    "containers": [{"name": "scaletrain", "image": "SCALETRAIN_IMAGE",
+                                    "command": ["sh", "-c", f"cd /scaletrain && {command}"], "env": env,
+                                    "resources": {"limits": {"google.com/tpu": chips_per_host}}}]}}}}}]},
+    }
+    return yaml.safe_dump(job, sort_keys=False)
+
+
+def run_local(launch: Launch, processes: int, devices_per_process: int = 4, run_dir: str | None = None) -> int:
+    """The `run` command's training command as `processes` local CPU processes joined by jax.distributed (one
+    slice: the launch file's environment without the multislice variables), run_dir under runs/."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    args = train_args(launch, run_dir or str(ROOT / "runs" / launch.run_name))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **launch.env}
+    procs = [subprocess.Popen([sys.executable, *args, "--cpu-devices", str(devices_per_process), "--coordinator",
+                               f"localhost:{port}", "--num-processes", str(processes), "--process-id", str(i)],
+                              cwd=ROOT, env=env) for i in range(processes)]
+    codes = [p.wait() for p in procs]
+    return max(codes, key=abs)
+
+
+COMMANDS = {"create": create, "setup": setup, "run": run, "sweep": sweep, "status": status, "logs": logs,
+            "delete": delete}
+
+
+def line(command: list[str]) -> str:
+    """A command as one shell line. The remote command is double-quoted so that the launcher's shell fills in
+    $COORDINATOR (the multislice coordinator's address) and nothing else."""
+    if len(command) == 1:  # already a shell line
+        return command[0]
+    return " ".join(f"--command={_double_quoted(a.removeprefix('--command='))}" if a.startswith("--command=")
+                    else shlex.quote(a) for a in command)
+
+
+def _double_quoted(text: str) -> str:
+    escaped = re.sub(r'([\\"`$])', r"\\\1", text).replace("\\$COORDINATOR", "$COORDINATOR")
+    return f'"{escaped}"'
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _Parser(prog="python launch/tpu.py", description=__doc__.splitlines()[0])
+    p.add_argument("command", choices=(*COMMANDS, "manifest"))
+    p.add_argument("--config", required=True, help="a launch file, e.g. launch/configs/v5p-64.yaml")
+    p.add_argument("--dry-run", action="store_true", help="print every command, one per line; run nothing")
+    p.add_argument("--local", type=int, default=None, metavar="N",
+                   help="run: N local CPU processes (4 devices each) instead of the slice")
+    p.add_argument("--run-dir", default=None, help="with --local: the run directory (default: runs/RUN_NAME)")
+    args = p.parse_args(argv)
+    try:
+        launch = load(args.config)
+        if args.command == "manifest":
+            print(manifest(launch), end="")
+            return 0
+        if args.local is not None:
+            if args.command != "run" or args.local < 1:
+                raise ConfigError("--local N (N >= 1) goes with the run command")
+            return run_local(launch, args.local, run_dir=args.run_dir)
+        commands = COMMANDS[args.command](launch)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    script = [line(c) for c in commands]
+    if args.dry_run:
+        print("\n".join(script))
+        return 0
+    # One shell for all of them: $COORDINATOR, set by the first line of a multislice run, reaches the others.
+    code = subprocess.run(["bash", "-e", "-x", "-c", "\n".join(script)]).returncode
+    if code:
+        print(f"error: {args.command} stopped: a command exited with status {code} (its output is above)",
+              file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
