@@ -251,7 +251,8 @@ def summary(records: list[dict], sweep: Sweep) -> str:
     ranked = sorted(records, key=lambda r: (best_time(r) is None, (best_time(r) or (math.inf,))[0]))
     lines = [f"# Sweep of {sweep.base.name}", "",
              f"Stages: {', '.join(sweep.stages)}; plan for `{sweep.hardware}`, compile for `{sweep.topology}`"
-             f"{' (loop-corrected)' if sweep.loop_correction else ''}; run: {sweep.steps} timed steps here. "
+             f"{' (loop-corrected)' if sweep.loop_correction else ''}"
+             f"{f'; run: {sweep.steps} timed steps here' if 'run' in sweep.stages else ''}. "
              f"Common overrides: {' '.join(sweep.common) or 'none'}. Differences over {TOLERANCE:.0%} between "
              f"two views of the same machine are flagged.", "",
              "| rank | variant | best step time | predicted s | bound | XLA s | measured s | predicted GiB | "
