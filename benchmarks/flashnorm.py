@@ -121,6 +121,9 @@ def step(config_path: str, topology: str, overrides: list[str]) -> None:
           "| compile s |\n|---|---|---|---|---|---|---|")
     for mode in MODES:
         r = aot.compile_step(config.load(config_path, [f"model.norm={mode}", *overrides]), topology)
+        if r["memory"] is None:  # a does-not-fit result
+            print(f"| {mode} | does not fit: {r['error'][:160]} ||||||", flush=True)
+            continue
         estimate = "-" if r["xla_optimal_seconds"] is None else f"{r['xla_optimal_seconds']:.3f}"
         print(f"| {mode} | {r['hbm_per_device_bytes'] / memory.GIB:.2f} | {r['xla_flops'] / 1e12:.0f} | "
               f"{r['xla_bytes_accessed'] / 1e9:.0f} | {estimate} | {r['xla_raw']['optimal_seconds']:.3f} | "

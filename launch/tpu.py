@@ -9,7 +9,6 @@ runs the same training command as N local processes joined by jax.distributed on
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -24,17 +23,17 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scaletrain.__main__ import EXIT_USAGE, Parser  # noqa: E402
 from scaletrain.config import read_mapping  # noqa: E402
 from scaletrain.errors import ConfigError  # noqa: E402
-EXIT_USAGE = 2
 
 # Cloud TPU generations: accelerator-type prefix, what one unit of the type's number counts (v4 and v5p count
-# TensorCores, two per chip; v5e and v6e count chips), chips per host, default runtime version.
+# TensorCores, two per chip; v5e and v6e count chips), default runtime version.
 GENERATIONS = {
-    "v4": dict(prefix="v4", cores_per_chip=2, chips_per_host=4, runtime="tpu-ubuntu2204-base"),
-    "v5e": dict(prefix="v5litepod", cores_per_chip=1, chips_per_host=4, runtime="v2-alpha-tpuv5-lite"),
-    "v5p": dict(prefix="v5p", cores_per_chip=2, chips_per_host=4, runtime="v2-alpha-tpuv5"),
-    "v6e": dict(prefix="v6e", cores_per_chip=1, chips_per_host=4, runtime="v2-alpha-tpuv6e"),
+    "v4": dict(prefix="v4", cores_per_chip=2, runtime="tpu-ubuntu2204-base"),
+    "v5e": dict(prefix="v5litepod", cores_per_chip=1, runtime="v2-alpha-tpuv5-lite"),
+    "v5p": dict(prefix="v5p", cores_per_chip=2, runtime="v2-alpha-tpuv5"),
+    "v6e": dict(prefix="v6e", cores_per_chip=1, runtime="v2-alpha-tpuv6e"),
 }
 _ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v5e": "v5e", "v4": "v4", "v5p": "v5p", "v6e": "v6e"}
 CAPACITY = ("on-demand", "spot", "reserved")
@@ -63,7 +62,11 @@ class Launch:
 
     @property
     def hosts(self) -> int:
-        return max(1, self.chips // GENERATIONS[self.generation]["chips_per_host"])
+        """TPU VMs per slice: v5e and v6e slices of up to 8 chips are one host; larger ones, and v4 and v5p
+        slices, have 4 chips per host."""
+        if self.generation in ("v5e", "v6e") and self.chips <= 8:
+            return 1
+        return max(1, self.chips // 4)
 
     @property
     def nodes(self) -> list[str]:
@@ -100,6 +103,8 @@ def load(path: str | Path) -> Launch:
     if not isinstance(train, dict) or "config" not in train:
         raise ConfigError(f"launch file {path}: 'train' needs 'config' (a path in this repository) and may have "
                           f"'set' (a list of KEY=VALUE)")
+    if not isinstance(train.get("set", []), list) or not isinstance(raw.get("env") or {}, dict):
+        raise ConfigError(f"launch file {path}: train.set must be a list of KEY=VALUE strings and env a mapping")
     source = raw.get("source", "local")
     if source != "local" and not (isinstance(source, dict) and {"git", "ref"} <= set(source)):
         raise ConfigError(f"launch file {path}: source must be 'local' (this checkout) or {{git: URL, ref: REF}}")
@@ -145,8 +150,14 @@ def create(launch: Launch) -> list[list[str]]:
                     *capacity)]
 
 
+# TPU VM images ship Python 3.10; scaletrain needs 3.11+. uv installs one beside it, into ~/venv.
+PYTHON = "~/venv/bin/python"
+
+
 def _install() -> str:
-    return "python3 -m pip install --quiet -c constraints.txt -e ."
+    return ("(command -v ~/.local/bin/uv > /dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh) && "
+            "~/.local/bin/uv venv --quiet --allow-existing --python 3.11 ~/venv && "
+            f"~/.local/bin/uv pip install --quiet --python {PYTHON} -c constraints.txt -e . 'jax[tpu]==0.10.2'")
 
 
 def setup(launch: Launch) -> list[list[str]]:
@@ -155,14 +166,14 @@ def setup(launch: Launch) -> list[list[str]]:
     if launch.source:
         fetch = (f"rm -rf ~/scaletrain && git clone --quiet {shlex.quote(launch.source['git'])} ~/scaletrain && "
                  f"cd ~/scaletrain && git checkout --quiet {shlex.quote(str(launch.source['ref']))}")
-        return [_ssh(launch, node, f"{fetch} && {_install()} 'jax[tpu]==0.10.2'") for node in launch.nodes]
+        return [_ssh(launch, node, f"{fetch} && {_install()}") for node in launch.nodes]
     archive = f"/tmp/scaletrain-{launch.run_name}.tgz"
     commands = [["tar", "-czf", archive, "--exclude=./.venv", "--exclude=./runs", "--exclude=./.git", "-C", str(ROOT),
                  "."]]
     for node in launch.nodes:
         commands.append(_gcloud(launch, "tpu-vm", "scp", archive, f"{node}:~/scaletrain.tgz", "--worker=all"))
         commands.append(_ssh(launch, node, "rm -rf ~/scaletrain && mkdir ~/scaletrain && tar -xzf ~/scaletrain.tgz "
-                                           f"-C ~/scaletrain && cd ~/scaletrain && {_install()} 'jax[tpu]==0.10.2'"))
+                                           f"-C ~/scaletrain && cd ~/scaletrain && {_install()}"))
     return commands
 
 
@@ -196,7 +207,7 @@ def _coordinator(launch: Launch) -> list[list[str]]:
 
 def _remote_train(launch: Launch, slice_id: int, args: list[str], log: str, background: bool) -> str:
     env = " ".join(f"{k}={v if v.startswith('$') else shlex.quote(v)}" for k, v in slice_env(launch, slice_id).items())
-    command = f"cd ~/scaletrain && {env + ' ' if env else ''}python3 {shlex.join(args)} > {log} 2>&1"
+    command = f"cd ~/scaletrain && {env + ' ' if env else ''}{PYTHON} {shlex.join(args)} > {log} 2>&1"
     return f"nohup sh -c {shlex.quote(command)} > /dev/null 2>&1 &" if background else command
 
 
@@ -220,11 +231,16 @@ def sweep(launch: Launch) -> list[list[str]]:
     commands = _coordinator(launch)
     for variant in spec.variants:
         name = re.sub(r"[^a-z0-9.=-]+", "_", sweep_lib.name(variant).lower())
-        extra = (*spec.common, *(f"{k}={sweep_lib._scalar(v)}" for k, v in variant.items()))
+        # The sweep's steps (plus one for the compile) and no checkpoints: a layout is measured, not trained.
+        extra = (*spec.common, *(f"{k}={sweep_lib._scalar(v)}" for k, v in variant.items()),
+                 f"steps={spec.steps + 1}", f"checkpoint.every_steps={spec.steps + 2}")
         args = train_args(launch, f"{launch.run_dir}/sweep/{name}", extra)
         for i, node in reversed(list(enumerate(launch.nodes))):  # slice 0 last: its ssh waits for the run
-            commands.append(_ssh(launch, node, _remote_train(launch, i, args, f"~/{launch.run_name}-{name}.log",
-                                                             background=i > 0)))
+            ssh = _ssh(launch, node, _remote_train(launch, i, args, f"~/{launch.run_name}-{name}.log",
+                                                   background=i > 0))
+            # A variant that fails (does not fit, say) is reported and the sweep goes on.
+            commands.append([f"{line(ssh)} || echo 'variant {name} failed: see ~/{launch.run_name}-{name}.log'"]
+                            if i == 0 else ssh)
     return commands
 
 
@@ -256,8 +272,8 @@ def manifest(launch: Launch) -> str:
     """A GKE JobSet: one replicated job per slice, one pod per host, the same train.py command."""
     accelerator = {"v4": "tpu-v4-podslice", "v5p": "tpu-v5p-slice", "v5e": "tpu-v5-lite-podslice",
                    "v6e": "tpu-v6e-slice"}[launch.generation]
-    chips_per_host = min(launch.chips, GENERATIONS[launch.generation]["chips_per_host"])
-    command = shlex.join(["python3", *train_args(launch, launch.run_dir)])
+    chips_per_host = launch.chips // launch.hosts
+    command = shlex.join(["python3", *train_args(launch, launch.run_dir)])  # the image's own Python
     env = [{"name": k, "value": v} for k, v in launch.env.items()]
     job = {
         "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
@@ -278,7 +294,7 @@ def manifest(launch: Launch) -> str:
     return yaml.safe_dump(job, sort_keys=False)
 
 
-def run_local(launch: Launch, processes: int, devices_per_process: int = 4, run_dir: str | None = None) -> int:
+def local(launch: Launch, processes: int, run_dir: str | None = None, devices_per_process: int = 4) -> list[list[str]]:
     """The `run` command's training command as `processes` local CPU processes joined by jax.distributed (one
     slice: the launch file's environment without the multislice variables), run_dir under runs/."""
     import socket
@@ -287,12 +303,14 @@ def run_local(launch: Launch, processes: int, devices_per_process: int = 4, run_
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     args = train_args(launch, run_dir or str(ROOT / "runs" / launch.run_name))
+    return [[sys.executable, *args, "--cpu-devices", str(devices_per_process), "--coordinator", f"localhost:{port}",
+             "--num-processes", str(processes), "--process-id", str(i)] for i in range(processes)]
+
+
+def run_local(launch: Launch, commands: list[list[str]]) -> int:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **launch.env}
-    procs = [subprocess.Popen([sys.executable, *args, "--cpu-devices", str(devices_per_process), "--coordinator",
-                               f"localhost:{port}", "--num-processes", str(processes), "--process-id", str(i)],
-                              cwd=ROOT, env=env) for i in range(processes)]
-    codes = [p.wait() for p in procs]
-    return max(codes, key=abs)
+    procs = [subprocess.Popen(c, cwd=ROOT, env=env) for c in commands]
+    return max((p.wait() for p in procs), key=abs)
 
 
 COMMANDS = {"create": create, "setup": setup, "run": run, "sweep": sweep, "status": status, "logs": logs,
@@ -313,14 +331,8 @@ def _double_quoted(text: str) -> str:
     return f'"{escaped}"'
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="python launch/tpu.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="python launch/tpu.py", description=__doc__.splitlines()[0])
     p.add_argument("command", choices=(*COMMANDS, "manifest"))
     p.add_argument("--config", required=True, help="a launch file, e.g. launch/configs/v5p-64.yaml")
     p.add_argument("--dry-run", action="store_true", help="print every command, one per line; run nothing")
@@ -336,8 +348,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.local is not None:
             if args.command != "run" or args.local < 1:
                 raise ConfigError("--local N (N >= 1) goes with the run command")
-            return run_local(launch, args.local, run_dir=args.run_dir)
-        commands = COMMANDS[args.command](launch)
+            commands = local(launch, args.local, args.run_dir)
+            if not args.dry_run:
+                return run_local(launch, commands)
+        else:
+            commands = COMMANDS[args.command](launch)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

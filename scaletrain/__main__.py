@@ -12,8 +12,10 @@ EXIT_USAGE = 2
 EXIT_DOES_NOT_FIT = 3  # `compile`: the step needs more HBM per device than the chip has
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's own usage errors follow the same one-line rule
+class Parser(argparse.ArgumentParser):
+    """argparse with its own usage errors as one `error:` line, exit status 2."""
+
+    def error(self, message: str):
         print(f"error: {message}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
 
@@ -25,8 +27,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m scaletrain", description="Train Llama-style models on TPU slices with JAX.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = Parser(prog="python -m scaletrain", description="Train Llama-style models on TPU slices with JAX.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     train = sub.add_parser("train", help="train (or resume) a model")
     _add_config_args(train)
     train.add_argument("--cpu-devices", type=int, default=None, metavar="N",
@@ -37,13 +39,13 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--num-processes", type=int, default=None, metavar="N")
     train.add_argument("--process-id", type=int, default=None, metavar="I")
     ckpt = sub.add_parser("ckpt", help="look into a run's checkpoints")
-    ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
+    ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=Parser)
     inspect = ckpt_sub.add_parser("inspect", help="print a checkpoint's metadata")
     inspect.add_argument("run_dir", help="a run directory, its checkpoints/ folder or one step's folder")
     inspect.add_argument("--step", type=int, default=None, help="which checkpoint (default: the newest)")
     inspect.add_argument("--json", action="store_true", help="print the metadata as JSON")
     convert = sub.add_parser("convert", help="rewrite a run's checkpoint")
-    convert_sub = convert.add_subparsers(dest="convert_command", required=True, parser_class=_Parser)
+    convert_sub = convert.add_subparsers(dest="convert_command", required=True, parser_class=Parser)
     fold = convert_sub.add_parser("fold-norms", help="fold the RMSNorm gains into the following weights")
     fold.add_argument("--run-dir", required=True)
     fold.add_argument("--out", required=True, help="the new run directory")
@@ -64,6 +66,8 @@ def parser() -> argparse.ArgumentParser:
     comp.add_argument("--json", action="store_true", help="print the result as JSON")
     comp.add_argument("--no-loop-correction", action="store_true",
                       help="skip the two small compiles that correct XLA's estimate for loops (faster)")
+    comp.add_argument("--cpu-devices", type=int, default=None, metavar="N",
+                      help="with --topology cpu:N: simulate N devices on this CPU")
     sweep = sub.add_parser("sweep", help="plan, compile and run every variant of a sweep file")
     sweep.add_argument("sweep_file", metavar="SWEEP.yaml", help="e.g. configs/sweeps/tiny_cpu.yaml")
     sweep.add_argument("--out", required=True, help="directory for results.jsonl, summary.md, sweep.png")
@@ -104,7 +108,7 @@ def compile_(args: argparse.Namespace) -> int:
     from scaletrain import config, runtime
 
     cfg = config.load(args.config, args.set)
-    runtime.configure(None)
+    runtime.configure(args.cpu_devices)
     from scaletrain.planner import aot
 
     result = aot.compile_step(cfg, args.topology, loop_correction=not args.no_loop_correction)

@@ -47,6 +47,14 @@ def test_tiny_step_on_v5e():
     assert result["device_kind"] == "TPU v5 lite" and not result["loop_corrected"]
 
 
+def test_for_this_machines_cpu_devices():
+    """`--topology cpu:N` compiles for N simulated CPU devices; the capacity is this machine's memory per device."""
+    result = _result(_compile("--config", "configs/llama_tiny.yaml", "--topology", "cpu:8", "--cpu-devices", "8",
+                              "--no-loop-correction"))
+    assert result["fits"] and result["chips"] == 8 and result["device_kind"] == "cpu"
+    assert result["xla_roofline_seconds"] > 0
+
+
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x2"])
 def test_llama_1b_fits(topology):
     """A ~1B model (Llama 3.2 1B shapes, 2 x 4096 tokens per chip on v5e, 1 x 4096 on v5p) fits; its state

@@ -29,7 +29,7 @@ def test_single_v5e_16_slice(capsys):
                       "--project=my-project --zone=us-west4-a")
     [run] = _dry(capsys, "run", "v5e-16.yaml")
     assert run.startswith("gcloud compute tpus tpu-vm ssh llama1b-v5e16 --worker=all --command=")
-    assert ("python3 train.py --config configs/llama3_1b.yaml --set train.global_batch=32 --set steps=2000 "
+    assert ("~/venv/bin/python train.py --config configs/llama3_1b.yaml --set train.global_batch=32 --set steps=2000 "
             "--set run_dir=gs://my-bucket/scaletrain/llama1b-v5e16 > ~/llama1b-v5e16.log") in run
     assert "MEGASCALE" not in run and "nohup" in run
     assert _dry(capsys, "delete", "v5e-16.yaml") == [
@@ -44,11 +44,15 @@ def test_v5p_64_slice_counts_cores_and_sweeps_in_turn(capsys):
     setup = _dry(capsys, "setup", "v5p-64.yaml")
     assert setup[0].startswith("tar -czf /tmp/scaletrain-llama8b-v5p64.tgz --exclude=./.venv")
     assert "scp /tmp/scaletrain-llama8b-v5p64.tgz 'llama8b-v5p64:~/scaletrain.tgz' --worker=all" in setup[1]
-    assert "pip install --quiet -c constraints.txt -e . 'jax[tpu]==0.10.2'" in setup[2]
+    # TPU VM images have Python 3.10: a 3.11 venv beside it, the pinned stack inside.
+    assert ("uv venv --quiet --allow-existing --python 3.11 ~/venv && ~/.local/bin/uv pip install --quiet "
+            "--python ~/venv/bin/python -c constraints.txt -e . 'jax[tpu]==0.10.2'") in setup[2]
     sweep = _dry(capsys, "sweep", "v5p-64.yaml")
     assert len(sweep) == 5 and all("--worker=all" in line and "nohup" not in line for line in sweep)
-    assert "--set mesh.fsdp=16 --set mesh.tensor=2 --set run_dir=gs://my-bucket/scaletrain/llama8b-v5p64/sweep/" \
-           "fsdp=16_tensor=2 " in sweep[1]
+    # The sweep's 5 steps plus a warm-up, no checkpoint, and a failed variant does not stop the rest.
+    assert ("--set mesh.fsdp=16 --set mesh.tensor=2 --set steps=6 --set checkpoint.every_steps=7 --set "
+            "run_dir=gs://my-bucket/scaletrain/llama8b-v5p64/sweep/fsdp=16_tensor=2 ") in sweep[1]
+    assert sweep[1].endswith("|| echo 'variant fsdp=16_tensor=2 failed: see ~/llama8b-v5p64-fsdp=16_tensor=2.log'")
 
 
 def test_two_v6e_256_slices(capsys):
@@ -98,6 +102,15 @@ def test_bad_launch_files_exit_2_with_one_error_line(tmp_path, capsys, change, s
     assert tpu.main(["create", "--config", str(path), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and says in err and err.count("\n") == 1
+
+
+def test_hosts_and_the_local_dry_run(capsys):
+    assert [tpu.load(CONFIGS / f).hosts for f in ("v5e-16.yaml", "v5p-64.yaml", "v6e-256x2.yaml")] == [4, 8, 64]
+    assert tpu.main(["run", "--config", str(CONFIGS / "v5e-16.yaml"), "--local", "2", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all("train.py --config configs/llama3_1b.yaml" in x for x in lines)
+    assert all("--cpu-devices 4 --coordinator localhost:" in x for x in lines)
+    assert lines[0].endswith("--num-processes 2 --process-id 0") and lines[1].endswith("--process-id 1")
 
 
 def test_run_locally_as_two_processes(tmp_path):

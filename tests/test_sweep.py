@@ -99,11 +99,17 @@ def test_bad_sweep_files_are_refused(tmp_path, text, says):
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "sweeps").glob("*.yaml")), ids=lambda p: p.name)
-def test_example_sweeps_are_valid(path):
+def test_example_sweeps_are_valid(path, monkeypatch):
+    """Every variant of the committed sweeps loads and plans on the sweep's hardware (its mesh fits the chips)."""
+    from scaletrain.planner import hardware, roofline
+
+    monkeypatch.setattr(hardware, "cpu_peak", lambda: 1e11)  # cpu:N without measuring this machine
+    monkeypatch.setattr(hardware, "cpu_bandwidth", lambda: 1e10)
     spec = sweep_lib.load(path)
     assert len(spec.variants) >= 4
     for variant in spec.variants:
-        config.load(spec.base, [*spec.common, *(f"{k}={v}" for k, v in variant.items())])
+        cfg = config.load(spec.base, [*spec.common, *(f"{k}={sweep_lib._scalar(v)}" for k, v in variant.items())])
+        assert roofline.plan(cfg, spec.hardware)["fits"]
 
 
 def test_the_command_refuses_a_bad_sweep_file_in_one_line(tmp_path, capsys):

@@ -95,8 +95,9 @@ def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
     try:
         compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
     except Exception as e:  # noqa: BLE001 - running out of HBM is a result, any other failure is not
-        if needed := _out_of_memory(str(e)):
-            return _does_not_fit(topology, devices, needed, time.perf_counter() - start, str(e).splitlines()[0])
+        if "RESOURCE_EXHAUSTED" in str(e) or "Ran out of memory" in str(e):
+            return _does_not_fit(topology, devices, _out_of_memory(str(e)), time.perf_counter() - start,
+                                 str(e).splitlines()[0])
         raise
     compile_seconds = time.perf_counter() - start
     mem = memory.compiled(compiled.memory_analysis())
@@ -134,7 +135,8 @@ def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
 
 
 def _out_of_memory(message: str) -> int | None:
-    """The bytes XLA says a step needs, when it refused to compile one that does not fit in HBM."""
+    """The bytes XLA says a step needs, when it refused to compile one that does not fit in HBM (None when the
+    message does not say)."""
     m = re.search(r"RESOURCE_EXHAUSTED: Ran out of memory[^(]*\(([\d.]+)([KMGT])\)", message)
     return int(float(m.group(1)) * 2 ** (10 * "KMGT".index(m.group(2)) + 10)) if m else None
 
@@ -146,14 +148,11 @@ def _chip(devices) -> hardware.Chip | None:
     return hardware.spec(name) if name else None
 
 
-def _capacity(devices) -> int | None:
+def _does_not_fit(topology: str, devices, needed: int | None, seconds: float, message: str) -> dict:
     chip = _chip(devices)
-    return int(chip.hbm_bytes) if chip else None
-
-
-def _does_not_fit(topology: str, devices, needed: int, seconds: float, message: str) -> dict:
     return {"topology": topology, "chips": len(devices), "device_kind": devices[0].device_kind, "fits": False,
-            "hbm_per_device_bytes": needed, "hbm_capacity_bytes": _capacity(devices), "host_per_device_bytes": 0,
+            "hbm_per_device_bytes": needed, "hbm_capacity_bytes": int(chip.hbm_bytes) if chip else None,
+            "host_per_device_bytes": 0,
             "memory": None, "xla_flops": None, "xla_bytes_accessed": None, "xla_optimal_seconds": None,
             "xla_roofline_seconds": None,
             "loop_corrected": False, "xla_raw": None, "collectives": None, "compile_seconds": seconds,
@@ -171,8 +170,9 @@ def describe(result: dict) -> str:
     gib = memory.GIB
     capacity = result["hbm_capacity_bytes"]
     if result["memory"] is None:
-        return (f"{result['topology']}: {result['chips']} x {result['device_kind']}: DOES NOT FIT - XLA needs at least "
-                f"{result['hbm_per_device_bytes'] / gib:.2f} GiB of HBM per device"
+        needed = result["hbm_per_device_bytes"]
+        return (f"{result['topology']}: {result['chips']} x {result['device_kind']}: DOES NOT FIT - XLA needs "
+                + (f"at least {needed / gib:.2f} GiB" if needed else "more") + " of HBM per device"
                 + (f" of {capacity / gib:.2f} GiB" if capacity else "") + f"\n  ({result['error']})")
     lines = [
         f"{result['topology']}: {result['chips']} x {result['device_kind']}, compiled in "

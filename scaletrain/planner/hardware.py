@@ -204,7 +204,9 @@ def topology(text: str) -> Topology:
     if not match:
         raise ConfigError(f"hardware '{text}' is not of the form {_FORM}")
     prefix, name, dims_text = match.groups()
-    chip = cpu(int(dims_text)) if name == "cpu" and dims_text.isdigit() and not prefix else spec(name)
+    if name == "cpu" and (not dims_text.isdigit() or int(dims_text) < 1 or prefix):
+        raise ConfigError(f"hardware '{text}': this machine's CPU is cpu:N, N >= 1 simulated devices, e.g. cpu:8")
+    chip = cpu(int(dims_text)) if name == "cpu" else spec(name)
     dims = tuple(int(d) for d in dims_text.split("x"))
     slices = int(prefix) if prefix else 1
     if slices < 1 or min(dims) < 1:

@@ -71,12 +71,16 @@ def load(path: str | Path) -> Sweep:
         raise ConfigError(f"sweep file {path}: the plan stage needs 'hardware', e.g. hardware: v5p:4x4x2")
     if "compile" in stages and not topology:
         raise ConfigError(f"sweep file {path}: the compile stage needs 'topology' (or 'hardware'), e.g. v5p:4x4x2")
+    if not isinstance(raw["base"], str):
+        raise ConfigError(f"sweep file {path}: base={raw['base']!r}; expected the path of a config file")
+    if not isinstance(raw.get("loop_correction", True), bool):
+        raise ConfigError(f"sweep file {path}: loop_correction={raw['loop_correction']!r}; expected true or false")
     steps = raw.get("steps", 5)
     if not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"sweep file {path}: steps={steps!r}; expected a positive integer")
     return Sweep(base=(path.parent / raw["base"]).resolve(), common=tuple(_as_overrides(raw.get("set", []), path)),
                  stages=tuple(s for s in STAGES if s in stages), hardware=hardware, topology=topology,
-                 loop_correction=bool(raw.get("loop_correction", True)), steps=steps,
+                 loop_correction=raw.get("loop_correction", True), steps=steps,
                  variants=tuple(_variants(raw, path)))
 
 
@@ -152,9 +156,6 @@ def _run(cfg, sweep: Sweep) -> dict:
         losses.append(float(metrics["loss"]))  # waits for the step
         seconds.append(time.perf_counter() - start)
     step_time = statistics.median(seconds[1:])
-    # Accelerators report what the steps really held; the CPU backend does not, so there the compiled figure.
-    stats = jax.devices()[0].memory_stats() or {}
-    held = stats.get("peak_bytes_in_use") or memory.compiled(compiled.memory_analysis())["device_total"]
     tokens = cfg.train.global_batch * cfg.data.seq_len
     peak = hardware.peak_flops(jax.devices(), cfg.hardware.peak_flops_per_device)
     model_flops = flops.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens
@@ -162,7 +163,9 @@ def _run(cfg, sweep: Sweep) -> dict:
     return {"devices": len(jax.devices()), "device_kind": device.device_kind,
             "chip": "cpu" if device.platform == "cpu" else hardware.chip(device.device_kind), "step_time_s": step_time,
             "tokens_per_second": tokens / step_time, "mfu": model_flops / (step_time * peak) if peak else None,
-            "memory_per_device_bytes": held, "memory_measured": "peak_bytes_in_use" in stats,
+            # The compiled step's bytes: a device's peak_bytes_in_use would be the maximum over every variant
+            # this process has run so far.
+            "memory_per_device_bytes": memory.compiled(compiled.memory_analysis())["device_total"],
             "losses": losses, "finite": bool(np.isfinite(losses).all())}
 
 
@@ -227,6 +230,9 @@ def run(sweep: Sweep, out: str | Path, log=print) -> list[dict]:
         try:
             cfg = config.load(sweep.base, overrides)
             for stage in sweep.stages:
+                if stage == "run" and (record.get("compile") or {}).get("fits") is False:
+                    record["run"] = None  # compiled for this machine and found too big: nothing to run
+                    continue
                 record[stage] = _STAGE_FNS[stage](cfg, sweep)
         except ConfigError as e:
             record.update(status="invalid", error=str(e))
@@ -248,7 +254,8 @@ def run(sweep: Sweep, out: str | Path, log=print) -> list[dict]:
 
 def summary(records: list[dict], sweep: Sweep) -> str:
     """Variants ranked by their best available step time, with every stage's view beside it."""
-    ranked = sorted(records, key=lambda r: (best_time(r) is None, (best_time(r) or (math.inf,))[0]))
+    ranked = sorted(records, key=lambda r: (r["status"] != "ok", best_time(r) is None,
+                                            (best_time(r) or (math.inf,))[0]))
     lines = [f"# Sweep of {sweep.base.name}", "",
              f"Stages: {', '.join(sweep.stages)}; plan for `{sweep.hardware}`, compile for `{sweep.topology}`"
              f"{' (loop-corrected)' if sweep.loop_correction else ''}"
