@@ -67,6 +67,7 @@ def _loop_corrected(cfg, devices) -> dict[str, float]:
     from scaletrain import trainer
 
     accum = cfg.train.grad_accum_steps
+    options = _NO_WINDOWED_EINSUM if devices[0].platform == "tpu" else None
     costs = []
     for layers in (1, 2):
         variant = copy.deepcopy(cfg)
@@ -74,7 +75,6 @@ def _loop_corrected(cfg, devices) -> dict[str, float]:
         variant.train.global_batch = cfg.train.global_batch // accum
         variant.train.grad_accum_steps = 1
         setup = trainer.build(variant, devices, unroll_loops=True)
-        options = _NO_WINDOWED_EINSUM if devices[0].platform == "tpu" else None
         compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile(options)
         costs.append(_cost(compiled))
     one, two = costs
@@ -123,7 +123,8 @@ def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
         "xla_flops": best["flops"],
         "xla_bytes_accessed": best["bytes accessed"],
         "xla_optimal_seconds": estimate,
-        # The chip's roofline applied to XLA's own counts: compute and HBM traffic, not overlapped with each other.
+        # The chip's roofline applied to XLA's own counts: the longer of compute and HBM time (overlapped, where
+        # libtpu's optimal_seconds comes out near their sum).
         "xla_roofline_seconds": max(best["flops"] / chip.bf16_flops, best["bytes accessed"] / chip.hbm_bandwidth)
         if chip else None,
         "loop_corrected": corrected is not None,
