@@ -8,23 +8,21 @@ and the previous one is used.
 from __future__ import annotations
 
 import logging
+import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
-from scaletrain.errors import CheckpointError
+from scaletrain import storage
+from scaletrain.errors import CheckpointError, first_line
 
 ITEMS = ("state", "data", "meta")
 # Orbax writes this file into a step (and into each item) just before it commits the step, also where commit is
 # an atomic rename: a step folder without it was never finished, whatever the storage.
 COMMIT_MARKER = "commit_success.txt"
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
 def _silence_abandoned_reads() -> None:
@@ -44,9 +42,10 @@ def _silence_abandoned_reads() -> None:
     sys.unraisablehook = hook
 
 
-def locate(path: str | Path) -> tuple[Path, int | None]:
-    """A run directory, its checkpoints/ folder or one step's folder -> (checkpoints folder, step or None)."""
-    path = Path(path)
+def locate(location: str | os.PathLike) -> tuple[epath.Path, int | None]:
+    """A run directory, its checkpoints/ folder or one step's folder, local or gs:// -> (checkpoints folder, step
+    or None)."""
+    path = storage.path(location)
     if (path / "checkpoints").is_dir():
         return path / "checkpoints", None
     if path.name.isdigit() and (path / "state").is_dir():
@@ -57,9 +56,9 @@ def locate(path: str | Path) -> tuple[Path, int | None]:
 
 
 class Checkpointer:
-    def __init__(self, directory: Path, max_to_keep: int, async_save: bool):
+    def __init__(self, directory: str | os.PathLike, max_to_keep: int, async_save: bool):
         self.manager = ocp.CheckpointManager(
-            Path(directory).absolute(),
+            storage.path(directory),
             # Folders left by a save that was killed mid-write go at start-up; finished ones are deleted only
             # after a newer save has committed (max_to_keep).
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
@@ -88,7 +87,7 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped, and said so
                 _silence_abandoned_reads()
                 if jax.process_index() == 0:
-                    print(f"warning: checkpoint at step {step} is unreadable ({_first_line(e)}); trying an older one",
+                    print(f"warning: checkpoint at step {step} is unreadable ({first_line(e)}); trying an older one",
                           file=sys.stderr)
                 self.unreadable.add(step)
                 continue
@@ -112,23 +111,23 @@ class Checkpointer:
         self.manager.close()
 
 
-def _read_only(directory: Path) -> ocp.CheckpointManager:
+def _read_only(directory: epath.Path) -> ocp.CheckpointManager:
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)  # Orbax warns, twice, that a read-only manager will not save
     try:
-        return ocp.CheckpointManager(Path(directory).absolute(), item_names=ITEMS,
+        return ocp.CheckpointManager(directory, item_names=ITEMS,
                                      options=ocp.CheckpointManagerOptions(read_only=True, create=False))
     finally:
         absl.setLevel(level)
 
 
-def read_metadata(directory: Path, step: int | None = None) -> tuple[int, dict]:
+def read_metadata(directory: epath.Path, step: int | None = None) -> tuple[int, dict]:
     """(step, metadata) of the newest checkpoint, or of `step`: what `ckpt inspect` prints."""
     return _metadata(_read_only(directory), directory, step)
 
 
-def _metadata(manager: ocp.CheckpointManager, directory: Path, step: int | None) -> tuple[int, dict]:
+def _metadata(manager: ocp.CheckpointManager, directory: epath.Path, step: int | None) -> tuple[int, dict]:
     steps = manager.all_steps()
     if not steps:
         raise CheckpointError(f"no checkpoints in {directory}; expected a run directory's checkpoints/ folder")
@@ -142,7 +141,7 @@ def _metadata(manager: ocp.CheckpointManager, directory: Path, step: int | None)
     return step, dict(meta)
 
 
-def restore_params(path: str | Path, abstract_params: Any, what: str = "checkpoint.init_from",
+def restore_params(path: str | os.PathLike, abstract_params: Any, what: str = "checkpoint.init_from",
                    step: int | None = None) -> tuple[int, Any]:
     """(step, parameters) of a checkpoint (the newest, or `step`), placed with the shardings of
     `abstract_params`; its optimizer state and data position are not read. Shapes are checked against the saved
@@ -168,5 +167,5 @@ def restore_params(path: str | Path, abstract_params: Any, what: str = "checkpoi
     except Exception as e:  # noqa: BLE001 - reported as one line
         _silence_abandoned_reads()
         raise CheckpointError(f"{what}: cannot read the parameters at {directory / str(step)} "
-                              f"({_first_line(e)})") from None
+                              f"({first_line(e)})") from None
     return step, restored.state["params"]

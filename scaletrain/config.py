@@ -16,6 +16,7 @@ from typing import Any, Iterable
 
 import ml_collections
 import yaml
+from etils import epath
 
 from scaletrain import remat, tokenizer
 from scaletrain.errors import ConfigError
@@ -229,8 +230,8 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def read_mapping(path: str | Path, what: str, example: str, keys: Iterable[str] | None = None) -> dict:
     """A YAML file holding a mapping - a config, sweep or launch file - with every failure one ConfigError line;
-    with `keys`, a key outside them is refused."""
-    path = Path(path)
+    with `keys`, a key outside them is refused. A gs:// path is read from the bucket."""
+    path = epath.Path(path)
     if not path.is_file():
         raise ConfigError(f"{what} '{path}' not found; expected a YAML file such as {example}")
     try:

@@ -15,3 +15,9 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     pass
+
+
+def first_line(e: BaseException) -> str:
+    """An exception in one short line, for messages that quote a library's error: its message's first line, or
+    its type when it has none."""
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scaletrain import config as config_lib
+from scaletrain import storage
 from scaletrain.errors import UserError
 
 # Norm -> the weights its output feeds (paths under params["layers"]); the final norm feeds lm_head.
@@ -23,7 +24,7 @@ FOLDS = {"attn_norm": (("attn", "wq"), ("attn", "wk"), ("attn", "wv")), "mlp_nor
 def load_config(run_dir: str | Path, overrides: list[str] = (), one_device: bool = True):
     """The run's config with `overrides`; with `one_device`, its mesh reduced to one device (the mesh the run
     trained on need not exist here)."""
-    path = Path(run_dir) / "config.yaml"
+    path = storage.path(run_dir) / "config.yaml"
     if not path.is_file():
         raise UserError(f"'{run_dir}' is not a run directory: it has no config.yaml")
     mesh = [f"mesh.{p}{a}=1" for p in ("", "dcn_") for a in config_lib.MESH_AXES] if one_device else []
@@ -68,7 +69,7 @@ def fold_norms(run_dir: str, out_dir: str) -> int:
     cfg = load_config(run_dir)
     if cfg.model.norm_weights != "standard":
         raise UserError(f"'{run_dir}' already has model.norm_weights={cfg.model.norm_weights}: nothing to fold")
-    out = Path(out_dir)
+    out = storage.path(out_dir)
     if (out / "checkpoints").exists():
         raise UserError(f"'{out_dir}' already holds checkpoints; choose a new --out directory")
     source = _setup(cfg)
@@ -79,7 +80,7 @@ def fold_norms(run_dir: str, out_dir: str) -> int:
     state = target.init(jax.random.PRNGKey(folded_cfg.seed))
     folded = jax.device_put(fold(params, cfg.model.tie_embeddings), target.state_shardings.params)
     state = state.replace(params=folded, step=jnp.asarray(step, jnp.int32))
-    out.mkdir(parents=True, exist_ok=True)
+    storage.prepare(out_dir)
     # The run's own mesh, so that training the folded model goes on where the original trained.
     (out / "config.yaml").write_text(config_lib.to_yaml(load_config(run_dir, folded_overrides, one_device=False)))
     ckpt = Checkpointer(out / "checkpoints", folded_cfg.checkpoint.max_to_keep, async_save=False)

@@ -1,11 +1,19 @@
-"""Where step metrics go: run_dir/metrics.jsonl, TensorBoard scalars in run_dir/tb, and the console."""
+"""Where step metrics go: run_dir/metrics.jsonl, TensorBoard scalars in run_dir/tb, and the console.
+
+With a gs:// run_dir both files are written locally and uploaded (storage.Mirror) every minute, at each
+checkpoint and at the end: a kill without warning loses at most the records since the last upload, and a resumed
+run redoes those steps anyway."""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
-from pathlib import Path
+
+from scaletrain import storage
+
+# Seconds between uploads of a gs:// run directory's metrics files.
+SYNC_EVERY_S = 60
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -48,7 +56,7 @@ class Progress:
 class MetricsLog:
     """Writes one record per logged step; only the main process writes."""
 
-    def __init__(self, run_dir: Path, total_steps: int, resume_step: int, enabled: bool,
+    def __init__(self, run_dir: str, total_steps: int, resume_step: int, enabled: bool,
                  tensorboard: bool = True):
         self.enabled = enabled
         self.total_steps = total_steps
@@ -57,14 +65,17 @@ class MetricsLog:
         self.start_time = time.perf_counter()
         if not enabled:
             return
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.mirror = storage.Mirror(run_dir)
+        self.mirror.fetch("metrics.jsonl")
+        self.path = self.mirror.local / "metrics.jsonl"
         self._truncate_after(resume_step)
+        self.synced = time.monotonic()
         self.file = self.path.open("a")
         self.tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(str(Path(run_dir) / "tb"), flush_secs=10)
+            self.tb = SummaryWriter(str(self.mirror.local / "tb"), flush_secs=10)
 
     def _truncate_after(self, step: int) -> None:
         """A resumed run redoes the steps after its checkpoint: drop their old records so each step has one."""
@@ -88,9 +99,20 @@ class MetricsLog:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(f"train/{k}", v, record["step"])
+        if time.monotonic() - self.synced > SYNC_EVERY_S:
+            self.sync()
         done = record["step"] - self.start_step
         elapsed = time.perf_counter() - self.start_time
         self.progress.update(record, elapsed / max(done, 1) * (self.total_steps - record["step"]))
+
+    def sync(self) -> None:
+        """Everything logged so far, durable in the run directory."""
+        if not self.enabled:
+            return
+        if self.tb is not None:
+            self.tb.flush()
+        self.mirror.sync()
+        self.synced = time.monotonic()
 
     def close(self) -> None:
         if not self.enabled:
@@ -98,4 +120,5 @@ class MetricsLog:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+        self.mirror.close()
         self.progress.close()

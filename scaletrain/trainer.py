@@ -10,7 +10,6 @@ import dataclasses
 import importlib.metadata
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
@@ -23,10 +22,10 @@ from scaletrain import config as config_lib
 from scaletrain import data as data_lib
 from scaletrain import mesh as mesh_lib
 from scaletrain import model as model_lib
-from scaletrain import offload, optim, sharding
+from scaletrain import offload, optim, sharding, storage
 from scaletrain.checkpoint import Checkpointer, restore_params
 from scaletrain.control import Control, Preemption
-from scaletrain.errors import ConfigError, UserError
+from scaletrain.errors import ConfigError, UserError, first_line
 from scaletrain.metrics import MetricsLog
 from scaletrain.planner import flops, hardware, memory
 from scaletrain.train_step import TrainState, make_train_step
@@ -162,13 +161,21 @@ def checkpoint_metadata(setup: Setup) -> dict:
     }
 
 
-def _prepare_run_dir(cfg) -> Path:
-    run_dir = Path(cfg.run_dir)
+def _prepare_run_dir(cfg):
+    """The run directory with this run's config.yaml in it: the first write, so an unwritable directory or a
+    missing bucket fails here, before anything is compiled."""
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = storage.prepare(cfg.run_dir)
         (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
-    except OSError as e:
-        raise UserError(f"run_dir '{run_dir}' is not a writable directory ({e.strerror})") from None
+    except Exception as e:  # noqa: BLE001 - a bucket's errors come from several libraries (auth, HTTP, OS)
+        if storage.is_remote(cfg.run_dir):
+            reason = ("no such bucket" if isinstance(e, FileNotFoundError) else
+                      f"{type(e).__name__}: {first_line(e)}")
+            raise UserError(f"run_dir '{cfg.run_dir}': cannot write to the bucket ({reason}); expected a gs:// "
+                            f"bucket this machine's credentials can write") from None
+        if isinstance(e, OSError):
+            raise UserError(f"run_dir '{cfg.run_dir}' is not a writable directory ({e.strerror})") from None
+        raise
     return run_dir
 
 
@@ -185,7 +192,7 @@ def _run(cfg, preemption: Preemption) -> int:
     setup = build(cfg)
     iterator = data_lib.make_iterator(cfg, setup.batch_sharding)  # bad data fails here, before any write
     main = jax.process_index() == 0
-    run_dir = _prepare_run_dir(cfg) if main else Path(cfg.run_dir)
+    run_dir = _prepare_run_dir(cfg) if main else storage.path(cfg.run_dir)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.max_to_keep, cfg.checkpoint.async_save)
     restored = ckpt.restore_latest(setup.abstract_state)
     if restored is None:
@@ -218,7 +225,7 @@ def _run(cfg, preemption: Preemption) -> int:
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     flops_per_step = flops.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens_per_step
     peak = hardware.peak_flops(jax.devices(), cfg.hardware.peak_flops_per_device)
-    log = MetricsLog(run_dir, cfg.steps, start, enabled=main)
+    log = MetricsLog(cfg.run_dir, cfg.steps, start, enabled=main)
     meta = checkpoint_metadata(setup)
     last_read = time.perf_counter()
 
@@ -257,6 +264,7 @@ def _run(cfg, preemption: Preemption) -> int:
             if save:
                 ckpt.save(step, state, iterator.get_state(), meta)
                 control.saved()
+                log.sync()
         if pending is not None:
             read(*pending[:2], last=True)
         ckpt.wait()

@@ -53,3 +53,39 @@ def batches(request, stdlib_dataset):
 
     it = data.BatchIterator(stdlib_dataset, global_batch=8)
     return [next(it) for _ in range(request.module.STEPS)]
+
+
+@pytest.fixture(scope="session")
+def bucket():
+    """An empty Cloud Storage bucket on a local server (tests/gcs_server.py): gs:// run directories go through the
+    same libraries as on Cloud TPU (gcsfs for files, tensorstore for Orbax's arrays). The environment pointing them
+    at the server is set in this process and inherited by the training processes tests start."""
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "gcs_server.py"), str(port), "scaletrain-test"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("localhost", port), timeout=1).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the Cloud Storage emulator did not start") from None
+            time.sleep(0.1)
+    url = f"http://localhost:{port}"
+    env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url, "FSSPEC_GS_TOKEN": "anon",
+           # gcsfs would ask the server's gRPC control API for the bucket's type; the emulator has none.
+           "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    patch = pytest.MonkeyPatch()
+    for key, value in env.items():
+        patch.setenv(key, value)
+    yield "gs://scaletrain-test"
+    patch.undo()
+    server.terminate()
+    server.wait()

@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from tests.conftest import ROOT, tiny_overrides
+from tests.conftest import ROOT, run_cli, tiny_overrides
 
 _spec = importlib.util.spec_from_file_location("launch_tpu", ROOT / "launch" / "tpu.py")
 tpu = sys.modules["launch_tpu"] = importlib.util.module_from_spec(_spec)
@@ -113,13 +113,63 @@ def test_hosts_and_the_local_dry_run(capsys):
     assert lines[0].endswith("--num-processes 2 --process-id 0") and lines[1].endswith("--process-id 1")
 
 
-def test_run_locally_as_two_processes(tmp_path):
-    """The run command's training command, as 2 CPU processes x 4 devices joined by jax.distributed."""
-    sets = tiny_overrides(tmp_path / "unused", steps=3, **{"mesh.fsdp": -1})
-    path = tmp_path / "local.yaml"
+def _records(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def local_launch(tmp_path_factory, bucket):
+    """A launch file for the tiny model whose bucket is the local Cloud Storage server's."""
+    sets = tiny_overrides("unused", steps=6, **{"mesh.fsdp": -1, "checkpoint.every_steps": 2})
+    path = tmp_path_factory.mktemp("launch") / "local.yaml"
     path.write_text(yaml.safe_dump({
-        "project": "p", "zone": "z", "accelerator": "v5e-8", "bucket": "gs://b", "run_name": "local",
+        "project": "p", "zone": "z", "accelerator": "v5e-8", "bucket": bucket, "run_name": "local",
         "train": {"config": "configs/llama_tiny.yaml", "set": [s for s in sets if not s.startswith("run_dir=")]}}))
-    assert tpu.main(["run", "--config", str(path), "--local", "2", "--run-dir", str(tmp_path / "run")]) == 0
-    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == [1, 2, 3]
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, local_launch) -> list[dict]:
+    """The run command's training command, as 2 CPU processes x 4 devices joined by jax.distributed, into a local
+    run directory: the metrics records of a run nobody interrupted."""
+    run_dir = tmp_path_factory.mktemp("run")
+    assert tpu.main(["run", "--config", str(local_launch), "--local", "2", "--run-dir", str(run_dir)]) == 0
+    return _records((run_dir / "metrics.jsonl").read_text())
+
+
+def test_run_locally_as_two_processes(uninterrupted):
+    assert [r["step"] for r in uninterrupted] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_preempted_run_resumes_from_the_bucket(local_launch, uninterrupted, bucket, capfd):
+    """Spot capacity reclaimed: worker 0 gets SIGTERM after step 2, both processes agree to checkpoint into the
+    bucket and exit 0; `run` again resumes from the bucket's newest checkpoint and ends exactly where the
+    uninterrupted run ends."""
+    from etils import epath
+
+    run_dir = f"{bucket}/preempted"
+    launch = tpu.load(local_launch)
+    commands = tpu.local(launch, 2, run_dir)
+    worker_0 = commands[0]
+    at = worker_0.index("train.py")
+    commands[0] = [*worker_0[:at], str(ROOT / "tests" / "faults.py"), "sigterm", "2", *worker_0[at + 1:]]
+    assert tpu.run_local(launch, commands) == 0
+    assert "preempted: checkpointed at step" in capfd.readouterr().out
+    saved = sorted(int(p.name) for p in epath.Path(f"{run_dir}/checkpoints").iterdir() if p.name.isdigit())
+    assert saved and max(saved) < 6
+
+    assert tpu.main(["run", "--config", str(local_launch), "--local", "2", "--run-dir", run_dir]) == 0
+    assert f"resumed at step {max(saved)}" in capfd.readouterr().out
+    records = _records(epath.Path(f"{run_dir}/metrics.jsonl").read_text())
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in records] == [r["loss"] for r in uninterrupted]
+    assert epath.Path(f"{run_dir}/config.yaml").exists()
+    assert len(list(epath.Path(f"{run_dir}/tb").glob("events.out.tfevents.*"))) == 2  # one per attempt
+
+
+def test_a_run_dir_in_a_missing_bucket_is_one_error_line(bucket):
+    sets = tiny_overrides("gs://no-such-bucket/run", steps=1)
+    result = run_cli(["--config", "configs/llama_tiny.yaml", "--cpu-devices", "8", *(a for s in sets for a in ("--set", s))])
+    assert result.returncode == 2, result.stderr
+    [line] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert line.startswith("error: run_dir 'gs://no-such-bucket/run': cannot write to the bucket (no such bucket)")

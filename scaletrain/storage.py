@@ -1,0 +1,81 @@
+"""Run directories on a local disk or in Cloud Storage (`gs://bucket/path`).
+
+On a multi-host slice every worker must reach the checkpoints, and a preempted slice's disks are gone with it, so
+a launched run's directory is in a bucket. Orbax writes there itself (tensorstore for the arrays, etils.epath and
+gcsfs for its small files), and config.yaml is one write. What grows by appending - metrics.jsonl and TensorBoard's
+event files - cannot grow in place in an object store: `Mirror` writes it in a local folder and uploads the
+changed files whole.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from etils import epath
+
+from scaletrain.errors import first_line
+
+REMOTE_PREFIX = "gs://"
+
+
+def is_remote(location: str | os.PathLike) -> bool:
+    return str(location).startswith(REMOTE_PREFIX)
+
+
+def path(location: str | os.PathLike) -> epath.Path:
+    """A gs:// location as is; a local one made absolute (Orbax wants absolute paths)."""
+    return epath.Path(location) if is_remote(location) else epath.Path(os.path.abspath(location))
+
+
+def prepare(location: str | os.PathLike) -> epath.Path:
+    """The run directory, created if local. An object store has no directories, and creating one there could
+    create a bucket by mistake: a missing bucket must fail at the first write instead."""
+    directory = path(location)
+    if not is_remote(location):
+        directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+class Mirror:
+    """A local folder standing in for a run directory, for files written by appending. Locally it is the run
+    directory itself. For a gs:// one it is a temporary folder: `fetch` copies a remote file down (metrics.jsonl,
+    which a resumed run continues), `sync` uploads each file that changed since the last upload. An upload that
+    fails is said once and retried at the next sync: a metrics file must never stop a training run."""
+
+    def __init__(self, location: str | os.PathLike):
+        self.remote = path(location) if is_remote(location) else None
+        self.local = Path(tempfile.mkdtemp(prefix="scaletrain-run-")) if self.remote else Path(location)
+        self._sent: dict[Path, tuple[int, int]] = {}  # relative path -> (size, mtime) at its last upload
+        self._warned = False
+
+    def fetch(self, name: str) -> None:
+        if self.remote is not None and (self.remote / name).exists():
+            (self.local / name).write_bytes((self.remote / name).read_bytes())
+
+    def sync(self) -> None:
+        if self.remote is None:
+            return
+        for file in sorted(p for p in self.local.rglob("*") if p.is_file()):
+            relative, stat = file.relative_to(self.local), file.stat()
+            version = (stat.st_size, stat.st_mtime_ns)
+            if self._sent.get(relative) == version:
+                continue
+            try:
+                (self.remote / str(relative)).write_bytes(file.read_bytes())
+            except Exception as e:  # noqa: BLE001 - any storage error: warn, keep training, retry next time
+                if not self._warned:
+                    print(f"warning: cannot upload {relative} to {self.remote} ({type(e).__name__}: "
+                          f"{first_line(e)}); retrying at the next sync",
+                          file=sys.stderr, flush=True)
+                    self._warned = True
+                continue
+            self._sent[relative] = version
+
+    def close(self) -> None:
+        self.sync()
+        if self.remote is not None:
+            shutil.rmtree(self.local, ignore_errors=True)
