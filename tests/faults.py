@@ -4,7 +4,7 @@ Timing a kill from outside cannot aim at "mid-save" on a model that saves in mil
 is made from inside, at a named point:
   between-steps  SIGKILL right after step STEP's metrics record is written
   mid-step       SIGKILL while step STEP runs (dispatch is asynchronous: the host is preparing the next batch)
-  mid-save       SIGKILL when the save of step STEP has written every file but not yet committed
+  mid-save       SIGKILL when the save of step STEP has written every file but not yet committed (local or gs://)
   sigterm        SIGTERM to this process right after step STEP's metrics record is written (as a preemption)
   sigterm-early  SIGTERM to this process while it builds the model, before anything is compiled (STEP unused)
 """
@@ -47,17 +47,21 @@ def _mid_step(step: int) -> None:
 
 
 def _mid_save(step: int) -> None:
+    """Locally Orbax commits a step by renaming its temporary folder; in a bucket, by writing commit markers into
+    the final folder. Either way the kill comes just before the first commit."""
     from orbax.checkpoint._src.path import atomicity
 
-    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+    def step_folder(path) -> bool:
+        return any(name == str(step) or name.startswith(f"{step}.orbax-checkpoint-tmp")
+                   for name in (path.name, path.parent.name))
 
-    async def kill_before_commit(self, *args, **kwargs):
-        if self.get().parent.name.startswith(f"{step}.orbax-checkpoint-tmp") or \
-                self.get().name.startswith(f"{step}.orbax-checkpoint-tmp"):
-            os.kill(os.getpid(), signal.SIGKILL)
-        return await finalize(self, *args, **kwargs)
+    for kind in (atomicity.AtomicRenameTemporaryPath, atomicity.CommitFileTemporaryPath):
+        def kill_before_commit(self, *args, _finalize=kind.finalize, **kwargs):
+            if step_folder(self.get()):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return _finalize(self, *args, **kwargs)
 
-    atomicity.AtomicRenameTemporaryPath.finalize = kill_before_commit
+        kind.finalize = kill_before_commit
 
 
 def _sigterm_early() -> None:

@@ -45,7 +45,8 @@ def _run_with_fault(point, step, run_dir):
 
 def _finished_checkpoints(run_dir):
     ckpts = run_dir / "checkpoints"
-    return [int(p.name) for p in ckpts.iterdir() if p.name.isdigit()] if ckpts.exists() else []
+    return [int(p.name) for p in ckpts.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists()] \
+        if ckpts.exists() else []
 
 
 def _wait_for_step(proc, run_dir, step, timeout=240):
@@ -93,6 +94,22 @@ def test_sigkill_at_any_moment_then_rerun_is_bitwise_identical(tmp_path, uninter
     assert _resumed_step(result) == committed >= step - 2 * EVERY
     assert _losses(tmp_path) == uninterrupted
     assert not list((tmp_path / "checkpoints").glob("*tmp*"))  # the killed save's leftovers are gone
+
+
+def test_sigkill_mid_save_in_a_bucket_then_rerun_is_bitwise_identical(bucket, uninterrupted):
+    """In a bucket a step is written in its final folder (no rename): the killed save leaves step 8 there without
+    its commit markers, and the rerun must resume from step 4, not read it."""
+    from etils import epath
+
+    _, uninterrupted = uninterrupted
+    run_dir = epath.Path(f"{bucket}/mid-save")
+    killed = _run_with_fault("mid-save", 8, run_dir)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert (run_dir / "checkpoints" / "8").exists() and max(_finished_checkpoints(run_dir)) == 4
+    result = run_cli(_command(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert _resumed_step(result) == 4
+    assert _losses(run_dir) == uninterrupted
 
 
 def test_sigterm_saves_exits_0_and_resumes_at_the_next_step(tmp_path, uninterrupted):
