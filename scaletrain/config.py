@@ -55,6 +55,7 @@ def defaults() -> ml_collections.ConfigDict:
                 "param_dtype": "float32",
                 "dtype": "bfloat16",
                 "attention_block": 0,
+                "logits_block": 0,
                 "norm": "standard",
                 "norm_weights": "standard",
                 "qk_norm": False,
@@ -130,8 +131,8 @@ _POSITIVE = (
     "train.log_every_steps", "checkpoint.every_steps", "checkpoint.max_to_keep", "model.rope_original_max_position",
     "model.rope_theta", "model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
 )
-_NON_NEGATIVE = ("seed", "checkpoint.every_minutes", "model.attention_block", "optim.learning_rate",
-                 "optim.warmup_steps", "optim.weight_decay", "optim.eps",
+_NON_NEGATIVE = ("seed", "checkpoint.every_minutes", "model.attention_block", "model.logits_block",
+                 "optim.learning_rate", "optim.warmup_steps", "optim.weight_decay", "optim.eps",
                  "optim.grad_clip_norm", "model.norm_eps", "model.init_std", "model.qk_norm_eps")
 _UNIT_INTERVAL = ("optim.min_lr_ratio", "optim.b1", "optim.b2")
 
@@ -292,9 +293,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                           f"model.rope_low_freq_factor={m.rope_low_freq_factor}")
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
-    if m.attention_block and cfg.data.seq_len % m.attention_block:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} must be divisible by "
-                          f"model.attention_block={m.attention_block} (or set it to 0: no blocking)")
+    for key in ("attention_block", "logits_block"):
+        if m[key] and cfg.data.seq_len % m[key]:
+            raise ConfigError(f"data.seq_len={cfg.data.seq_len} must be divisible by model.{key}={m[key]} (or "
+                              f"set it to 0: no blocking)")
     if m.norm_cancellation and not m.qk_norm:
         raise ConfigError("model.norm_cancellation=true needs model.qk_norm=true: the input norm's 1/rms can be "
                           "dropped for Q and K only where their own per-head norms renormalise them")

@@ -24,11 +24,30 @@ class TrainState:
 
 
 def loss_sum(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """Summed masked next-token cross-entropy, and the number of tokens it sums over."""
-    logits_btv = nnx.merge(graphdef, params)(batch["tokens"], batch["positions"], batch["segment_ids"])
-    xent_bt = cross_entropy(logits_btv, batch["targets"])
-    mask_bt = batch["loss_mask"]
-    return jnp.sum(xent_bt * mask_bt), jnp.sum(mask_bt)
+    """Summed masked next-token cross-entropy, and the number of tokens it sums over.
+
+    With model.logits_block, the float32 logits - at Llama 3's vocabulary the largest activation by far - exist
+    one block of positions at a time: each block's projection and loss is a checkpointed step of a scan, so the
+    backward pass recomputes that block's logits (one more output-projection forward) instead of keeping them."""
+    model = nnx.merge(graphdef, params)
+    x_btd = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+    targets_bt, mask_bt = batch["targets"], batch["loss_mask"]
+    count = jnp.sum(mask_bt)
+
+    def block_loss(params, x_btd, targets_bt, mask_bt):
+        return jnp.sum(cross_entropy(nnx.merge(graphdef, params).logits(x_btd), targets_bt) * mask_bt)
+
+    block, seq = model.cfg.logits_block, x_btd.shape[1]
+    if not block or block >= seq:
+        return block_loss(params, x_btd, targets_bt, mask_bt), count
+
+    def blocks(a):  # [b, t, ...] -> [t / block, b, block, ...]: a view along the unsharded sequence
+        return a.reshape(a.shape[0], seq // block, block, *a.shape[2:]).swapaxes(0, 1)
+
+    recomputed = jax.checkpoint(block_loss)
+    total, _ = jax.lax.scan(lambda total, xs: (total + recomputed(params, *xs), None), jnp.zeros((), jnp.float32),
+                            (blocks(x_btd), blocks(targets_bt), blocks(mask_bt)), unroll=model.cfg.unroll_loops)
+    return total, count
 
 
 def _microbatches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:

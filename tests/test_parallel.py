@@ -52,6 +52,9 @@ LAYOUTS = {  # beyond the matrix below
                               (None, ("data", "fsdp"), None)),
     "dp fsdp=8": (["mesh.fsdp=8", "sharding.preset=dp"], REPLICATED, REPLICATED),
     "dcn_data=2 x fsdp=4": (["mesh.dcn_data=2", "mesh.fsdp=4"], FSDP, FSDP),
+    # Logits a block of 8 positions at a time, on a sequence-parallel mesh with a vocab-parallel projection.
+    "logits_block=8 fsdp=4 x tensor=2": (["mesh.fsdp=4", "mesh.tensor=2", "model.logits_block=8"],
+                                         (None, "fsdp", "tensor"), (None, "fsdp", "tensor")),
 }
 
 

@@ -347,6 +347,9 @@ def test_activations_over_tensor_with_and_without_sequence_parallelism():
     no_sp = memory.predict(_cfg(**{"sharding.sequence_parallel": False}), axes)
     assert (sp.saved_activations, no_sp.saved_activations) == (2 * 64 * 1664, 2 * 64 * 2048)
     assert sp.logits == 2 * 64 * 192 * 4
+    # model.logits_block: the logits of that many positions per sequence at a time.
+    seq = _cfg().data.seq_len
+    assert memory.predict(_cfg(**{"model.logits_block": seq // 4}), axes).logits == sp.logits / 4
     # Full remat keeps the layer input, split along the sequence only with sequence parallelism.
     full = {"remat.policy": "full"}
     assert memory.predict(_cfg(**full), axes).saved_activations == 2 * 64 * 32 * 2

@@ -42,6 +42,7 @@ class ModelConfig:
     remat: str = "none"  # a remat.POLICIES name
     remat_custom: tuple[tuple[str, str], ...] = ()  # (checkpoint name, remat|device|offload) for "custom"
     attention_block: int = 0
+    logits_block: int = 0  # sequence positions per block of the output projection + loss; 0: all at once
     fuse_qkv: bool = True  # False where kv heads are replicated over `tensor` (set by the trainer)
     norm: str = "standard"  # how RMSNorm meets the following matmul: config.NORMS
     norm_weights: str = "standard"  # config.NORM_WEIGHTS
@@ -106,6 +107,14 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
         """float32 logits [b, t, vocab] for int32 tokens; positions and segment ids come from packing."""
+        return self.logits(self.hidden(tokens_bt, positions_bt, segment_ids_bt))
+
+    def _norm_first(self) -> bool:
+        return self.cfg.tie_embeddings or self.cfg.norm == "standard"
+
+    def hidden(self, tokens_bt: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
+        """The stream [b, t, d] that `logits` projects, whole along the sequence: after the final norm where
+        that is a standard RMSNorm, before it where the norm is deferred or fused into the projection."""
         cfg = self.cfg
         x_btd = self.embed(tokens_bt, cfg.dtype)
         sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies())
@@ -122,14 +131,18 @@ class Llama(nnx.Module):
         # Gathered along the sequence for the vocab-parallel output projection. The standard norm runs before
         # the gather, on the sequence-split stream, so that the backward pass reduce-scatters its input
         # gradient rather than all-reducing it; deferred and fused norms need whole rows, so run after it.
-        if cfg.tie_embeddings or cfg.norm == "standard":
-            x_btd = constrain(constrain(self.final_norm(x_btd), ("batch", "residual_seq", "embed")),
-                              ("batch", "seq", "embed"))
-            logits = (self.embed.attend(x_btd) if cfg.tie_embeddings else
-                      project(x_btd, self.lm_head[...], out_dtype=jnp.float32))
-        else:
-            x_btd = constrain(x_btd, ("batch", "seq", "embed"))
+        if self._norm_first():
+            x_btd = constrain(self.final_norm(x_btd), ("batch", "residual_seq", "embed"))
+        return constrain(x_btd, ("batch", "seq", "embed"))
+
+    def logits(self, x_btd: jax.Array) -> jax.Array:
+        """float32 logits [b, t, vocab] of `hidden`'s stream, or of any block of its positions."""
+        if not self._norm_first():
             logits = self.final_norm.project(x_btd, self.lm_head[...], ("embed", "vocab"), out_dtype=jnp.float32)
+        elif self.cfg.tie_embeddings:
+            logits = self.embed.attend(x_btd)
+        else:
+            logits = project(x_btd, self.lm_head[...], out_dtype=jnp.float32)
         return constrain(logits, ("batch", "seq", "vocab"))
 
 

@@ -161,7 +161,8 @@ def predict(cfg, axes: Mapping[str, int]) -> Prediction:
     optim.offload moves the moments to host memory, params.offload parameters, moments and gradients.
     Activations: the remat policy's saved tensors for every layer of the device's stage (policy none:
     scaling.md's 20 [tokens, d_model] tensors per layer), one layer's full set while the backward pass
-    rematerialises it (every other policy), and the float32 logits and their gradient."""
+    rematerialises it (every other policy), and the float32 logits and their gradient - of one block of
+    model.logits_block positions per sequence when that is set."""
     m = cfg.model
     preset, t, stage_layers = cfg.sharding.preset, axes["tensor"], m.num_layers / axes["pipeline"]
     pb, ab = DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[m.dtype]
@@ -183,7 +184,8 @@ def predict(cfg, axes: Mapping[str, int]) -> Prediction:
         host = sum(elements[n] for n, w in where.items() if w == "offload")
         saved, offloaded = device * ab * tokens * stage_layers, host * ab * tokens * stage_layers
         working = _unremat_layer(cfg, t, ab) * tokens
-    logits = 2 * tokens * m.vocab_size / t * 4
+    seq = cfg.data.seq_len
+    logits = 2 * tokens * min(m.logits_block or seq, seq) / seq * m.vocab_size / t * 4
     on_host = cfg.params.offload
     return Prediction(
         params=0.0 if on_host else params, optimizer=0.0 if on_host or cfg.optim.offload else moments,
