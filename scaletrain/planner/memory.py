@@ -100,6 +100,12 @@ def blocked_attention(cfg) -> bool:
     return 0 < block < seq and seq % block == 0
 
 
+def logits_block(cfg) -> int:
+    """Positions per sequence whose float32 logits exist at a time: model.logits_block, or the whole sequence."""
+    block, seq = cfg.model.logits_block, cfg.data.seq_len
+    return block if 0 < block < seq else seq
+
+
 def _unremat_layer(cfg, tensor: int, dtype_bytes: int) -> float:
     """Bytes per token of one layer with nothing rematerialised: scaling.md's 20 tensors of d_model, plus the
     attention scores when no query blocking bounds them (the float32 softmax output its VJP reads and the
@@ -184,8 +190,7 @@ def predict(cfg, axes: Mapping[str, int]) -> Prediction:
         host = sum(elements[n] for n, w in where.items() if w == "offload")
         saved, offloaded = device * ab * tokens * stage_layers, host * ab * tokens * stage_layers
         working = _unremat_layer(cfg, t, ab) * tokens
-    seq = cfg.data.seq_len
-    logits = 2 * tokens * min(m.logits_block or seq, seq) / seq * m.vocab_size / t * 4
+    logits = 2 * tokens * logits_block(cfg) / cfg.data.seq_len * m.vocab_size / t * 4
     on_host = cfg.params.offload
     return Prediction(
         params=0.0 if on_host else params, optimizer=0.0 if on_host or cfg.optim.offload else moments,

@@ -61,11 +61,17 @@ def recomputed(cfg) -> frozenset[str]:
                      | ({"gate_up"} if not {"mlp_gate", "mlp_up"} <= kept else set()))
 
 
+def recomputed_logits(cfg) -> bool:
+    """model.logits_block: the backward pass runs the output projection of each block again."""
+    return memory.logits_block(cfg) < cfg.data.seq_len
+
+
 def hbm_bytes(cfg, axes: Mapping[str, int], recompute: frozenset[str]) -> float:
     """HBM traffic of one device per step. Each projection reads its input and weights and writes its output
     (scaling.md: 2BD + 2DF + 2BF bytes in bf16) once forward, twice backward (input and weight gradients) and
     once more when recomputed; attention reads Q, K, V and writes its output per pass; the output projection
-    writes float32 logits, the loss reads them and writes their gradient; the optimizer reads parameters,
+    writes float32 logits (twice when model.logits_block recomputes them), the loss reads them and writes their
+    gradient; the optimizer reads parameters,
     gradients and both moments and writes parameters and moments, on its shard of the state."""
     m = cfg.model
     t, stages = axes["tensor"], axes["pipeline"]
@@ -77,7 +83,8 @@ def hbm_bytes(cfg, axes: Mapping[str, int], recompute: frozenset[str]) -> float:
     qkvo = 2 * elements["query_proj"] + 2 * elements["key_proj"]
     layer += (3 + ("attention" in recompute)) * ab * tokens * qkvo
     vocab = m.vocab_size / t
-    head = 3 * (ab * (tokens * m.d_model + m.d_model * vocab) + 4 * tokens * vocab) + 2 * 4 * tokens * vocab
+    passes = 3 + recomputed_logits(cfg)
+    head = passes * (ab * (tokens * m.d_model + m.d_model * vocab) + 4 * tokens * vocab) + 2 * 4 * tokens * vocab
     layer_params, outside = memory.param_split(m, axes, memory.embed_axes(cfg.sharding.preset, "opt_state"))
     update = 7 * pb * (layer_params * m.num_layers / stages + outside)
     return cfg.train.grad_accum_steps * (layer * m.num_layers + head) / stages + update
@@ -206,7 +213,8 @@ def plan(cfg, hardware: str) -> dict:
     tokens = cfg.train.global_batch * cfg.data.seq_len
     per_token = flops.flops_per_token(m, cfg.data.seq_len)
     step_flops = per_token * tokens
-    recompute_flops = tokens * m.num_layers * sum(forward_flops(m, cfg.data.seq_len)[g] for g in recompute)
+    recompute_flops = tokens * (m.num_layers * sum(forward_flops(m, cfg.data.seq_len)[g] for g in recompute)
+                                + recomputed_logits(cfg) * 2 * m.d_model * m.vocab_size)
     bubble = comms.bubble(axes["pipeline"], cfg.train.grad_accum_steps)
     # The expert axis splits nothing of a dense model (the batch is not sharded over it): its devices repeat work.
     working_devices = axes["data"] * axes["fsdp"] * axes["tensor"] * axes["pipeline"]
@@ -235,7 +243,7 @@ def plan(cfg, hardware: str) -> dict:
         "tokens_per_replica": memory.replica_tokens(cfg, axes),
         "step_flops": step_flops,
         "recompute_flops": recompute_flops,
-        "recomputed": sorted(recompute),
+        "recomputed": sorted(recompute | ({"logits"} if recomputed_logits(cfg) else set())),
         "step_time_s": step_time,
         "bound": bound,
         "time_s": times,
