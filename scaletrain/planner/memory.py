@@ -118,6 +118,22 @@ def _unremat_layer(cfg, tensor: int, dtype_bytes: int) -> float:
     return (residual + inner) * dtype_bytes + scores
 
 
+# Live copies of one query block's attention scores while its backward pass runs, from the compiled 8B step's
+# buffer assignment (docs/planner.md): four float32 (scores, probabilities, their gradients) and the
+# probabilities in the compute dtype for the values matmul.
+BLOCK_SCORE_F32_COPIES = 4
+
+
+def _attention_block_working(cfg, tokens: float, tensor: int, dtype_bytes: int) -> float:
+    """Bytes of one query block's scores, for the device's sequences: zero without query blocking (the scores
+    are then part of every layer's activations)."""
+    if not blocked_attention(cfg):
+        return 0.0
+    m, seq = cfg.model, cfg.data.seq_len
+    elements = tokens / seq * m.num_heads / tensor * m.attention_block * seq
+    return elements * (BLOCK_SCORE_F32_COPIES * 4 + dtype_bytes)
+
+
 @dataclass(frozen=True)
 class Prediction:
     """Bytes per device: device memory by role (the CONTRACT's keys), the activations' parts, and host memory."""
@@ -184,12 +200,13 @@ def predict(cfg, axes: Mapping[str, int]) -> Prediction:
     policy = cfg.remat.policy
     if policy == "none":
         saved, working, offloaded = _unremat_layer(cfg, t, ab) * tokens * stage_layers, 0.0, 0.0
+        working += _attention_block_working(cfg, tokens, t, ab)
     else:
         where = kept(policy, cfg.remat.custom)
         device = elements["decoder_layer_input"] + sum(elements[n] for n, w in where.items() if w == "device")
         host = sum(elements[n] for n, w in where.items() if w == "offload")
         saved, offloaded = device * ab * tokens * stage_layers, host * ab * tokens * stage_layers
-        working = _unremat_layer(cfg, t, ab) * tokens
+        working = _unremat_layer(cfg, t, ab) * tokens + _attention_block_working(cfg, tokens, t, ab)
     logits = 2 * tokens * logits_block(cfg) / cfg.data.seq_len * m.vocab_size / t * 4
     on_host = cfg.params.offload
     return Prediction(
