@@ -18,6 +18,7 @@ from typing import Iterator
 import grain
 import jax
 import numpy as np
+from etils import epath
 
 from scaletrain.errors import DataError
 from scaletrain.tokenizer import BOS, encode
@@ -29,16 +30,35 @@ def stdlib_documents() -> list[bytes]:
     return [p.read_bytes() for p in files]
 
 
+def _glob(pattern: str) -> list[epath.Path]:
+    """Files matching a glob, local or gs://: the pattern's parts from the first wildcard on are matched
+    below the folder its earlier parts name."""
+    parts = pattern.split("/")
+    first = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    folder = epath.Path("/".join(parts[:first]) or ("/" if pattern.startswith("/") else "."))
+    return [f for f in folder.glob("/".join(parts[first:])) if f.is_file()]
+
+
+def _text_files(folder: epath.Path) -> Iterator[epath.Path]:
+    """The .txt and .jsonl files below a folder. Listed folder by folder: epath's rglob refuses buckets, and its
+    walk drops the gs:// of the paths it yields."""
+    for entry in folder.iterdir():
+        if entry.is_dir():
+            yield from _text_files(entry)
+        elif entry.suffix in (".txt", ".jsonl"):
+            yield entry
+
+
 def file_documents(path: str, jsonl_field: str) -> list[bytes]:
-    """Documents from a .txt/.jsonl file, a directory of them, or a glob: a text file is one document,
-    each JSONL line's `jsonl_field` is one."""
-    p = Path(path)
-    if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.suffix in (".txt", ".jsonl"))
-    elif p.is_file():
-        files = [p]
+    """Documents from a .txt/.jsonl file, a directory of them, or a glob, on local disk or in a bucket
+    (gs://): a text file is one document, each JSONL line's `jsonl_field` is one."""
+    p = epath.Path(path)
+    if glob.has_magic(path):
+        files = sorted(_glob(path))
+    elif p.is_dir():
+        files = sorted(_text_files(p))
     else:
-        files = sorted(Path(f) for f in glob.glob(path) if Path(f).is_file())
+        files = [p] if p.is_file() else []
     if not files:
         raise DataError(f"data.path '{path}' matches no files; expected a .txt or .jsonl file, a directory or a glob")
     docs = []

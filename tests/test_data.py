@@ -93,6 +93,22 @@ def test_text_and_jsonl_files(tmp_path):
     assert len(data.make_source(cfg)) > 5
 
 
+def test_files_in_a_bucket_read_as_local_ones(tmp_path, bucket):
+    from etils import epath
+
+    for name, text in {"a.txt": "hello world " * 10, "sub/b.jsonl": json.dumps({"text": "doc"}),
+                       "c.md": "not read from a directory"}.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+        epath.Path(f"{bucket}/corpus/{name}").write_text(text)
+    local, remote = data.file_documents(str(tmp_path), "text"), data.file_documents(f"{bucket}/corpus", "text")
+    assert remote == local and len(local) == 2
+    assert data.file_documents(f"{bucket}/corpus/*.txt", "text") == data.file_documents(f"{tmp_path}/*.txt", "text")
+    assert data.file_documents(f"{bucket}/corpus/sub/b.jsonl", "text") == [b"doc"]
+    with pytest.raises(DataError, match="matches no files"):
+        data.file_documents(f"{bucket}/corpus/*.parquet", "text")
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(DataError, match="matches no files"):
         data.file_documents(str(tmp_path / "nothing*.txt"), "text")
