@@ -169,7 +169,8 @@ def test_a_preempted_run_resumes_from_the_bucket(local_launch, uninterrupted, bu
 
 def test_a_run_dir_in_a_missing_bucket_is_one_error_line(bucket):
     sets = tiny_overrides("gs://no-such-bucket/run", steps=1)
-    result = run_cli(["--config", "configs/llama_tiny.yaml", "--cpu-devices", "8", *(a for s in sets for a in ("--set", s))])
+    result = run_cli(["--config", "configs/llama_tiny.yaml", "--cpu-devices", "8",
+                      *(a for s in sets for a in ("--set", s))])
     assert result.returncode == 2, result.stderr
     [line] = [x for x in result.stderr.splitlines() if x.strip()]
     assert line.startswith("error: run_dir 'gs://no-such-bucket/run': cannot write to the bucket (no such bucket)")
