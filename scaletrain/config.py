@@ -236,7 +236,12 @@ def read_mapping(path: str | Path, what: str, example: str, keys: Iterable[str] 
     if not path.is_file():
         raise ConfigError(f"{what} '{path}' not found; expected a YAML file such as {example}")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} '{path}' is not UTF-8 text (byte {e.start}); expected a YAML file such as "
+                          f"{example}") from None
+    try:
+        tree = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{what} '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(tree, dict):

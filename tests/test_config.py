@@ -64,3 +64,11 @@ def test_resolved_config_round_trips(tmp_path):
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="not found"):
         config.load("configs/nope.yaml")
+
+
+@pytest.mark.parametrize("content, byte", [(bytes(range(256)), 128), (b"steps: 5\nrun_dir: caf\xe9\n", 21)])
+def test_a_file_that_is_not_utf8_is_one_config_error(tmp_path, content, byte):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=f"config file '{path}' is not UTF-8 text \\(byte {byte}\\)"):
+        config.load(path)

@@ -112,9 +112,13 @@ def test_example_sweeps_are_valid(path, monkeypatch):
         assert roofline.plan(cfg, spec.hardware)["fits"]
 
 
-def test_the_command_refuses_a_bad_sweep_file_in_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("content, says", [(b"base: a.yaml", "needs 'hardware'"), (b"base: \xff.yaml\n", "not UTF-8 text")])
+def test_the_command_refuses_a_bad_sweep_file_in_one_line(tmp_path, capsys, content, says):
     from scaletrain.__main__ import main
 
-    assert main(["sweep", str(_write(tmp_path, "base: a.yaml")), "--out", str(tmp_path / "o")]) == 2
+    path = tmp_path / "sweep.yaml"
+    path.write_bytes(content)
+    assert main(["sweep", str(path), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error:") and err.count("\n") == 1
+    assert err.startswith("error:") and err.count("\n") == 1 and says in err
+    assert not (tmp_path / "o").exists()
