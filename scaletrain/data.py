@@ -8,6 +8,7 @@ an uninterrupted run would have read.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import json
 import sysconfig
@@ -32,20 +33,34 @@ def stdlib_documents() -> list[bytes]:
 
 def _glob(pattern: str) -> list[epath.Path]:
     """Files matching a glob, local or gs://: the pattern's parts from the first wildcard on are matched
-    below the folder its earlier parts name."""
+    below the folder its earlier parts name; a `**` part stands for any number of folders (none included)."""
     parts = pattern.split("/")
     first = next(i for i, part in enumerate(parts) if glob.has_magic(part))
     folder = epath.Path("/".join(parts[:first]) or ("/" if pattern.startswith("/") else "."))
-    return [f for f in folder.glob("/".join(parts[first:])) if f.is_file()]
+    rest = tuple(parts[first:])
+    if not any("**" in part for part in rest):
+        return [f for f in folder.glob("/".join(rest)) if f.is_file()]
+    # epath refuses `**` in bucket globs (and pathlib's differs from glob's): the folder's files are listed and
+    # matched here.
+    files = _files(folder) if folder.is_dir() else []
+    return [f for f in files if _matches(f.relative_to(folder).parts, rest)]
 
 
-def _text_files(folder: epath.Path) -> Iterator[epath.Path]:
-    """The .txt and .jsonl files below a folder. Listed folder by folder: epath's rglob refuses buckets, and its
-    walk drops the gs:// of the paths it yields."""
+def _matches(parts: tuple[str, ...], pattern: tuple[str, ...]) -> bool:
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_matches(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _matches(parts[1:], pattern[1:])
+
+
+def _files(folder: epath.Path) -> Iterator[epath.Path]:
+    """The files below a folder. Listed folder by folder: epath's rglob refuses buckets, and its walk drops the
+    gs:// of the paths it yields."""
     for entry in folder.iterdir():
         if entry.is_dir():
-            yield from _text_files(entry)
-        elif entry.suffix in (".txt", ".jsonl"):
+            yield from _files(entry)
+        else:
             yield entry
 
 
@@ -56,7 +71,7 @@ def file_documents(path: str, jsonl_field: str) -> list[bytes]:
     if glob.has_magic(path):
         files = sorted(_glob(path))
     elif p.is_dir():
-        files = sorted(_text_files(p))
+        files = sorted(f for f in _files(p) if f.suffix in (".txt", ".jsonl"))
     else:
         files = [p] if p.is_file() else []
     if not files:

@@ -93,6 +93,21 @@ def test_text_and_jsonl_files(tmp_path):
     assert len(data.make_source(cfg)) > 5
 
 
+def test_recursive_globs_match_any_number_of_folders(tmp_path):
+    for name in ("top.txt", "a/mid.txt", "a/b/deep.txt", "a/b/deep.md"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+
+    def found(pattern):
+        return data.file_documents(f"{tmp_path}/{pattern}", "text")
+    assert found("**/*.txt") == [b"a/b/deep.txt", b"a/mid.txt", b"top.txt"]
+    assert found("a/**/deep.*") == [b"a/b/deep.md", b"a/b/deep.txt"]
+    assert found("**/b/*.txt") == [b"a/b/deep.txt"]
+    assert found("a/**") == [b"a/b/deep.md", b"a/b/deep.txt", b"a/mid.txt"]
+    with pytest.raises(DataError, match="matches no files"):
+        found("missing/**/*.txt")
+
+
 def test_files_in_a_bucket_read_as_local_ones(tmp_path, bucket):
     from etils import epath
 
@@ -105,6 +120,7 @@ def test_files_in_a_bucket_read_as_local_ones(tmp_path, bucket):
     assert remote == local and len(local) == 2
     assert data.file_documents(f"{bucket}/corpus/*.txt", "text") == data.file_documents(f"{tmp_path}/*.txt", "text")
     assert data.file_documents(f"{bucket}/corpus/sub/b.jsonl", "text") == [b"doc"]
+    assert data.file_documents(f"{bucket}/corpus/**/*.jsonl", "text") == [b"doc"]
     with pytest.raises(DataError, match="matches no files"):
         data.file_documents(f"{bucket}/corpus/*.parquet", "text")
 
