@@ -48,12 +48,12 @@ def parser() -> argparse.ArgumentParser:
     convert_sub = convert.add_subparsers(dest="convert_command", required=True, parser_class=Parser)
     fold = convert_sub.add_parser("fold-norms", help="fold the RMSNorm gains into the following weights")
     fold.add_argument("--run-dir", required=True)
-    fold.add_argument("--out", required=True, help="the new run directory")
+    fold.add_argument("--out", required=True, help="the new run directory (new or empty, in an existing folder)")
     logits = sub.add_parser("logits", help="float32 logits of a checkpoint for token ids")
     logits.add_argument("--run-dir", required=True)
     logits.add_argument("--step", type=int, default=None, help="which checkpoint (default: the newest)")
     logits.add_argument("--tokens", required=True, help="int token ids [batch, seq], .npy")
-    logits.add_argument("--out", required=True, help="where to write the logits [batch, seq, vocab], .npy")
+    logits.add_argument("--out", required=True, help="a new .npy file for the logits [batch, seq, vocab]")
     logits.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override the run's config, e.g. --set model.norm=fused")
     plan = sub.add_parser("plan", help="predict step time, memory and communication for a mesh (no compile)")
@@ -70,10 +70,28 @@ def parser() -> argparse.ArgumentParser:
                       help="with --topology cpu:N: simulate N devices on this CPU")
     sweep = sub.add_parser("sweep", help="plan, compile and run every variant of a sweep file")
     sweep.add_argument("sweep_file", metavar="SWEEP.yaml", help="e.g. configs/sweeps/tiny_cpu.yaml")
-    sweep.add_argument("--out", required=True, help="directory for results.jsonl, summary.md, sweep.png")
+    sweep.add_argument("--out", required=True, help="directory for results.jsonl, summary.md, sweep.png; "
+                       "an earlier run of the same sweep there is resumed")
     sweep.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                        help="simulate N devices on the CPU for the run stage (ignored where an accelerator is present)")
     return p
+
+
+def _check_out(out: str, existing: str | None) -> None:
+    """`--out`, before any compile or restore. Nothing there is replaced: `existing` is what the path may
+    already be - "folder", "empty folder" or None (nothing). A missing local parent folder is refused too: a
+    typo there would otherwise surface only once the work is done (a bucket has no folders)."""
+    from scaletrain import storage
+
+    path = storage.path(out)
+    if path.is_file() or (path.exists() and existing is None):
+        expected = f"a new path or an existing {existing}" if existing else "a new path"
+        raise UserError(f"--out {out} already exists{' as a file' if existing else ''}; expected {expected} "
+                        f"(nothing is overwritten)")
+    if existing == "empty folder" and path.is_dir() and any(path.iterdir()):
+        raise UserError(f"--out {out} is a folder that is not empty; expected a new or empty folder")
+    if not storage.is_remote(out) and not path.parent.is_dir():
+        raise UserError(f"--out {out}: folder {path.parent} does not exist; create it or correct the path")
 
 
 def sweep(args: argparse.Namespace) -> int:
@@ -81,6 +99,7 @@ def sweep(args: argparse.Namespace) -> int:
     from scaletrain.planner import sweep as sweep_lib
 
     spec = sweep_lib.load(args.sweep_file)  # before JAX starts: a bad sweep file costs milliseconds
+    _check_out(args.out, existing="folder")  # an earlier run of the sweep, resumed
     runtime.configure(args.cpu_devices)
     records = sweep_lib.run(spec, args.out, log=lambda line: print(line, flush=True))
     ok = sum(r["status"] == "ok" for r in records)
@@ -143,6 +162,7 @@ def ckpt(args: argparse.Namespace) -> int:
 def convert(args: argparse.Namespace) -> int:
     from scaletrain import runtime
 
+    _check_out(args.out, existing="empty folder")
     runtime.configure(None)
     from scaletrain import inference
 
@@ -152,6 +172,9 @@ def convert(args: argparse.Namespace) -> int:
 def logits(args: argparse.Namespace) -> int:
     from scaletrain import runtime
 
+    if not args.out.endswith(".npy"):  # numpy would add the suffix: the file would not be where it was asked
+        raise UserError(f"--out {args.out}: expected a path ending in .npy")
+    _check_out(args.out, existing=None)
     runtime.configure(None)
     from scaletrain import inference
 

@@ -61,7 +61,7 @@ def fold(params: Any, tie_embeddings: bool) -> Any:
 def fold_norms(run_dir: str, out_dir: str) -> int:
     """`convert fold-norms`: OUT_DIR gets the newest checkpoint of RUN_DIR with its gains folded, as a run
     directory with model.norm_weights=folded (same step; fresh Adam moments and data position - the folded
-    weights are different parameters to an optimizer)."""
+    weights are different parameters to an optimizer). OUT_DIR is new or empty: the command line checks it."""
     from scaletrain import data as data_lib
     from scaletrain.checkpoint import Checkpointer, restore_params
     from scaletrain.trainer import checkpoint_metadata
@@ -70,8 +70,6 @@ def fold_norms(run_dir: str, out_dir: str) -> int:
     if cfg.model.norm_weights != "standard":
         raise UserError(f"'{run_dir}' already has model.norm_weights={cfg.model.norm_weights}: nothing to fold")
     out = storage.path(out_dir)
-    if (out / "checkpoints").exists():
-        raise UserError(f"'{out_dir}' already holds checkpoints; choose a new --out directory")
     source = _setup(cfg)
     step, params = restore_params(run_dir, source.abstract_state.params, what="convert fold-norms")
     folded_overrides = ["model.norm_weights=folded", f"run_dir={out}"]
@@ -125,6 +123,17 @@ def logits(run_dir: str, step: int | None, tokens_path: str, out_path: str, over
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
         return nnx.merge(graphdef, params)(tokens_bt, positions, jnp.ones_like(tokens_bt))
 
-    np.save(out_path, np.asarray(forward(params, tokens), np.float32))
+    _save_whole(out_path, np.asarray(forward(params, tokens), np.float32))
     print(f"logits {list(tokens.shape) + [cfg.model.vocab_size]} of step {step} -> {out_path}")
     return 0
+
+
+def _save_whole(path: str, array: np.ndarray) -> None:
+    """np.save, written beside `path` and renamed onto it: an interrupted write leaves no half a file there."""
+    partial = Path(f"{path}.partial")
+    try:
+        with partial.open("wb") as f:
+            np.save(f, array)
+        partial.rename(path)
+    finally:
+        partial.unlink(missing_ok=True)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.conftest import run_cli, tiny_overrides
+from tests.conftest import ROOT, run_cli, tiny_overrides
 
 
 def _args(tmp_path, *extra):
@@ -40,3 +40,31 @@ def test_cli_usage_errors(args, module, message):
     assert result.returncode == 2
     assert result.stderr.splitlines() == [result.stderr.splitlines()[0]]
     assert result.stderr.startswith(message), result.stderr
+
+
+@pytest.mark.parametrize("command, out, message", [
+    ("logits", "file.npy", "already exists; expected a new path (nothing is overwritten)"),
+    ("logits", "missing/logits.npy", "missing does not exist; create it or correct the path"),
+    ("logits", "logits.bin", "expected a path ending in .npy"),
+    ("fold", "file.npy", "already exists as a file; expected a new path or an existing empty folder"),
+    ("fold", "full", "is a folder that is not empty"),
+    ("fold", "missing/run", "missing does not exist"),
+    ("sweep", "file.npy", "already exists as a file; expected a new path or an existing folder"),
+    ("sweep", "missing/out", "missing does not exist"),
+])
+def test_out_that_would_replace_something_or_lies_in_a_missing_folder(tmp_path, capsys, command, out, message):
+    """Refused before anything is restored or compiled: here the run directory does not even exist."""
+    from scaletrain.__main__ import main
+
+    (tmp_path / "file.npy").write_bytes(b"mine")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "config.yaml").write_text("mine")
+    (tmp_path / "sweep.yaml").write_text(f"base: {ROOT / 'configs' / 'llama_tiny.yaml'}\nstages: [run]\n"
+                                         f"variants: [{{steps: 1}}]\n")
+    head = {"logits": ["logits", "--run-dir", str(tmp_path / "run"), "--tokens", str(tmp_path / "t.npy")],
+            "fold": ["convert", "fold-norms", "--run-dir", str(tmp_path / "run")],
+            "sweep": ["sweep", str(tmp_path / "sweep.yaml")]}[command]
+    assert main([*head, "--out", str(tmp_path / out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {tmp_path / out}") and err.count("\n") == 1 and message in err, err
+    assert (tmp_path / "file.npy").read_bytes() == b"mine" and (tmp_path / "full" / "config.yaml").read_text() == "mine"
