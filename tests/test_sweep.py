@@ -112,7 +112,8 @@ def test_example_sweeps_are_valid(path, monkeypatch):
         assert roofline.plan(cfg, spec.hardware)["fits"]
 
 
-@pytest.mark.parametrize("content, says", [(b"base: a.yaml", "needs 'hardware'"), (b"base: \xff.yaml\n", "not UTF-8 text")])
+@pytest.mark.parametrize("content, says", [(b"base: a.yaml", "needs 'hardware'"),
+                                           (b"base: \xff.yaml\n", "not UTF-8 text")])
 def test_the_command_refuses_a_bad_sweep_file_in_one_line(tmp_path, capsys, content, says):
     from scaletrain.__main__ import main
 
