@@ -181,6 +181,13 @@ def logits(args: argparse.Namespace) -> int:
     return inference.logits(args.run_dir, args.step, args.tokens, args.out, args.set)
 
 
+def _check_coordinator(address: str) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"--coordinator expects HOST:PORT with a port in 1-65535 (e.g. 10.0.0.2:8476), got "
+                        f"'{address}'")
+
+
 def train(args: argparse.Namespace) -> int:
     from scaletrain import config, runtime
 
@@ -191,6 +198,7 @@ def train(args: argparse.Namespace) -> int:
     if any(a is not None for a in distributed):
         if None in distributed or not 0 <= args.process_id < args.num_processes:
             raise UserError("--coordinator HOST:PORT, --num-processes N and --process-id I (0 <= I < N) go together")
+        _check_coordinator(args.coordinator)
     runtime.configure(args.cpu_devices, *distributed)
     from scaletrain import trainer
 

@@ -113,3 +113,29 @@ def test_preempted_then_killed_two_process_run_resumes_bitwise(tmp_path, two_pro
 def test_distributed_flags_go_together(tmp_path):
     result = run_cli(_args(tmp_path) + ["--coordinator", "localhost:1"])
     assert result.returncode == 2 and result.stderr.startswith("error: --coordinator HOST:PORT, --num-processes")
+
+
+@pytest.mark.parametrize("address", ["localhost", "localhost:", "localhost:http", "localhost:70000", ":8476"])
+def test_coordinator_needs_a_host_and_a_port(address, capsys):
+    from scaletrain.__main__ import main
+
+    args = ["train", *_args("unused"), "--coordinator", address, "--num-processes", "2", "--process-id", "0"]
+    assert main(args) == 2
+    assert capsys.readouterr().err == ("error: --coordinator expects HOST:PORT with a port in 1-65535 (e.g. "
+                                       f"10.0.0.2:8476), got '{address}'\n")
+
+
+def test_a_peer_that_never_starts_is_said_before_the_wait_and_ends_it_in_one_error_line():
+    """Process 0 of 2 alone, with a 2 s timeout (the module constant, patched in the subprocess)."""
+    address = f"localhost:{_free_port()}"
+    script = ("import sys; from scaletrain import runtime; runtime.INITIALIZATION_TIMEOUT_S = 2; "
+              "from scaletrain.__main__ import main; sys.exit(main(sys.argv[1:]))")
+    result = subprocess.run(
+        [sys.executable, "-c", script, "train", *_args("unused"), "--cpu-devices", "1", "--coordinator", address,
+         "--num-processes", "2", "--process-id", "0"],
+        cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=60)
+    waiting = f"2 processes to join at {address} (process 0 of 2)"
+    assert result.stdout == f"waiting for {waiting}; times out after 2 s\n"
+    assert result.stderr == (f"error: timed out after 2 s waiting for {waiting}: check that every process has started, "
+                             "with the same --coordinator and --num-processes\n")
+    assert result.returncode == 2
