@@ -1,8 +1,10 @@
 """The chip table (hardware.yaml) and what it says of a machine: the peak FLOP/s of the devices a run is on (or a
-measured CPU peak), and for the planner a chip's full spec and a parsed slice topology such as `v5p:4x4x4`."""
+measured CPU peak), for the planner a chip's full spec and a parsed slice topology such as `v5p:4x4x4`, and for
+the launcher the Cloud TPU accelerator types that exist (`v5p-64` is a 2x4x4 slice) and the zones that offer them."""
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import math
@@ -222,10 +224,96 @@ def topology(text: str) -> Topology:
         if len(dims) != chip.torus_dims:
             raise ConfigError(f"hardware '{text}': {chip.name} is a {chip.torus_dims}D torus, so DIMS needs "
                               f"{chip.torus_dims} sizes, e.g. {chip.name}:{'x'.join(['4'] * chip.torus_dims)}")
-        if chip.max_pod and any(d > m for d, m in zip(sorted(dims), sorted(chip.max_pod))):
+        # Optical switches join whole cubes into slices that no block of the pod holds (v5p 4x4x44): a shape
+        # that Cloud TPU rents is a slice.
+        if (chip.max_pod and any(d > m for d, m in zip(sorted(dims), sorted(chip.max_pod)))
+                and not _rented(chip.name, dims)):
             raise ConfigError(f"hardware '{text}': a {chip.name} slice is at most "
                               f"{'x'.join(map(str, chip.max_pod))} chips")
     if slices > 1 and chip.dcn_bandwidth is None:
         raise ConfigError(f"hardware '{text}': hardware.yaml has no DCN bandwidth for {chip.name}, so it cannot "
                           f"plan across slices; use one slice")
     return Topology(chip=chip, dims=dims, slices=slices, wraps=wraparound(chip, dims))
+
+
+@dataclass(frozen=True)
+class CloudSlice:
+    """A Cloud TPU accelerator type that exists: one slice of `dims` chips (per torus axis) of `chip`."""
+
+    chip: str  # the table's name: v4, v5p, v5e, v6e
+    accelerator: str  # as gcloud spells it: v5p-64, v5litepod-16
+    dims: tuple[int, ...]
+
+    @property
+    def chips(self) -> int:
+        return math.prod(self.dims)
+
+    def hardware(self, slices: int = 1) -> str:
+        """What topology() and the planner call `slices` of these slices: v5p:2x4x4, 2xv6e:16x16."""
+        return f"{f'{slices}x' if slices > 1 else ''}{self.chip}:{'x'.join(map(str, self.dims))}"
+
+
+_WHERE = "scaletrain/planner/hardware.yaml, from cloud.google.com/tpu/docs"
+
+
+def cloud_tpus() -> dict[str, dict]:
+    """The chips Cloud TPU rents: each one's `cloud_tpu` entry (type_prefix, cores_per_chip, slices, zones)."""
+    return {name: e["cloud_tpu"] for name, e in table().items() if "cloud_tpu" in e}
+
+
+def cloud_slices(chip: str) -> list[CloudSlice]:
+    """Every slice of `chip` that an accelerator type names, smallest first."""
+    entry = cloud_tpus()[chip]
+    dims = [tuple(int(d) for d in shape.split("x")) for shape in entry["slices"]]
+    return [CloudSlice(chip, f"{entry['type_prefix']}-{math.prod(d) * entry['cores_per_chip']}", d) for d in dims]
+
+
+def _rented(chip: str, dims: tuple[int, ...]) -> bool:
+    """Whether an accelerator type names a slice of this shape, in any order of its axes."""
+    return chip in cloud_tpus() and sorted(dims) in (sorted(s.dims) for s in cloud_slices(chip))
+
+
+def accelerator_type(text: str) -> CloudSlice:
+    """The slice an accelerator type names, by its gcloud prefix or the table's chip name: `v5p-64` (v4 and v5p
+    count TensorCores, two per chip: 32 chips, 2x4x4), `v5litepod-16` or `v5e-16` (16 chips, 4x4). Raises
+    ConfigError for an unknown generation or a size that does not exist."""
+    tpus = cloud_tpus()
+    prefixes = {p: name for name, e in tpus.items() for p in (name, e["type_prefix"])}
+    match = re.fullmatch(r"([a-z0-9]+)-(\d+)", text.strip().lower())
+    if not match or match.group(1) not in prefixes:
+        raise ConfigError(f"unknown accelerator '{text}'; expected a Cloud TPU type such as v5e-16 (v5litepod-16), "
+                          f"v5p-64, v6e-256 or v4-32")
+    prefix, units = match.group(1), int(match.group(2))
+    chip = prefixes[prefix]
+    cores = tpus[chip]["cores_per_chip"]
+    slices = cloud_slices(chip)
+    sizes = [s.chips * cores for s in slices]
+    if units in sizes:
+        return slices[sizes.index(units)]
+    odd = f" ({chip} types count TensorCores, {cores} per chip: expected an even number)" if units % cores else ""
+    raise ConfigError(f"accelerator {text} does not exist{odd}; {chip} sizes are {_listing(prefix, sizes, units)} "
+                      f"({len(sizes)} sizes in {_WHERE})")
+
+
+def _listing(prefix: str, sizes: list[int], wanted: int) -> str:
+    """`v5p-8, v5p-16, ..., v5p-17920`: a short list whole, a long one as its first four sizes, the two around
+    `wanted` and the last, with `...` where sizes are left out."""
+    keep = range(len(sizes))
+    if len(sizes) > 8:
+        near = bisect.bisect(sizes, wanted)
+        keep = sorted({0, 1, 2, 3, max(near - 1, 0), min(near, len(sizes) - 1), len(sizes) - 1})
+    parts = []
+    for before, i in zip([-1, *keep], keep):
+        parts += ["..."] * (i > before + 1) + [f"{prefix}-{sizes[i]}"]
+    return ", ".join(parts)
+
+
+def check_zone(chip: str, zone: str) -> None:
+    """Raises ConfigError unless Cloud TPU offers `chip` in `zone`."""
+    tpus = cloud_tpus()
+    if zone in tpus[chip]["zones"]:
+        return
+    others = [name for name, e in tpus.items() if zone in e["zones"]]
+    has = f"it has {', '.join(others)}" if others else "no Cloud TPU is there, or the zone does not exist"
+    raise ConfigError(f"zone {zone} has no {chip} ({has}); expected one of {', '.join(tpus[chip]['zones'])} "
+                      f"({_WHERE}/regions-zones)")
