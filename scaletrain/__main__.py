@@ -100,6 +100,7 @@ def sweep(args: argparse.Namespace) -> int:
 
     spec = sweep_lib.load(args.sweep_file)  # before JAX starts: a bad sweep file costs milliseconds
     _check_out(args.out, existing="folder")  # an earlier run of the sweep, resumed
+    sweep_lib.earlier(spec, args.out)  # another sweep's results there: refused before JAX starts
     runtime.configure(args.cpu_devices)
     records = sweep_lib.run(spec, args.out, log=lambda line: print(line, flush=True))
     ok = sum(r["status"] == "ok" for r in records)

@@ -123,3 +123,74 @@ def test_the_command_refuses_a_bad_sweep_file_in_one_line(tmp_path, capsys, cont
     err = capsys.readouterr().err
     assert err.startswith("error:") and err.count("\n") == 1 and says in err
     assert not (tmp_path / "o").exists()
+
+
+def _plan_sweep(tmp_path: Path, variants: str, hardware: str = "v5p:2x2x1") -> Path:
+    """A plan-only sweep: planning for a TPU slice is arithmetic, milliseconds a variant."""
+    return _write(tmp_path, f"base: {ROOT / 'configs' / 'llama_tiny.yaml'}\nset: {json.dumps(TINY)}\nstages: [plan]\n"
+                            f"hardware: {hardware}\nvariants: {variants}\n")
+
+
+def test_a_rerun_into_the_same_folder_keeps_what_was_recorded_and_runs_the_rest(tmp_path, monkeypatch):
+    planned = []
+    real_plan = sweep_lib._STAGE_FNS["plan"]
+
+    def plan(cfg, sweep):
+        planned.append(cfg.mesh.tensor)
+        if cfg.mesh.tensor == 4:
+            raise RuntimeError("a passing failure")
+        return real_plan(cfg, sweep)
+
+    monkeypatch.setitem(sweep_lib._STAGE_FNS, "plan", plan)
+    out, quiet = tmp_path / "out", (lambda line: None)
+    first = sweep_lib.run(sweep_lib.load(_plan_sweep(tmp_path, "[{mesh.tensor: 1}, {mesh.tensor: 4}, "
+                                                               "{mesh.tensor: 3}]")), out, log=quiet)
+    assert [r["status"] for r in first] == ["ok", "failed", "invalid"] and planned == [1, 4, 3]
+    recorded = (out / "results.jsonl").read_text()
+
+    planned.clear()
+    monkeypatch.setitem(sweep_lib._STAGE_FNS, "plan", lambda cfg, sweep: planned.append(cfg.mesh.tensor) or
+                        real_plan(cfg, sweep))
+    log = []
+    spec = sweep_lib.load(_plan_sweep(tmp_path, "[{mesh.tensor: 1}, {mesh.tensor: 4}, {mesh.tensor: 3}, "
+                                                "{mesh.tensor: 2}]"))
+    second = sweep_lib.run(spec, out, log=log.append)
+    assert planned == [4, 2]  # the failed variant and the new one; the ok and invalid ones are kept
+    assert [r["status"] for r in second] == ["ok", "ok", "invalid", "ok"] and second[0] == first[0]
+    assert log[1] == "    ok, kept from an earlier run" and log[5] == "    invalid, kept from an earlier run"
+    text = (out / "results.jsonl").read_text()
+    assert text.startswith(recorded) and len(text.splitlines()) == 5  # appended, nothing replaced
+    assert "tensor=2" in (out / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("change", ["hardware", "base"])
+def test_a_rerun_refuses_a_folder_of_another_sweep_in_one_line(tmp_path, capsys, change):
+    from scaletrain.__main__ import main
+
+    base = tmp_path / "base.yaml"
+    base.write_text((ROOT / "configs" / "llama_tiny.yaml").read_text())
+    path = _write(tmp_path, f"base: base.yaml\nset: {json.dumps(TINY)}\nstages: [plan]\nhardware: v5p:2x2x1\n"
+                            "variants: [{mesh.tensor: 1}]\n")
+    out = tmp_path / "out"
+    sweep_lib.run(sweep_lib.load(path), out, log=lambda line: None)
+    if change == "hardware":
+        path.write_text(path.read_text().replace("v5p:2x2x1", "v5p:2x2x2"))
+    else:
+        base.write_text(base.read_text() + "\nseed: 1\n")
+    recorded = (out / "results.jsonl").read_text()
+    assert main(["sweep", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    differ = "hardware" if change == "hardware" else "base_sha256"
+    assert err == (f"error: {out / 'results.jsonl'} holds the results of another sweep (different {differ}); use a "
+                   "new --out or delete the folder\n")
+    assert (out / "results.jsonl").read_text() == recorded
+
+
+def test_a_missing_base_config_is_the_sweep_files_error(tmp_path, capsys):
+    from scaletrain.__main__ import main
+
+    path = _write(tmp_path, "base: missing.yaml\nstages: [run]\nvariants: [{steps: 1}]\n")
+    assert main(["sweep", str(path), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (f"error: sweep file {path}: base config '{tmp_path / 'missing.yaml'}' not "
+                                       "found; expected a YAML file such as configs/llama_tiny.yaml\n")
+    assert not (tmp_path / "out").exists()

@@ -23,6 +23,7 @@ An invalid variant (a ConfigError from any stage) is recorded with its error and
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
@@ -39,6 +40,7 @@ from scaletrain.errors import ConfigError
 STAGES = ("plan", "compile", "run")
 # Predictions and results further apart than this (relative to the later stage) are flagged in the summary.
 TOLERANCE = 0.25
+RESULTS = "results.jsonl"
 _KEYS = {"base", "set", "stages", "hardware", "topology", "loop_correction", "steps", "grid", "variants"}
 
 
@@ -62,9 +64,9 @@ def load(path: str | Path) -> Sweep:
     raw = read_mapping(path, "sweep file", "configs/sweeps/tiny_cpu.yaml", _KEYS)
     if "base" not in raw:
         raise ConfigError(f"sweep file {path}: 'base' (the config every variant starts from) is missing")
-    stages = tuple(raw.get("stages", STAGES))
-    if not stages or any(s not in STAGES for s in stages):
-        raise ConfigError(f"sweep file {path}: stages {list(stages)}; expected a list of {', '.join(STAGES)}")
+    stages = raw.get("stages", list(STAGES))
+    if not isinstance(stages, list) or not stages or any(s not in STAGES for s in stages):
+        raise ConfigError(f"sweep file {path}: stages {stages!r}; expected a list of {', '.join(STAGES)}")
     hardware = raw.get("hardware")
     topology = raw.get("topology", hardware)
     if "plan" in stages and not hardware:
@@ -78,10 +80,13 @@ def load(path: str | Path) -> Sweep:
     steps = raw.get("steps", 5)
     if not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"sweep file {path}: steps={steps!r}; expected a positive integer")
-    return Sweep(base=(path.parent / raw["base"]).resolve(), common=tuple(_as_overrides(raw.get("set", []), path)),
+    variants = tuple(_variants(raw, path))
+    base = (path.parent / raw["base"]).resolve()
+    # A base that cannot be read is the sweep file's error, not each variant's.
+    read_mapping(base, f"sweep file {path}: base config", "configs/llama_tiny.yaml")
+    return Sweep(base=base, common=tuple(_as_overrides(raw.get("set", []), path)),
                  stages=tuple(s for s in STAGES if s in stages), hardware=hardware, topology=topology,
-                 loop_correction=raw.get("loop_correction", True), steps=steps,
-                 variants=tuple(_variants(raw, path)))
+                 loop_correction=raw.get("loop_correction", True), steps=steps, variants=variants)
 
 
 def _as_overrides(entries, path: Path) -> list[str]:
@@ -170,6 +175,8 @@ def _run(cfg, sweep: Sweep) -> dict:
 
 
 _STAGE_FNS = {"plan": _plan, "compile": _compile, "run": _run}
+# The sweep file's settings each stage's results depend on.
+_STAGE_FIELDS = {"plan": ("hardware",), "compile": ("topology", "loop_correction"), "run": ("steps",)}
 
 
 def checks(record: dict, sweep: Sweep) -> list[str]:
@@ -215,39 +222,81 @@ def best_time(record: dict) -> tuple[float, str] | None:
 
 def run(sweep: Sweep, out: str | Path, log=print) -> list[dict]:
     """Every variant through every stage; results.jsonl grows a line per variant as it finishes, so a sweep
-    stopped midway keeps what it measured. Then summary.md and sweep.png."""
-    from scaletrain import config
-
+    stopped midway keeps what it measured, and a rerun into the same folder resumes: variants recorded there
+    are kept (failed ones run again). Then summary.md and sweep.png, of this sweep's variants."""
     out = Path(out)
+    kept = earlier(sweep, out)
     out.mkdir(parents=True, exist_ok=True)
-    results_path = out / "results.jsonl"
-    results_path.write_text("")
+    sweep_id = identity(sweep)
     records = []
     for i, variant in enumerate(sweep.variants):
         overrides = [*sweep.common, *(f"{k}={_scalar(v)}" for k, v in variant.items())]
-        record = {"name": name(variant), "overrides": overrides, "status": "ok"}
-        log(f"[{i + 1}/{len(sweep.variants)}] {record['name']}")
-        try:
-            cfg = config.load(sweep.base, overrides)
-            for stage in sweep.stages:
-                if stage == "run" and (record.get("compile") or {}).get("fits") is False:
-                    record["run"] = None  # compiled for this machine and found too big: nothing to run
-                    continue
-                record[stage] = _STAGE_FNS[stage](cfg, sweep)
-        except ConfigError as e:
-            record.update(status="invalid", error=str(e))
-        except Exception as e:  # noqa: BLE001 - one variant's failure is a result; the sweep goes on
-            record.update(status="failed", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                          traceback=traceback.format_exc(limit=-3))
-        record["checks"] = checks(record, sweep) if record["status"] == "ok" else []
+        log(f"[{i + 1}/{len(sweep.variants)}] {name(variant)}")
+        record = kept.get(tuple(overrides))
+        if record is not None:
+            log(f"    {record['status']}, kept from an earlier run")
+            records.append(record)
+            continue
+        record = {"name": name(variant), "overrides": overrides, "sweep": sweep_id, **_measure(sweep, overrides)}
         log(f"    {record['status']}" + (f": {record['error']}" if "error" in record else "")
             + "".join(f"\n    check: {c}" for c in record["checks"]))
         records.append(record)
-        with results_path.open("a") as f:
+        with (out / RESULTS).open("a") as f:
             f.write(json.dumps(record) + "\n")
     (out / "summary.md").write_text(summary(records, sweep))
     plot(records, out / "sweep.png")
     return records
+
+
+def _measure(sweep: Sweep, overrides: list[str]) -> dict:
+    """One variant's stages: its status, each stage's results (or its error) and their checks."""
+    from scaletrain import config
+
+    record = {"status": "ok"}
+    try:
+        cfg = config.load(sweep.base, overrides)
+        for stage in sweep.stages:
+            if stage == "run" and (record.get("compile") or {}).get("fits") is False:
+                record["run"] = None  # compiled for this machine and found too big: nothing to run
+                continue
+            record[stage] = _STAGE_FNS[stage](cfg, sweep)
+    except ConfigError as e:
+        record.update(status="invalid", error=str(e))
+    except Exception as e:  # noqa: BLE001 - one variant's failure is a result; the sweep goes on
+        record.update(status="failed", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                      traceback=traceback.format_exc(limit=-3))
+    record["checks"] = checks(record, sweep) if record["status"] == "ok" else []
+    return record
+
+
+def identity(sweep: Sweep) -> dict:
+    """What a sweep's results depend on besides each variant's overrides. Every record carries it, so that a
+    rerun into the same folder can tell its own sweep's results from another's."""
+    return {"base_sha256": hashlib.sha256(sweep.base.read_bytes()).hexdigest(), "stages": list(sweep.stages),
+            **{field: getattr(sweep, field) for stage in sweep.stages for field in _STAGE_FIELDS[stage]}}
+
+
+def earlier(sweep: Sweep, out: str | Path) -> dict[tuple[str, ...], dict]:
+    """The records an earlier run of this sweep left in OUT/results.jsonl, by overrides, failed ones left out
+    (what failed may since have been fixed). Another sweep's results are refused: kept beside this one's, they
+    would be ranked against results measured differently."""
+    results, sweep_id = Path(out) / RESULTS, identity(sweep)
+    if not results.is_file():
+        return {}
+    kept = {}
+    for n, line in enumerate(results.read_text().splitlines(), 1):
+        try:
+            record = json.loads(line)
+            other, overrides, status = record.get("sweep"), tuple(record["overrides"]), record["status"]
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise ConfigError(f"{results}:{n} is not a sweep's record; use a new --out or delete the folder") from None
+        differ = [k for k in sweep_id if not isinstance(other, dict) or other.get(k) != sweep_id[k]]
+        if differ:
+            raise ConfigError(f"{results} holds the results of another sweep (different {', '.join(differ)}); use "
+                              f"a new --out or delete the folder")
+        if status != "failed":
+            kept[overrides] = record
+    return kept
 
 
 # --- reports ---------------------------------------------------------------------------------------------
