@@ -136,6 +136,17 @@ _NON_NEGATIVE = ("seed", "checkpoint.every_minutes", "model.attention_block", "m
                  "optim.grad_clip_norm", "model.norm_eps", "model.init_std", "model.qk_norm_eps")
 _UNIT_INTERVAL = ("optim.min_lr_ratio", "optim.b1", "optim.b2")
 
+# Upper bounds, so that nothing computed from a config overflows into a traceback. Token ids, positions and the
+# step counter are int32 on the device, and JAX refuses a Python int beyond int32 in int32 arithmetic: no integer
+# key (the seed aside: a uint32) may exceed int32. The model's and optimizer's float keys become float32 there:
+# beyond its largest, inf.
+_INT32_MAX = 2**31 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
+# No array of a step may hold more than 2**52 elements: 16 PiB as float32, 20 times the HBM of a whole v5p pod,
+# so no model that could be trained is refused. XLA counts bytes in int64; below this bound an array's bytes, and
+# their sums over a step's arrays (parameters, gradients, two Adam moments, activations), stay below 2**63.
+_MAX_ELEMENTS = 2**52
+
 
 def flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
     keys = []
@@ -289,6 +300,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError("run_dir must name a directory, got an empty string")
     if cfg.seed >= 2**32:
         raise ConfigError(f"seed must be < 2**32, got {cfg.seed}")
+    _check_bounds(cfg)
     peak = cfg.hardware.peak_flops_per_device
     if peak is not None and peak <= 0:
         raise ConfigError(f"hardware.peak_flops_per_device must be > 0 (or null to look it up), got {peak}")
@@ -317,6 +329,40 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                           f"train.grad_accum_steps={cfg.train.grad_accum_steps}")
     if cfg.data.source == "files" and not cfg.data.path:
         raise ConfigError("data.source=files needs data.path (a .txt/.jsonl file, a directory or a glob)")
+
+
+def _check_bounds(cfg: ml_collections.ConfigDict) -> None:
+    for key in flat_keys(cfg):
+        value = _get(cfg, key)
+        if type(value) is int and key != "seed" and value > _INT32_MAX:
+            raise ConfigError(f"{key} must be <= 2**31 - 1 = {_INT32_MAX} (the largest int32: sizes and counts "
+                              f"are int32 on the device), got {value}")
+        if type(value) is float and key.startswith(("model.", "optim.")) and value > _FLOAT32_MAX:
+            raise ConfigError(f"{key} must be <= {_FLOAT32_MAX:.4g} (the largest float32: it is float32 on the "
+                              f"device), got {value:g}")
+    for what, keys in _largest_arrays(cfg).items():
+        elements = math.prod(_get(cfg, key) for key in keys)
+        if elements > _MAX_ELEMENTS:
+            raise ConfigError(f"{' x '.join(keys)} = {' x '.join(str(_get(cfg, key)) for key in keys)} = "
+                              f"{elements:.3g} elements in {what}, over the 2**52 any array may hold (16 PiB as "
+                              f"float32)")
+
+
+def _largest_arrays(cfg: ml_collections.ConfigDict) -> dict[str, tuple[str, ...]]:
+    """The largest arrays of a training step (global shapes, every microbatch at once: an upper bound), each as
+    the keys whose product is its number of elements."""
+    batch = ("train.global_batch", "data.seq_len")
+    queries = "model.attention_block" if cfg.model.attention_block else "data.seq_len"
+    logits = "model.logits_block" if cfg.model.logits_block else "data.seq_len"
+    return {
+        "the embedding table": ("model.vocab_size", "model.d_model"),
+        "the attention weights": ("model.num_layers", "model.d_model", "model.num_heads", "model.head_dim"),
+        "the MLP weights": ("model.num_layers", "model.d_model", "model.d_ff"),
+        "the residual stream of every layer": ("model.num_layers", *batch, "model.d_model"),
+        "the MLP activations of every layer": ("model.num_layers", *batch, "model.d_ff"),
+        "a layer's attention scores": ("train.global_batch", "model.num_heads", queries, "data.seq_len"),
+        "the logits": ("train.global_batch", logits, "model.vocab_size"),
+    }
 
 
 def _min_vocab(cfg: ml_collections.ConfigDict) -> int:
