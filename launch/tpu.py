@@ -4,18 +4,19 @@ Commands: create (a queued resource: one slice, or several for multislice), setu
 this checkout copied over, or a git ref), run (train.py on every worker of every slice, run_dir under the
 bucket), sweep (a sweep's variants one after another on the same slice), status, logs, delete, and manifest (a
 GKE JobSet for teams on GKE). `--dry-run` prints every command, one per line, and runs nothing; `run --local N`
-runs the same training command as N local processes joined by jax.distributed on the CPU. docs/launch.md.
+runs the same training command as N local processes joined by jax.distributed on the CPU. Before create, setup, run
+and sweep print or run anything, what would fail only on the TPU VMs is checked here (`check`). docs/launch.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 import shlex
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import yaml
@@ -26,16 +27,13 @@ sys.path.insert(0, str(ROOT))
 from scaletrain.__main__ import EXIT_USAGE, Parser  # noqa: E402
 from scaletrain.config import read_mapping  # noqa: E402
 from scaletrain.errors import ConfigError  # noqa: E402
+from scaletrain.planner import hardware as hw  # noqa: E402
 
-# Cloud TPU generations: accelerator-type prefix, what one unit of the type's number counts (v4 and v5p count
-# TensorCores, two per chip; v5e and v6e count chips), default runtime version.
-GENERATIONS = {
-    "v4": dict(prefix="v4", cores_per_chip=2, runtime="tpu-ubuntu2204-base"),
-    "v5e": dict(prefix="v5litepod", cores_per_chip=1, runtime="v2-alpha-tpuv5-lite"),
-    "v5p": dict(prefix="v5p", cores_per_chip=2, runtime="v2-alpha-tpuv5"),
-    "v6e": dict(prefix="v6e", cores_per_chip=1, runtime="v2-alpha-tpuv6e"),
-}
-_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v5e": "v5e", "v4": "v4", "v5p": "v5p", "v6e": "v6e"}
+# The default TPU VM runtime version of each generation. Accelerator types and zones: hardware.yaml's cloud_tpu.
+RUNTIMES = {"v4": "tpu-ubuntu2204-base", "v5e": "v2-alpha-tpuv5-lite", "v5p": "v2-alpha-tpuv5",
+            "v6e": "v2-alpha-tpuv6e"}
+# The commands that rent TPUs or train on them: `check` runs before any of their commands is printed or run.
+SPENDING = ("create", "setup", "run", "sweep")
 CAPACITY = ("on-demand", "spot", "reserved")
 MEGASCALE_PORT = 8080
 _KEYS = {"project", "zone", "accelerator", "runtime_version", "slices", "capacity", "bucket", "run_name", "train",
@@ -46,9 +44,7 @@ _KEYS = {"project", "zone", "accelerator", "runtime_version", "slices", "capacit
 class Launch:
     project: str
     zone: str
-    generation: str
-    accelerator: str  # as gcloud spells it, e.g. v5litepod-16
-    chips: int  # per slice
+    tpu: hw.CloudSlice  # one slice
     runtime_version: str
     slices: int
     capacity: str
@@ -61,10 +57,15 @@ class Launch:
     env: dict
 
     @property
+    def chips(self) -> int:
+        """Per slice."""
+        return self.tpu.chips
+
+    @property
     def hosts(self) -> int:
         """TPU VMs per slice: v5e and v6e slices of up to 8 chips are one host; larger ones, and v4 and v5p
         slices, have 4 chips per host."""
-        if self.generation in ("v5e", "v6e") and self.chips <= 8:
+        if self.tpu.chip in ("v5e", "v6e") and self.chips <= 8:
             return 1
         return max(1, self.chips // 4)
 
@@ -85,7 +86,7 @@ def load(path: str | Path) -> Launch:
         if not raw.get(key):
             raise ConfigError(f"launch file {path}: '{key}' is missing" + (
                 "; expected a gs://bucket[/prefix] for run directories and checkpoints" if key == "bucket" else ""))
-    generation, accelerator, chips = accelerator_type(str(raw["accelerator"]))
+    tpu = hw.accelerator_type(str(raw["accelerator"]))
     if not str(raw["bucket"]).startswith("gs://"):
         raise ConfigError(f"launch file {path}: bucket '{raw['bucket']}' is not a gs:// path; every worker must "
                           f"reach the run directory, so it lives in Cloud Storage")
@@ -108,27 +109,12 @@ def load(path: str | Path) -> Launch:
     source = raw.get("source", "local")
     if source != "local" and not (isinstance(source, dict) and {"git", "ref"} <= set(source)):
         raise ConfigError(f"launch file {path}: source must be 'local' (this checkout) or {{git: URL, ref: REF}}")
-    return Launch(project=str(raw["project"]), zone=str(raw["zone"]), generation=generation,
-                  accelerator=accelerator, chips=chips,
-                  runtime_version=str(raw.get("runtime_version") or GENERATIONS[generation]["runtime"]),
+    return Launch(project=str(raw["project"]), zone=str(raw["zone"]), tpu=tpu,
+                  runtime_version=str(raw.get("runtime_version") or RUNTIMES[tpu.chip]),
                   slices=slices, capacity=capacity, bucket=str(raw["bucket"]), run_name=str(raw["run_name"]),
                   train_config=str(train["config"]), overrides=tuple(str(s) for s in train.get("set", [])),
                   sweep=raw.get("sweep"), source=None if source == "local" else source,
                   env={str(k): str(v) for k, v in (raw.get("env") or {}).items()})
-
-
-def accelerator_type(text: str) -> tuple[str, str, int]:
-    """`v5p-64` -> ("v5p", "v5p-64", 32 chips); `v5e-16` and `v5litepod-16` -> ("v5e", "v5litepod-16", 16)."""
-    m = re.fullmatch(r"(v4|v5p|v5e|v5lite|v5litepod|v6e)-(\d+)", text.strip().lower())
-    if not m:
-        raise ConfigError(f"unknown accelerator '{text}'; expected a Cloud TPU type such as v5e-16 (v5litepod-16), "
-                          f"v5p-64, v6e-256 or v4-32")
-    generation = _ALIASES[m.group(1)]
-    spec, units = GENERATIONS[generation], int(m.group(2))
-    if units % spec["cores_per_chip"]:
-        raise ConfigError(f"accelerator '{text}': {generation} types count TensorCores, two per chip; expected an "
-                          f"even number")
-    return generation, f"{spec['prefix']}-{units}", units // spec["cores_per_chip"]
 
 
 # --- commands --------------------------------------------------------------------------------------------
@@ -146,7 +132,7 @@ def create(launch: Launch) -> list[list[str]]:
              [f"--node-count={launch.slices}", f"--node-prefix={launch.run_name}"])
     capacity = {"spot": ["--spot"], "reserved": ["--reserved"], "on-demand": []}[launch.capacity]
     return [_gcloud(launch, "queued-resources", "create", launch.run_name, *nodes,
-                    f"--accelerator-type={launch.accelerator}", f"--runtime-version={launch.runtime_version}",
+                    f"--accelerator-type={launch.tpu.accelerator}", f"--runtime-version={launch.runtime_version}",
                     *capacity)]
 
 
@@ -177,13 +163,80 @@ def setup(launch: Launch) -> list[list[str]]:
     return commands
 
 
-def train_args(launch: Launch, run_dir: str, extra: tuple[str, ...] = ()) -> list[str]:
-    """train.py's arguments: the config, the launch file's overrides, run_dir, and for a multislice job the
-    data-parallel DCN axis over the slices (unless the overrides place the slices themselves)."""
+def train_sets(launch: Launch, run_dir: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """train.py's overrides: the launch file's, `extra`, run_dir, and for a multislice job the data-parallel DCN
+    axis over the slices (unless the overrides place the slices themselves)."""
     sets = [*launch.overrides, *extra, f"run_dir={run_dir}"]
     if launch.slices > 1 and not any(s.startswith("mesh.dcn_") for s in sets):
         sets.append(f"mesh.dcn_data={launch.slices}")
-    return ["train.py", "--config", launch.train_config, *(a for s in sets for a in ("--set", s))]
+    return sets
+
+
+def train_args(launch: Launch, run_dir: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """train.py's arguments: the launch file's config and train_sets."""
+    return ["train.py", "--config", launch.train_config,
+            *(a for s in train_sets(launch, run_dir, extra) for a in ("--set", s))]
+
+
+def sweep_variants(launch: Launch) -> list[tuple[str, str, tuple[str, ...]]]:
+    """The launch file's sweep: each variant's name, run_dir (run_dir/sweep/NAME) and overrides beyond the launch
+    file's. Raises ConfigError for a missing or bad sweep file."""
+    from scaletrain.planner import sweep as sweep_lib
+
+    if not launch.sweep:
+        raise ConfigError("the launch file has no 'sweep' (a sweep file, e.g. configs/sweeps/llama3_8b_v5p64.yaml)")
+    spec = sweep_lib.load(ROOT / launch.sweep)
+    out = []
+    for variant in spec.variants:
+        name = re.sub(r"[^a-z0-9.=-]+", "_", sweep_lib.name(variant).lower())
+        # The sweep's steps (plus one for the compile) and no checkpoints: a layout is measured, not trained.
+        extra = (*spec.common, *(f"{k}={sweep_lib._scalar(v)}" for k, v in variant.items()),
+                 f"steps={spec.steps + 1}", f"checkpoint.every_steps={spec.steps + 2}")
+        out.append((name, f"{launch.run_dir}/sweep/{name}", extra))
+    return out
+
+
+def check(launch: Launch, command: str) -> None:
+    """What would otherwise fail only on the TPU VMs, found here in seconds (nothing compiled): the zone offers
+    the generation; the training config loads with the launch file's overrides as train.py loads it; its mesh
+    degrees fill the slices and pass the trainer's parallelism checks; the planner predicts that it fits the
+    chip's HBM. `run` checks the run; `create` and `setup` the run and the launch file's sweep, if any; `sweep`
+    each variant, all but the fit: a sweep measures layouts, and a variant that does not fit is reported on the
+    slice while the others run. Raises ConfigError."""
+    hw.check_zone(launch.tpu.chip, launch.zone)
+    if command != "sweep":
+        _check_training(launch, "the training run", train_sets(launch, launch.run_dir), must_fit=True)
+    if command == "sweep" or (command != "run" and launch.sweep):
+        for name, run_dir, extra in sweep_variants(launch):
+            _check_training(launch, f"sweep variant {name}", train_sets(launch, run_dir, extra), must_fit=False)
+
+
+def _check_training(launch: Launch, what: str, sets: list[str], must_fit: bool) -> None:
+    """train.py's config checks, the planner's mesh and the trainer's parallelism checks for the launch file's
+    slices, and with `must_fit` the planner's memory per chip against its HBM: each failure one ConfigError line
+    naming `what` is wrong."""
+    from scaletrain import config, trainer
+    from scaletrain.planner import roofline
+
+    machine = launch.tpu.accelerator if launch.slices == 1 else f"{launch.slices} x {launch.tpu.accelerator}"
+    where = f"{what} ({launch.train_config} on {machine})"
+    hardware = launch.tpu.hardware(launch.slices)
+    try:
+        cfg = config.load(ROOT / launch.train_config, sets)
+        plan = roofline.plan(cfg, hardware)  # raises for mesh degrees that do not fill the slices
+        # The trainer's checks read a mesh's axis sizes only: the planned mesh's stand in for the slice's devices.
+        trainer._check_parallelism(cfg, types.SimpleNamespace(shape=plan["mesh"]["sizes"]))
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if must_fit and not plan["fits"]:
+        gb = {k: v / roofline.GB for k, v in plan["memory_per_device_bytes"].items()}
+        capacity = plan["hbm_capacity_bytes"] / roofline.GB
+        raise ConfigError(
+            f"{where} does not fit: the planner predicts {gb['total']:.1f} GB per chip (parameters "
+            f"{gb['params']:.1f}, optimizer {gb['optimizer']:.1f}, gradients {gb['gradients']:.1f}, activations "
+            f"{gb['activations']:.1f}) of {capacity:.0f} GB HBM; expected at most {capacity:.0f} GB: more chips, "
+            f"remat.policy=full, a smaller train.global_batch or more train.grad_accum_steps (`python -m scaletrain "
+            f"plan --config {launch.train_config} --hardware {hardware}` with the same --set shows each term)")
 
 
 def slice_env(launch: Launch, slice_id: int) -> dict[str, str]:
@@ -223,18 +276,9 @@ def run(launch: Launch) -> list[list[str]]:
 def sweep(launch: Launch) -> list[list[str]]:
     """Each variant of the launch file's sweep trained in turn on the same slice(s), into run_dir/sweep/NAME;
     each waits for the last (the ssh of slice 0 runs in the foreground)."""
-    from scaletrain.planner import sweep as sweep_lib
-
-    if not launch.sweep:
-        raise ConfigError("the launch file has no 'sweep' (a sweep file, e.g. configs/sweeps/llama3_8b_v5p64.yaml)")
-    spec = sweep_lib.load(ROOT / launch.sweep)
     commands = _coordinator(launch)
-    for variant in spec.variants:
-        name = re.sub(r"[^a-z0-9.=-]+", "_", sweep_lib.name(variant).lower())
-        # The sweep's steps (plus one for the compile) and no checkpoints: a layout is measured, not trained.
-        extra = (*spec.common, *(f"{k}={sweep_lib._scalar(v)}" for k, v in variant.items()),
-                 f"steps={spec.steps + 1}", f"checkpoint.every_steps={spec.steps + 2}")
-        args = train_args(launch, f"{launch.run_dir}/sweep/{name}", extra)
+    for name, run_dir, extra in sweep_variants(launch):
+        args = train_args(launch, run_dir, extra)
         for i, node in reversed(list(enumerate(launch.nodes))):  # slice 0 last: its ssh waits for the run
             ssh = _ssh(launch, node, _remote_train(launch, i, args, f"~/{launch.run_name}-{name}.log",
                                                    background=i > 0))
@@ -256,22 +300,10 @@ def delete(launch: Launch) -> list[list[str]]:
     return [_gcloud(launch, "queued-resources", "delete", launch.run_name, "--force", "--quiet")]
 
 
-def gke_topology(launch: Launch) -> str:
-    """GKE's topology label of a slice: v5e/v6e 2D (16 chips 4x4, 256 16x16), v4/v5p 3D (32 chips 2x4x4): the
-    smallest side doubled (the later of equal ones) until the slice has its chips."""
-    dims = [1, 1, 1] if launch.generation in ("v4", "v5p") else [1, 1]
-    while math.prod(dims) < launch.chips:
-        i = max(k for k, d in enumerate(dims) if d == min(dims))
-        dims[i] *= 2
-    if dims == [1, 2, 2]:
-        dims = [2, 2, 1]  # GKE spells the one-host v5p/v4 slice this way
-    return "x".join(map(str, dims))
-
-
 def manifest(launch: Launch) -> str:
     """A GKE JobSet: one replicated job per slice, one pod per host, the same train.py command."""
     accelerator = {"v4": "tpu-v4-podslice", "v5p": "tpu-v5p-slice", "v5e": "tpu-v5-lite-podslice",
-                   "v6e": "tpu-v6e-slice"}[launch.generation]
+                   "v6e": "tpu-v6e-slice"}[launch.tpu.chip]
     chips_per_host = launch.chips // launch.hosts
     command = shlex.join(["python3", *train_args(launch, launch.run_dir)])  # the image's own Python
     env = [{"name": k, "value": v} for k, v in launch.env.items()]
@@ -285,7 +317,7 @@ def manifest(launch: Launch) -> str:
                 "parallelism": launch.hosts, "completions": launch.hosts, "backoffLimit": 0,
                 "template": {"spec": {
                     "nodeSelector": {"cloud.google.com/gke-tpu-accelerator": accelerator,
-                                     "cloud.google.com/gke-tpu-topology": gke_topology(launch)},
+                                     "cloud.google.com/gke-tpu-topology": "x".join(map(str, launch.tpu.dims))},
                     "restartPolicy": "Never",
                     "containers": [{"name": "scaletrain", "image": "SCALETRAIN_IMAGE",
                                     "command": ["sh", "-c", f"cd /scaletrain && {command}"], "env": env,
@@ -352,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
             if not args.dry_run:
                 return run_local(launch, commands)
         else:
+            if args.command in SPENDING:
+                check(launch, args.command)
             commands = COMMANDS[args.command](launch)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -104,6 +104,116 @@ def test_bad_launch_files_exit_2_with_one_error_line(tmp_path, capsys, change, s
     assert err.startswith("error:") and says in err and err.count("\n") == 1
 
 
+def _changed(tmp_path, change: dict, base: str) -> str:
+    """The launch file `base` with `change`, written under tmp_path."""
+    raw = yaml.safe_load((CONFIGS / base).read_text())
+    raw.update(change)
+    path = tmp_path / "launch.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def _printed(tmp_path, capsys, command: str, change: dict, base: str = "v5e-16.yaml") -> list[str]:
+    assert tpu.main([command, "--config", _changed(tmp_path, change, base), "--dry-run"]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def _refused(tmp_path, capsys, command: str, change: dict, base: str = "v5e-16.yaml") -> str:
+    """`command --dry-run` for the launch file `base` with `change`: refused before any gcloud command - exit 2,
+    nothing on stdout, one `error:` line on stderr and no traceback. Returns that line."""
+    assert tpu.main([command, "--config", _changed(tmp_path, change, base), "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+    return err
+
+
+def _train(*sets: str, config: str = "configs/llama3_1b.yaml") -> dict:
+    return {"train": {"config": config, "set": list(sets)}}
+
+
+@pytest.mark.parametrize("change, says", [
+    (_train(config="configs/nope.yaml"), "the training run (configs/nope.yaml on v5litepod-16): config file"),
+    (_train("train.global_bach=32"), "unknown config key 'train.global_bach'; did you mean 'train.global_batch'?"),
+    (_train("train.global_batch=many"), "train.global_batch must be a number (integer), got 'many'"),
+    ({"accelerator": "v5e-24"}, "accelerator v5e-24 does not exist; v5e sizes are v5e-1, v5e-4, v5e-8, v5e-16, "),
+    ({"accelerator": "v5p-7", "zone": "us-east5-a"},
+     "accelerator v5p-7 does not exist (v5p types count TensorCores, 2 per chip: expected an even number); v5p "
+     "sizes are v5p-8, v5p-16, v5p-32, v5p-64, ..., v5p-17920 (96 sizes"),
+    ({"accelerator": "v5p-400", "zone": "us-east5-a"}, "..., v5p-384, v5p-512, ..."),  # the sizes around it
+    ({"zone": "us-east5-z"}, "zone us-east5-z has no v5e (no Cloud TPU is there, or the zone does not exist); "
+                             "expected one of asia-southeast1-b, "),
+    ({"zone": "us-central2-b"}, "zone us-central2-b has no v5e (it has v4); expected one of "),
+    # 512 x 4096 tokens without remat: the saved activations alone are hundreds of GB per chip.
+    (_train("train.global_batch=512", "remat.policy=none"), "does not fit: the planner predicts "),
+    (_train("mesh.fsdp=8"), "ICI mesh degrees multiply to 8 (mesh.fsdp=8) but there are 16 devices per slice"),
+    (_train("mesh.tensor=3"), "mesh.fsdp=-1 x mesh.tensor=3 cannot fill 16 devices"),
+    # The trainer's own check: 8 sequences cannot be split over 16 chips.
+    (_train("train.global_batch=8"), "train.global_batch / train.grad_accum_steps = 8 is not divisible by "
+                                     "mesh.data x mesh.fsdp = 16"),
+])
+def test_what_would_fail_on_the_slice_is_refused_before_any_command(tmp_path, capsys, change, says):
+    for command in tpu.SPENDING[:3]:  # create, setup, run: this launch file has no sweep
+        assert says in _refused(tmp_path, capsys, command, change)
+
+
+def test_the_fit_check_names_the_terms_and_the_way_out(tmp_path, capsys):
+    err = _refused(tmp_path, capsys, "run", _train("train.global_batch=512", "remat.policy=none"))
+    assert err.startswith("error: the training run (configs/llama3_1b.yaml on v5litepod-16) does not fit: the "
+                          "planner predicts ")
+    assert "GB per chip (parameters " in err and "of 16 GB HBM; expected at most 16 GB: more chips" in err
+    assert "python -m scaletrain plan --config configs/llama3_1b.yaml --hardware v5e:4x4" in err
+
+
+def test_multislice_degrees_are_checked_across_the_slices(tmp_path, capsys):
+    err = _refused(tmp_path, capsys, "create", _train("train.global_batch=512", "mesh.dcn_data=3",
+                                                      config="configs/llama3_70b.yaml"), base="v6e-256x2.yaml")
+    assert "(configs/llama3_70b.yaml on 2 x v6e-256): DCN mesh degrees multiply to 3" in err
+
+
+def test_sweep_files_and_variants_are_checked(tmp_path, capsys):
+    sweeps = tmp_path / "sweeps"
+    sweeps.mkdir()
+    missing = {"sweep": str(sweeps / "nope.yaml")}
+    # create and setup rent the slice the sweep will run on: its sweep file is checked then too.
+    for command in ("sweep", "create", "setup"):
+        assert "sweep file" in _refused(tmp_path, capsys, command, missing, base="v5p-64.yaml")
+    assert _printed(tmp_path, capsys, "run", missing, base="v5p-64.yaml")  # a run needs no sweep
+    bad, base = sweeps / "bad.yaml", {"base": str(ROOT / "configs" / "llama3_8b.yaml"), "hardware": "v5p:2x4x4"}
+    bad.write_text(yaml.safe_dump({**base, "variants": [{"mesh.fsdp": 32}, {"mesh.fsdq": 16}]}))
+    err = _refused(tmp_path, capsys, "sweep", {"sweep": str(bad)}, base="v5p-64.yaml")
+    assert "sweep variant fsdq=16 (configs/llama3_8b.yaml on v5p-64): unknown config key 'mesh.fsdq'" in err
+    bad.write_text(yaml.safe_dump({**base, "variants": [{"mesh.fsdp": 16}]}))
+    err = _refused(tmp_path, capsys, "sweep", {"sweep": str(bad)}, base="v5p-64.yaml")
+    assert "ICI mesh degrees multiply to 16" in err
+    # A variant predicted not to fit is measured all the same: the sweep reports it and goes on.
+    big = sweeps / "big.yaml"
+    big.write_text(yaml.safe_dump({**base, "variants": [{"remat.policy": "none"}]}))
+    assert len(_printed(tmp_path, capsys, "sweep", {"sweep": str(big)}, base="v5p-64.yaml")) == 1
+
+
+def test_status_logs_and_delete_are_never_refused(tmp_path, capsys):
+    """Checks guard what spends money; a slice created before Google's zone list changed can always be seen and
+    deleted."""
+    for command in ("status", "logs", "delete"):
+        [line] = _printed(tmp_path, capsys, command, {"zone": "us-east5-z"})
+        assert line.startswith("gcloud compute tpus ") and "--zone=us-east5-z" in line
+
+
+def test_every_accelerator_type_is_a_slice_the_planner_knows():
+    """hardware.yaml's cloud_tpu shapes name their sizes (v5p-64: 32 chips, 2x4x4) and parse as topologies."""
+    from scaletrain.planner import hardware
+
+    for chip in hardware.cloud_tpus():
+        slices = hardware.cloud_slices(chip)
+        assert [s.chips for s in slices] == sorted({s.chips for s in slices})  # smallest first, one per size
+        for s in slices:
+            assert hardware.accelerator_type(s.accelerator) == s
+            assert hardware.topology(s.hardware()).dims == s.dims
+    assert hardware.accelerator_type("v5p-64").dims == (2, 4, 4)
+    assert hardware.accelerator_type("v5e-16") == hardware.accelerator_type("v5litepod-16")
+    assert hardware.topology(hardware.accelerator_type("v5p-1408").hardware(2)).num_chips == 2 * 704
+
+
 def test_hosts_and_the_local_dry_run(capsys):
     assert [tpu.load(CONFIGS / f).hosts for f in ("v5e-16.yaml", "v5p-64.yaml", "v6e-256x2.yaml")] == [4, 8, 64]
     assert tpu.main(["run", "--config", str(CONFIGS / "v5e-16.yaml"), "--local", "2", "--dry-run"]) == 0
