@@ -1,8 +1,11 @@
 """Orbax checkpoints: the training state and the data position, saved asynchronously, restored into any mesh.
 
 Restore targets are abstract arrays carrying the *current* run's shardings, so Orbax reads each shard
-straight into place. A newest checkpoint that is incomplete (no commit marker) or cannot be read is reported
-and the previous one is used.
+straight into place. Every save records fingerprints of its arrays, its data position and its metadata
+(integrity.py), and a restore verifies them. A newest checkpoint that is incomplete (no commit marker), cannot be
+read or fails verification is reported and the previous one is used; a damaged one is never deleted: it is moved
+aside to `damaged_checkpoints/` once the run is known to proceed, and the checkpoint the run resumed from is kept
+whatever `max_to_keep` says until a later run resumes from a newer one.
 """
 
 from __future__ import annotations
@@ -13,16 +16,18 @@ import sys
 from typing import Any
 
 import jax
+from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 from etils import epath
 
-from scaletrain import storage
+from scaletrain import integrity, storage
 from scaletrain.errors import CheckpointError, first_line
 
 ITEMS = ("state", "data", "meta")
 # Orbax writes this file into a step (and into each item) just before it commits the step, also where commit is
 # an atomic rename: a step folder without it was never finished, whatever the storage.
 COMMIT_MARKER = "commit_success.txt"
+DAMAGED = "damaged_checkpoints"  # beside checkpoints/: steps that failed verification, kept for inspection
 
 
 def _silence_abandoned_reads() -> None:
@@ -55,53 +60,129 @@ def locate(location: str | os.PathLike) -> tuple[epath.Path, int | None]:
     raise CheckpointError(f"'{path}' is not a run directory, a checkpoints/ folder or a checkpoint step folder")
 
 
+class _Protected(ocp.checkpoint_managers.PreservationPolicy):
+    """Keeps the steps in a set that may grow after the manager is made: the step a run resumed from (its newest
+    verified checkpoint) and steps that could not be read (never deleted)."""
+
+    def __init__(self, steps: set[int]):
+        self.steps = steps
+
+    def should_preserve(self, checkpoints, *, context):
+        return [c.step in self.steps for c in checkpoints]
+
+
 class Checkpointer:
     def __init__(self, directory: str | os.PathLike, max_to_keep: int, async_save: bool):
+        self.directory = storage.path(directory)
+        self.protected: set[int] = set()
         self.manager = ocp.CheckpointManager(
-            storage.path(directory),
+            self.directory,
             # Folders left by a save that was killed mid-write go at start-up; finished ones are deleted only
-            # after a newer save has committed (max_to_keep).
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-                                                 create=True, cleanup_tmp_directories=True),
+            # after a newer save has committed (max_to_keep), and never the protected ones.
+            options=ocp.CheckpointManagerOptions(
+                enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=True,
+                preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(
+                    [ocp.checkpoint_managers.LatestN(n=max_to_keep), _Protected(self.protected)])),
             item_names=ITEMS,
         )
-        self.unreadable: set[int] = set()  # steps skipped at restore: rewritten when the run gets there again
+        self.incomplete: set[int] = set()  # no commit marker: a killed save, replaced when the run gets there again
+        self.damaged: set[int] = set()  # committed but unreadable or failing verification: moved aside, never lost
+        self._fingerprint = None
+
+    def _fingerprints(self, state: Any) -> dict[str, str]:
+        if self._fingerprint is None:  # one jitted function: the state keeps its shardings for the whole run
+            self._fingerprint = integrity.make(state)
+        return integrity.by_path(state, self._fingerprint(state))
 
     def save(self, step: int, state: Any, data_state: dict, meta: dict) -> None:
         """Returns once the arrays are copied off the devices; the write finishes in the background."""
-        if step in self.unreadable:
+        if step in self.incomplete:
             self.manager.delete(step)
-            self.unreadable.discard(step)
+            self.incomplete.discard(step)
+        meta = {**meta, "integrity": {"state": self._fingerprints(state), "data": integrity.of_json(data_state),
+                                      "meta": integrity.of_json(meta)}}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         data=ocp.args.JsonSave(data_state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
     def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
-        """(step, state, data_state) from the newest readable checkpoint, or None if there is none."""
+        """(step, state, data_state) from the newest readable and verified checkpoint, or None if there is none."""
         steps = sorted(self.manager.all_steps(), reverse=True)
         for step in steps:
             try:
                 self._check_committed(step)
+            except CheckpointError as e:
+                self._skip(step, f"incomplete ({e})", self.incomplete)
+                continue
+            try:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+                    state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+                    meta=ocp.args.JsonRestore()))
+                problem = self._verify(restored)
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped, and said so
                 _silence_abandoned_reads()
-                if jax.process_index() == 0:
-                    print(f"warning: checkpoint at step {step} is unreadable ({first_line(e)}); trying an older one",
-                          file=sys.stderr)
-                self.unreadable.add(step)
+                problem = f"unreadable ({first_line(e)})"
+            if problem:
+                self._skip(step, problem, self.damaged)
                 continue
+            self.protected.add(step)
             return step, restored.state, dict(restored.data)
         if steps:
             raise CheckpointError(f"no readable checkpoint in {self.manager.directory} (tried steps "
-                                  f"{', '.join(map(str, steps))}); move the directory away to start afresh")
+                                  f"{', '.join(map(str, steps))}); nothing was changed; move the directory away "
+                                  f"to start afresh")
         return None
+
+    def _verify(self, restored) -> str | None:
+        """What is wrong with a restored checkpoint, or None if its fingerprints match."""
+        meta = dict(restored.meta)
+        recorded = meta.pop("integrity", None)
+        if recorded is None:
+            if jax.process_index() == 0:
+                print("warning: this checkpoint has no fingerprints (saved by an older scaletrain): not verified",
+                      file=sys.stderr)
+            return None
+        if integrity.of_json(meta) != recorded.get("meta"):
+            return "damaged: its metadata differs from its fingerprint"
+        if integrity.of_json(dict(restored.data)) != recorded.get("data"):
+            return "damaged: its data position differs from its fingerprint"
+        wrong = integrity.mismatches(recorded.get("state", {}), self._fingerprints(restored.state))
+        if wrong:
+            return (f"damaged: {len(wrong)} array{'s differ' if len(wrong) > 1 else ' differs'} from its fingerprint "
+                    f"({', '.join(wrong[:2])}{', ...' if len(wrong) > 2 else ''})")
+        return None
+
+    def _skip(self, step: int, problem: str, kind: set[int]) -> None:
+        kind.add(step)
+        self.protected.add(step)
+        if jax.process_index() == 0:
+            print(f"warning: checkpoint at step {step} is {problem}; trying an older one", file=sys.stderr,
+                  flush=True)
+
+    def set_aside_damaged(self) -> None:
+        """Moves each damaged step to damaged_checkpoints/ (once the run is known to proceed): out of the way of
+        the run's own saves and of `max_to_keep`, kept for whoever wants to look at it."""
+        if not self.damaged:
+            return
+        if jax.process_index() == 0:
+            for step in sorted(self.damaged):
+                target = self.directory.parent / DAMAGED / str(step)
+                suffix = 1
+                while target.exists():
+                    target, suffix = self.directory.parent / DAMAGED / f"{step}-{suffix}", suffix + 1
+                target.parent.mkdir(parents=True, exist_ok=True)
+                (self.directory / str(step)).rename(target)
+                print(f"moved the damaged checkpoint at step {step} to {target}", flush=True)
+        multihost_utils.sync_global_devices("scaletrain: damaged checkpoints set aside")
+        self.protected -= self.damaged
+        self.damaged.clear()
+        self.manager.reload()
 
     def _check_committed(self, step: int) -> None:
         folder = self.manager.directory / str(step)  # an epath: local or gs://
         for item in ("", *ITEMS):
             if not (folder / item / COMMIT_MARKER).exists():
-                raise CheckpointError(f"incomplete: {folder / item / COMMIT_MARKER} is missing")
+                raise CheckpointError(f"{folder / item / COMMIT_MARKER} is missing")
 
     def wait(self) -> None:
         """Block until every save is durable on disk."""
@@ -141,6 +222,42 @@ def _metadata(manager: ocp.CheckpointManager, directory: epath.Path, step: int |
     return step, dict(meta)
 
 
+def check_resumable(directory: epath.Path, meta: dict, run_dir: str) -> None:
+    """Refuses (CheckpointError) to resume checkpoints of another model - other array shapes or dtypes, another
+    vocabulary - naming the config keys that differ. Reads only: run before anything is written."""
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(f"'{directory}' is a file; expected the run's checkpoints folder (or nothing)")
+    if not directory.exists():
+        return
+    manager = _read_only(directory)
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            saved = dict(manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+        except Exception:  # noqa: BLE001 - an unreadable step is the restore's to report; look at an older one
+            _silence_abandoned_reads()
+            continue
+        break
+    else:
+        return
+
+    def layout(m: dict) -> dict:
+        return {p: (a["shape"], a["dtype"]) for p, a in m.get("arrays", {}).items()}
+
+    if layout(saved) == layout(meta):
+        return
+    then, now = saved.get("config", {}).get("model", {}), meta["config"]["model"]
+    keys = sorted(k for k in then.keys() | now.keys() if then.get(k) != now.get(k))
+    if keys:
+        what = "; ".join(f"model.{k} is {then.get(k)} there, {now.get(k)} here" for k in keys[:4])
+    else:
+        path = next(p for p in sorted(layout(saved).keys() | layout(meta).keys())
+                    if layout(saved).get(p) != layout(meta).get(p))
+        what = f"array {path} is {layout(saved).get(path)} there, {layout(meta).get(path)} here"
+    raise CheckpointError(f"run_dir '{run_dir}' holds checkpoints (step {step}) of another model: {what}. Nothing "
+                          f"was changed. To train this model, give it another run_dir; to start it from those "
+                          f"parameters, add checkpoint.init_from={run_dir}")
+
+
 def restore_params(path: str | os.PathLike, abstract_params: Any, what: str = "checkpoint.init_from",
                    step: int | None = None) -> tuple[int, Any]:
     """(step, parameters) of a checkpoint (the newest, or `step`), placed with the shardings of
@@ -160,7 +277,11 @@ def restore_params(path: str | os.PathLike, abstract_params: Any, what: str = "c
         if tuple(saved[name]["shape"]) != x.shape:
             raise CheckpointError(f"{what}: parameter {name} is {tuple(saved[name]['shape'])} in "
                                   f"{directory / str(step)} but {x.shape} in this model; the model configs differ")
-    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype), abstract_params)
+    # Read as saved, verified, then cast: a fingerprint is of the saved bits.
+    saved_dtypes = jax.tree.map(lambda x: saved[x]["dtype"],
+                                jax.tree_util.tree_map_with_path(lambda p, _: jax.tree_util.keystr(p), abstract_params))
+    restore_args = jax.tree.map(lambda x, dt: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=dt), abstract_params,
+                                saved_dtypes)
     try:
         restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
             item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True)))
@@ -168,4 +289,12 @@ def restore_params(path: str | os.PathLike, abstract_params: Any, what: str = "c
         _silence_abandoned_reads()
         raise CheckpointError(f"{what}: cannot read the parameters at {directory / str(step)} "
                               f"({first_line(e)})") from None
-    return step, restored.state["params"]
+    params = restored.state["params"]
+    recorded = meta.get("integrity", {}).get("state")
+    if recorded is not None:
+        found = {f".params{p}": f for p, f in integrity.by_path(params, integrity.make(params)(params)).items()}
+        wrong = integrity.mismatches({p: recorded.get(p) for p in found}, found)
+        if wrong:
+            raise CheckpointError(f"{what}: the checkpoint at {directory / str(step)} is damaged: {wrong[0]} "
+                                  f"differs from its fingerprint; choose another step")
+    return step, jax.tree.map(lambda x, a: x if x.dtype == a.dtype else x.astype(a.dtype), params, abstract_params)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from scaletrain import config as config_lib
@@ -23,11 +24,12 @@ from scaletrain import data as data_lib
 from scaletrain import mesh as mesh_lib
 from scaletrain import model as model_lib
 from scaletrain import offload, optim, sharding, storage
-from scaletrain.checkpoint import Checkpointer, restore_params
+from scaletrain.checkpoint import Checkpointer, check_resumable, restore_params
 from scaletrain.control import Control, Preemption
 from scaletrain.errors import ConfigError, UserError, first_line
 from scaletrain.metrics import MetricsLog
 from scaletrain.planner import flops, hardware, memory
+from scaletrain.run_lock import RunLock
 from scaletrain.train_step import TrainState, make_train_step
 
 EXIT_DIVERGED = 1
@@ -161,22 +163,31 @@ def checkpoint_metadata(setup: Setup) -> dict:
     }
 
 
-def _prepare_run_dir(cfg):
-    """The run directory with this run's config.yaml in it: the first write, so an unwritable directory or a
-    missing bucket fails here, before anything is compiled."""
-    try:
-        run_dir = storage.prepare(cfg.run_dir)
-        (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
-    except Exception as e:  # noqa: BLE001 - a bucket's errors come from several libraries (auth, HTTP, OS)
-        if storage.is_remote(cfg.run_dir):
-            reason = ("no such bucket" if isinstance(e, FileNotFoundError) else
-                      f"{type(e).__name__}: {first_line(e)}")
-            raise UserError(f"run_dir '{cfg.run_dir}': cannot write to the bucket ({reason}); expected a gs:// "
-                            f"bucket this machine's credentials can write") from None
-        if isinstance(e, OSError):
-            raise UserError(f"run_dir '{cfg.run_dir}' is not a writable directory ({e.strerror})") from None
-        raise
-    return run_dir
+def _lock_run_dir(cfg) -> RunLock | None:
+    """The run directory, created and locked by process 0 (the others learn the outcome): the first write, so an
+    unwritable directory, a missing bucket or another run in the directory fails here, before anything else."""
+    lock, failure = None, None
+    if jax.process_index() == 0:
+        try:
+            lock = RunLock(cfg.run_dir)
+        except UserError as e:
+            failure = e
+        except Exception as e:  # noqa: BLE001 - a bucket's errors come from several libraries (auth, HTTP, OS)
+            if storage.is_remote(cfg.run_dir):
+                reason = ("no such bucket" if isinstance(e, FileNotFoundError) else
+                          f"{type(e).__name__}: {first_line(e)}")
+                failure = UserError(f"run_dir '{cfg.run_dir}': cannot write to the bucket ({reason}); expected a "
+                                    f"gs:// bucket this machine's credentials can write")
+            elif isinstance(e, OSError):
+                failure = UserError(f"run_dir '{cfg.run_dir}' is not a writable directory ({e.strerror})")
+            else:
+                raise
+    if jax.process_count() > 1 and multihost_utils.broadcast_one_to_all(np.int32(failure is not None)):
+        failure = failure or UserError(f"run_dir '{cfg.run_dir}': process 0 could not take the run directory; "
+                                       f"its error line says why")
+    if failure is not None:
+        raise failure
+    return lock
 
 
 def _initial_state(cfg, setup: Setup) -> tuple[TrainState, str]:
@@ -189,12 +200,36 @@ def _initial_state(cfg, setup: Setup) -> tuple[TrainState, str]:
 
 
 def _run(cfg, preemption: Preemption) -> int:
+    lock = _lock_run_dir(cfg)
+    try:
+        return _run_locked(cfg, preemption, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_locked(cfg, preemption: Preemption, lock: RunLock | None) -> int:
     setup = build(cfg)
     iterator = data_lib.make_iterator(cfg, setup.batch_sharding)  # bad data fails here, before any write
     main = jax.process_index() == 0
-    run_dir = _prepare_run_dir(cfg) if main else storage.path(cfg.run_dir)
+    run_dir = storage.path(cfg.run_dir)
+    meta = checkpoint_metadata(setup)
+    check_resumable(run_dir / "checkpoints", meta, cfg.run_dir)
+
+    t0 = time.perf_counter()
+    step_fn = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
+    compiled_memory = memory.compiled(step_fn.memory_analysis())
+    if main:
+        print(f"compiled the train step in {time.perf_counter() - t0:.1f} s; {memory.describe(compiled_memory)}",
+              flush=True)
+    memory.check_fits(compiled_memory, jax.local_devices())
+
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.max_to_keep, cfg.checkpoint.async_save)
-    restored = ckpt.restore_latest(setup.abstract_state)
+    try:
+        restored = ckpt.restore_latest(setup.abstract_state)
+    except BaseException:
+        ckpt.close()
+        raise
     if restored is None:
         start = 0
         state, origin = _initial_state(cfg, setup)
@@ -202,7 +237,10 @@ def _run(cfg, preemption: Preemption) -> int:
         start, state, data_state = restored
         iterator.set_state(data_state)
         origin = f"resumed at step {start}"
+    # The run proceeds: only now is anything in the run directory changed.
+    ckpt.set_aside_damaged()
     if main:
+        (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
         print(f"scaletrain: {flops.param_count(setup.model_cfg).total / 1e6:.2f}M parameters on "
               f"{jax.device_count()} {jax.devices()[0].platform} devices ({mesh_lib.describe(setup.mesh.shape)}, "
               f"{cfg.sharding.preset}); {origin}", flush=True)
@@ -210,11 +248,6 @@ def _run(cfg, preemption: Preemption) -> int:
         ckpt.close()
         return 0
 
-    t0 = time.perf_counter()
-    step_fn = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
-    if main:
-        print(f"compiled the train step in {time.perf_counter() - t0:.1f} s; "
-              f"{memory.describe(memory.compiled(step_fn.memory_analysis()))}", flush=True)
     control = Control(setup.mesh, preemption, cfg.checkpoint.every_minutes)
     if control.decide(control.propose()).stop:  # preempted while restoring or compiling: nothing new to save
         ckpt.close()
@@ -226,7 +259,6 @@ def _run(cfg, preemption: Preemption) -> int:
     flops_per_step = flops.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens_per_step
     peak = hardware.peak_flops(jax.devices(), cfg.hardware.peak_flops_per_device)
     log = MetricsLog(cfg.run_dir, cfg.steps, start, enabled=main)
-    meta = checkpoint_metadata(setup)
     last_read = time.perf_counter()
 
     diverged = None  # the first step whose update was dropped, when train.on_nonfinite is stop
@@ -262,6 +294,8 @@ def _run(cfg, preemption: Preemption) -> int:
                 stop, save = decision.stop, save or decision.save or decision.stop
             pending = (step, metrics, agreed)
             if save:
+                if lock is not None:
+                    lock.check()
                 ckpt.save(step, state, iterator.get_state(), meta)
                 control.saved()
                 log.sync()

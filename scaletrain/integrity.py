@@ -1,0 +1,105 @@
+"""Fingerprints of the training state: what a checkpoint's arrays held when they were saved.
+
+Orbax checks that a checkpoint is complete, not that its bytes are the ones written: a file garbled in place
+(a bad disk, a truncated copy, a stray `dd`) can restore into an array of the right shape with wrong values, and
+training from it would poison every later checkpoint. So every save records a fingerprint of each array, and a
+restore recomputes it on the restored arrays and compares.
+
+The fingerprint is computed where the arrays are, on the devices, inside one jitted function: each element's bits
+are mixed with its position and the mixed words are summed modulo 2^32, in two independent lanes (64 bits).
+Addition modulo 2^32 is exact and order-free, so the result does not depend on the sharding: a checkpoint saved
+on one mesh verifies on any other, and the all-reduce that combines the shards moves 8 bytes per array. One
+garbled element changes a lane's sum unless its mixed word happens to collide, with probability 2^-32 per lane.
+
+Arrays in host memory (`optim.offload`, `params.offload`) are fingerprinted a slice of their leading axis at a
+time, so the device never holds more of them than the streamed update does.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Odd multipliers (from the golden ratio and MurmurHash3's finaliser): each position gets a distinct salt, and the
+# finaliser spreads a one-bit change of the input over the whole word.
+_AXIS_SALTS = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1, 0xD3A2646C, 0xFD7046C5, 0xB55A4F09)
+_LANE_SEEDS = (0x00000000, 0x5BD1E995)
+_UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The array's bits as uint32, one word per element."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return jax.lax.bitcast_convert_type(x, _UINT_OF_WIDTH[x.dtype.itemsize]).astype(jnp.uint32)
+
+
+def _partial(x: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
+    """uint32[2]: the two lanes' sums over the elements of `x`, whose leading index starts at `offset`."""
+    words = _words(x)
+    salt = jnp.zeros(words.shape, jnp.uint32)
+    for axis in range(words.ndim):
+        index = jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
+        if axis == 0:
+            index = index + jnp.asarray(offset, jnp.uint32)
+        salt = salt + index * jnp.uint32(_AXIS_SALTS[axis % len(_AXIS_SALTS)])
+    mixed = _fmix32(words ^ salt)
+    return jnp.stack([jnp.sum(_fmix32(mixed ^ jnp.uint32(seed)), dtype=jnp.uint32) for seed in _LANE_SEEDS])
+
+
+def _in_host_memory(x: jax.Array) -> bool:
+    return getattr(getattr(x, "sharding", None), "memory_kind", None) == "pinned_host"
+
+
+def _leaf(x: jax.Array, host: bool) -> jax.Array:
+    if not host or x.ndim == 0:
+        return _partial(jax.device_put(x, jax.memory.Space.Device) if host else x)
+
+    def body(i, total):
+        part = jax.device_put(jax.lax.dynamic_index_in_dim(x, i, keepdims=True), jax.memory.Space.Device)
+        return total + _partial(part, i)
+
+    return jax.lax.fori_loop(0, x.shape[0], body, jnp.zeros(2, jnp.uint32))
+
+
+def make(abstract_tree: Any) -> Callable[[Any], jax.Array]:
+    """A jitted function: a tree shaped like `abstract_tree` -> uint32[leaves, 2], replicated."""
+    return _jitted(tuple(_in_host_memory(x) for x in jax.tree.leaves(abstract_tree)))
+
+
+@functools.cache  # one function per placement pattern: jit then compiles once per tree structure and sharding
+def _jitted(host: tuple[bool, ...]) -> Callable[[Any], jax.Array]:
+    return jax.jit(lambda tree: jnp.stack([_leaf(x, h) for x, h in zip(jax.tree.leaves(tree), host)]))
+
+
+def by_path(tree: Any, sums: jax.Array) -> dict[str, str]:
+    """{keystr of each leaf: 16 hex digits}, for a checkpoint's JSON metadata."""
+    values = np.asarray(jax.device_get(sums), np.uint64)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return {p: f"{int(hi) << 32 | int(lo):016x}" for p, (hi, lo) in zip(paths, values)}
+
+
+def of_json(value: Any) -> str:
+    """A fingerprint of a JSON-able value (the data position, the metadata itself)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def mismatches(saved: dict[str, str], restored: dict[str, str]) -> list[str]:
+    """The paths whose fingerprints differ, or that one side lacks."""
+    return sorted(p for p in saved.keys() | restored.keys() if saved.get(p) != restored.get(p))
