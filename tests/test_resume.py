@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from etils import epath
 
 from tests.conftest import ROOT, run_cli, tiny_overrides
 
@@ -145,23 +146,36 @@ def _truncate(step_dir):
             f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
 
 
+def _garble_in_place(step_dir):
+    """2,000 bytes of the largest array file overwritten, its size unchanged: Orbax reads it without complaint."""
+    largest = max((f for f in (step_dir / "state").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 2000] = bytes(range(256)) * 7 + bytes(208)
+    largest.write_bytes(bytes(data))
+
+
 def _uncommit(step_dir):
     (step_dir / "commit_success.txt").unlink()
 
 
-@pytest.mark.parametrize("damage", [_garble, _truncate, _uncommit])
-def test_damaged_newest_checkpoint_is_skipped_and_rewritten(tmp_path, uninterrupted, damage):
+@pytest.mark.parametrize("damage, problem", [(_garble, "unreadable"), (_truncate, "unreadable"),
+                                             (_garble_in_place, "damaged"), (_uncommit, "incomplete")])
+def test_damaged_newest_checkpoint_is_skipped_and_rewritten(tmp_path, uninterrupted, damage, problem):
     done, uninterrupted = uninterrupted
     shutil.copytree(done, tmp_path, dirs_exist_ok=True)
     assert sorted(_finished_checkpoints(tmp_path)) == [24, 28, STEPS]
     damage(tmp_path / "checkpoints" / str(STEPS))
-    result = run_cli(_command(tmp_path))
+    result = run_cli(_command(tmp_path, **{"checkpoint.max_to_keep": 1}))
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and warnings[0].startswith(f"warning: checkpoint at step {STEPS} is unreadable (")
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: checkpoint at step {STEPS} is {problem}")
     assert _resumed_step(result) == 28
-    assert _losses(tmp_path) == uninterrupted  # and the final step was saved again over the damaged one
+    assert _losses(tmp_path) == uninterrupted  # and the final step was saved again
     assert run_cli(["ckpt", "inspect", str(tmp_path)], module=True).stdout.startswith(f"step {STEPS} ")
+    # With max_to_keep=1, the step resumed from is kept all the same, and a damaged step is set aside, not deleted.
+    assert sorted(_finished_checkpoints(tmp_path)) == [28, STEPS]
+    assert (tmp_path / "damaged_checkpoints" / str(STEPS)).is_dir() == (problem != "incomplete")
 
 
 def test_no_usable_checkpoint_is_an_error_and_deletes_nothing(tmp_path, uninterrupted):
@@ -175,6 +189,44 @@ def test_no_usable_checkpoint_is_an_error_and_deletes_nothing(tmp_path, uninterr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "no readable checkpoint" in errors[0] and "Traceback" not in result.stderr
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == sorted(map(str, [24, 28, STEPS]))
+
+
+def _contents(directory):
+    return {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model.d_model": 32}, "error: run_dir '{}' holds checkpoints (step 30) of another model: model.d_model is 64 "
+                            "there, 32 here. Nothing was changed."),
+    ({"data.seq_len": 16384}, "error: the train step does not fit: 8 CPU devices need "),
+])
+def test_a_run_that_cannot_proceed_changes_nothing(tmp_path, uninterrupted, change, message):
+    done, _ = uninterrupted
+    shutil.copytree(done, tmp_path, dirs_exist_ok=True)
+    before = _contents(tmp_path)
+    result = run_cli(_command(tmp_path, **change))
+    assert result.returncode == 2
+    [line] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert line.startswith(message.format(tmp_path))
+    assert _contents(tmp_path) == before
+
+
+@pytest.mark.parametrize("where", ["local", "bucket"])
+def test_two_runs_on_one_directory_one_proceeds(tmp_path, request, uninterrupted, where):
+    _, uninterrupted = uninterrupted
+    run_dir = tmp_path if where == "local" else f"{request.getfixturevalue('bucket')}/two-runs"
+    first = _start(run_dir)
+    while not (epath.Path(run_dir) / "run.lock").exists():
+        assert first.poll() is None, first.communicate()
+        time.sleep(0.05)
+    second = run_cli(_command(run_dir))
+    assert second.returncode == 2
+    [line] = [x for x in second.stderr.splitlines() if x.strip()]
+    assert line.startswith(f"error: run_dir '{run_dir}' is in use by process {first.pid} on ")
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    assert _losses(epath.Path(run_dir)) == uninterrupted  # nothing of the first run's output lost
+    assert not (epath.Path(run_dir) / "run.lock").exists()
 
 
 def test_time_based_saves(tmp_path):
