@@ -146,6 +146,9 @@ _FLOAT32_MAX = 3.4028234663852886e38
 # so no model that could be trained is refused. XLA counts bytes in int64; below this bound an array's bytes, and
 # their sums over a step's arrays (parameters, gradients, two Adam moments, activations), stay below 2**63.
 _MAX_ELEMENTS = 2**52
+# A step's tokens are the rows of a [batch x seq] matrix, which the fused norm's kernel indexes in int32 (all of
+# them on one device). 2**31 tokens is over 100 times the largest batches trained (Llama 3: 16M).
+_MAX_TOKENS = _INT32_MAX
 
 
 def flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
@@ -340,6 +343,11 @@ def _check_bounds(cfg: ml_collections.ConfigDict) -> None:
         if type(value) is float and key.startswith(("model.", "optim.")) and value > _FLOAT32_MAX:
             raise ConfigError(f"{key} must be <= {_FLOAT32_MAX:.4g} (the largest float32: it is float32 on the "
                               f"device), got {value:g}")
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    if tokens > _MAX_TOKENS:
+        raise ConfigError(f"train.global_batch x data.seq_len = {cfg.train.global_batch} x {cfg.data.seq_len} = "
+                          f"{tokens} tokens a step, over 2**31 - 1 (the largest int32: a step's tokens are indexed "
+                          f"in int32)")
     for what, keys in _largest_arrays(cfg).items():
         elements = math.prod(_get(cfg, key) for key in keys)
         if elements > _MAX_ELEMENTS:

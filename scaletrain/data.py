@@ -158,8 +158,7 @@ def process_rows(batch_sharding, global_batch: int) -> np.ndarray:
     """The rows of the global batch that this process's devices hold, ascending: only these are loaded.
     Replicas across processes load the same rows; any device order works."""
     index_map = batch_sharding.addressable_devices_indices_map((global_batch, 1))
-    rows = {r for index in index_map.values() for r in range(*index[0].indices(global_batch))}
-    return np.asarray(sorted(rows), np.int64)
+    return np.unique(np.concatenate([np.arange(*index[0].indices(global_batch)) for index in index_map.values()]))
 
 
 @dataclass

@@ -49,6 +49,8 @@ def test_unknown_key_names_the_closest_valid_key(tmp_path):
     ("run_dir=", "run_dir must name a directory"),
     ("model.vocab_size=100000000000", "model.vocab_size must be <= 2\\*\\*31 - 1 = 2147483647 \\(the largest int32"),
     ("mesh.data=" + "1" + "0" * 30, "mesh.data must be <= 2\\*\\*31 - 1"),
+    ("train.global_batch=1073741824", "train.global_batch x data.seq_len = 1073741824 x 256 = 274877906944 tokens "
+                                      "a step, over 2\\*\\*31 - 1"),
     ("optim.learning_rate=1e39", "optim.learning_rate must be <= 3.403e\\+38 \\(the largest float32"),
 ])
 def test_bad_values_are_config_errors(override, message):
@@ -81,10 +83,10 @@ def test_sizes_whose_arrays_could_not_be_counted_are_refused():
     """Each size fits int32, but a layer's attention scores would hold over 2**52 elements: XLA's int64 byte
     counts of such arrays, summed over a step, could overflow."""
     with pytest.raises(ConfigError, match=r"^train.global_batch x model.num_heads x data.seq_len x data.seq_len = "
-                                          r"1048576 x 4 x 1048576 x 1048576 = 4.61e\+18 elements in a layer's "
+                                          r"1 x 4 x 1073741824 x 1073741824 = 4.61e\+18 elements in a layer's "
                                           r"attention scores, over the 2\*\*52"):
-        config.load(None, ["train.global_batch=1048576", "data.seq_len=1048576"])
-    config.load(None, ["train.global_batch=1048576", "data.seq_len=1048576", "model.attention_block=1"])
+        config.load(None, ["train.global_batch=1", "data.seq_len=1073741824"])
+    config.load(None, ["train.global_batch=1", "data.seq_len=1073741824", "model.attention_block=1"])
 
 
 def test_an_absurd_size_is_one_error_line_on_the_command_line(capsys):
