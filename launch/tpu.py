@@ -16,7 +16,6 @@ import re
 import shlex
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import yaml
@@ -225,7 +224,7 @@ def _check_training(launch: Launch, what: str, sets: list[str], must_fit: bool) 
         cfg = config.load(ROOT / launch.train_config, sets)
         plan = roofline.plan(cfg, hardware)  # raises for mesh degrees that do not fill the slices
         # The trainer's checks read a mesh's axis sizes only: the planned mesh's stand in for the slice's devices.
-        trainer._check_parallelism(cfg, types.SimpleNamespace(shape=plan["mesh"]["sizes"]))
+        trainer.check_parallelism(cfg, plan["mesh"]["sizes"])
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     if must_fit and not plan["fits"]:

@@ -99,8 +99,8 @@ class Checkpointer:
         if step in self.incomplete:
             self.manager.delete(step)
             self.incomplete.discard(step)
-        meta = {**meta, "integrity": {"state": self._fingerprints(state), "data": integrity.of_json(data_state),
-                                      "meta": integrity.of_json(meta)}}
+        meta = {**meta, "integrity": {"version": integrity.VERSION, "state": self._fingerprints(state),
+                                      "data": integrity.of_json(data_state), "meta": integrity.of_json(meta)}}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         data=ocp.args.JsonSave(data_state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
@@ -137,10 +137,10 @@ class Checkpointer:
         """What is wrong with a restored checkpoint, or None if its fingerprints match."""
         meta = dict(restored.meta)
         recorded = meta.pop("integrity", None)
-        if recorded is None:
+        if recorded is None or recorded.get("version") != integrity.VERSION:
             if jax.process_index() == 0:
-                print("warning: this checkpoint has no fingerprints (saved by an older scaletrain): not verified",
-                      file=sys.stderr)
+                print("warning: this checkpoint has no fingerprints this scaletrain can check (saved by another "
+                      "version): restored unverified", file=sys.stderr)
             return None
         if integrity.of_json(meta) != recorded.get("meta"):
             return "damaged: its metadata differs from its fingerprint"
@@ -290,7 +290,8 @@ def restore_params(path: str | os.PathLike, abstract_params: Any, what: str = "c
         raise CheckpointError(f"{what}: cannot read the parameters at {directory / str(step)} "
                               f"({first_line(e)})") from None
     params = restored.state["params"]
-    recorded = meta.get("integrity", {}).get("state")
+    recorded = meta.get("integrity", {})
+    recorded = recorded.get("state") if recorded.get("version") == integrity.VERSION else None
     if recorded is not None:
         found = {f".params{p}": f for p, f in integrity.by_path(params, integrity.make(params)(params)).items()}
         wrong = integrity.mismatches({p: recorded.get(p) for p in found}, found)

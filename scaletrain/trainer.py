@@ -10,7 +10,7 @@ import dataclasses
 import importlib.metadata
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -59,9 +59,11 @@ class Setup:
         return {k: jax.ShapeDtypeStruct(shape, dt, sharding=self.batch_sharding) for k, dt in BATCH_KEYS.items()}
 
 
-def _check_parallelism(cfg, mesh: Mesh) -> None:
-    """The divisibility users trip over most, said plainly; sharding.tree_shardings checks every array too."""
-    tensor = mesh.shape["tensor"]
+def check_parallelism(cfg, axis_sizes: Mapping[str, int]) -> None:
+    """The divisibility users trip over most, said plainly, for a mesh of these axis sizes (a real mesh's, or a
+    planned slice's: the launcher checks a run before renting it); sharding.tree_shardings checks every array
+    too."""
+    tensor = axis_sizes["tensor"]
     for key in ("num_heads", "d_ff", "vocab_size"):
         if cfg.model[key] % tensor:
             raise ConfigError(f"model.{key}={cfg.model[key]} is not divisible by mesh.tensor={tensor}")
@@ -72,18 +74,18 @@ def _check_parallelism(cfg, mesh: Mesh) -> None:
     if cfg.sharding.sequence_parallel and tensor > 1 and cfg.data.seq_len % tensor:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by mesh.tensor={tensor}, which "
                           f"splits the sequence with sharding.sequence_parallel=true")
-    if cfg.model.num_layers % mesh.shape["pipeline"]:
+    if cfg.model.num_layers % axis_sizes["pipeline"]:
         raise ConfigError(f"model.num_layers={cfg.model.num_layers} is not divisible by "
-                          f"mesh.pipeline={mesh.shape['pipeline']}")
+                          f"mesh.pipeline={axis_sizes['pipeline']}")
     for axis in ("pipeline", "expert"):
-        if mesh.shape[axis] > 1:
-            raise ConfigError(f"mesh.{axis}={mesh.shape[axis]}: {axis} parallelism is not implemented yet; "
+        if axis_sizes[axis] > 1:
+            raise ConfigError(f"mesh.{axis}={axis_sizes[axis]}: {axis} parallelism is not implemented yet; "
                               f"use the data, fsdp and tensor axes")
     if cfg.params.offload and cfg.train.grad_accum_steps > 1:
         raise ConfigError("params.offload=true needs train.grad_accum_steps=1: the gradients of offloaded "
                           "parameters land in host memory, where microbatches cannot be summed")
     micro = cfg.train.global_batch // cfg.train.grad_accum_steps
-    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    ways = axis_sizes["data"] * axis_sizes["fsdp"]
     if micro % ways:
         raise ConfigError(f"the microbatch train.global_batch / train.grad_accum_steps = {micro} is not divisible "
                           f"by mesh.data x mesh.fsdp = {ways} (with DCN degrees), which shard the batch")
@@ -93,7 +95,7 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
     """Everything a run needs, from shapes only: no array is allocated here. Raises ConfigError.
     `unroll_loops` builds a step for XLA's cost estimate only (planner/aot.py)."""
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
-    _check_parallelism(cfg, mesh)
+    check_parallelism(cfg, mesh.shape)
     shard_kv_heads = cfg.model.num_kv_heads % mesh.shape["tensor"] == 0
     rules = sharding.rules_for(cfg.sharding.preset, cfg.sharding.sequence_parallel, shard_kv_heads)
     model_cfg = model_lib.ModelConfig.from_config(

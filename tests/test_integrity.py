@@ -138,3 +138,15 @@ def test_init_from_refuses_damaged_parameters(saved, tmp_path):
         restore_params(tmp_path, setup.abstract_state.params)
     step, params = restore_params(tmp_path / "checkpoints" / "1", setup.abstract_state.params)
     _assert_equal(params, arrays[1].params)
+
+
+def test_a_checkpoint_without_fingerprints_is_restored_with_a_warning(saved, tmp_path, capsys):
+    """Saved by a scaletrain without fingerprints (or with another kind of them): usable, and said to be unverified."""
+    setup, directory, arrays = saved
+    shutil.copytree(directory, tmp_path / "checkpoints")
+    _edit_meta(tmp_path / "checkpoints" / "2", lambda m: m.pop("integrity"))
+    ckpt = Checkpointer(tmp_path / "checkpoints", max_to_keep=5, async_save=False)
+    step, state, _ = ckpt.restore_latest(setup.abstract_state)
+    ckpt.close()
+    assert step == 2 and "restored unverified" in capsys.readouterr().err
+    _assert_equal(state, arrays[2])
