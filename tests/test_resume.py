@@ -211,6 +211,14 @@ def test_a_run_that_cannot_proceed_changes_nothing(tmp_path, uninterrupted, chan
     assert _contents(tmp_path) == before
 
 
+def test_a_checkpoints_path_that_is_a_file_is_refused_before_compiling(tmp_path):
+    (tmp_path / "checkpoints").write_text("not a folder")
+    result = run_cli(_command(tmp_path))
+    assert result.returncode == 2 and "compiled" not in result.stdout
+    [line] = [x for x in result.stderr.splitlines() if x.strip()]
+    assert line == f"error: '{tmp_path / 'checkpoints'}' is a file; expected the run's checkpoints folder (or nothing)"
+
+
 @pytest.mark.parametrize("where", ["local", "bucket"])
 def test_two_runs_on_one_directory_one_proceeds(tmp_path, request, uninterrupted, where):
     _, uninterrupted = uninterrupted
