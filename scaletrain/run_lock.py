@@ -11,7 +11,8 @@ writes anything there, and a second run is refused with one line naming the hold
   HEARTBEAT_S seconds, each write conditional on the generation it last wrote, so it notices if another run has
   taken the lock. A lock whose heartbeat is older than STALE_AFTER_S belongs to a run that died: a new run takes
   it over by a write conditional on the stale generation, so of several runs trying at once exactly one wins.
-The lock is removed when the run ends (normally, by an error or by SIGTERM).
+The lock is removed when the run ends (normally, by an error or by SIGTERM), and with it a run directory this run
+created and left empty.
 """
 
 from __future__ import annotations
@@ -157,6 +158,8 @@ class RunLock:
     """The lock of one run directory, held from `acquire` to `release`."""
 
     def __init__(self, location: str):
+        # A local directory made here and still empty at release goes again: a refused run leaves nothing.
+        self._made = None if storage.is_remote(location) or storage.path(location).exists() else location
         directory = storage.prepare(location)
         path = str(directory / FILE_NAME)
         self._lock = (_BucketLock if storage.is_remote(location) else _LocalLock)(path, str(location))
@@ -167,3 +170,8 @@ class RunLock:
 
     def release(self) -> None:
         self._lock.release()
+        if self._made is not None:
+            try:
+                os.rmdir(self._made)
+            except OSError:  # not empty: the run wrote something
+                pass

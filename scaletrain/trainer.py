@@ -202,17 +202,17 @@ def _initial_state(cfg, setup: Setup) -> tuple[TrainState, str]:
 
 
 def _run(cfg, preemption: Preemption) -> int:
+    setup = build(cfg)
+    iterator = data_lib.make_iterator(cfg, setup.batch_sharding)  # bad data fails here, before any write
     lock = _lock_run_dir(cfg)
     try:
-        return _run_locked(cfg, preemption, lock)
+        return _run_locked(cfg, preemption, lock, setup, iterator)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run_locked(cfg, preemption: Preemption, lock: RunLock | None) -> int:
-    setup = build(cfg)
-    iterator = data_lib.make_iterator(cfg, setup.batch_sharding)  # bad data fails here, before any write
+def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup, iterator) -> int:
     main = jax.process_index() == 0
     run_dir = storage.path(cfg.run_dir)
     meta = checkpoint_metadata(setup)
