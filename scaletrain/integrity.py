@@ -5,9 +5,9 @@ Orbax checks that a checkpoint is complete, not that its bytes are the ones writ
 training from it would poison every later checkpoint. So every save records a fingerprint of each array, and a
 restore recomputes it on the restored arrays and compares.
 
-The fingerprint is computed where the arrays are, on the devices, inside one jitted function: each element's bits
-are mixed with its position (a per-axis salt, then MurmurHash3's finaliser) and the mixed words are summed
-modulo 2^32 in two lanes (64 bits): the words, and the words times themselves. Addition modulo 2^32 is exact and
+The fingerprint is computed where the arrays are, on the devices, inside one jitted function: each device mixes
+each element's bits with its global position (a per-axis salt, then MurmurHash3's finaliser) and sums the mixed
+words of its own blocks modulo 2^32 in two lanes (64 bits): the words, and the words times themselves. Addition modulo 2^32 is exact and
 order-free, so the result does not depend on the sharding: a checkpoint saved on one mesh verifies on any other,
 and the all-reduce that combines the shards moves 8 bytes per array. The finaliser is a bijection, so one changed
 element always changes the first lane; changes to many elements escape both lanes with a probability of the order
@@ -23,11 +23,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # Odd multipliers (from the golden ratio and MurmurHash3's finaliser): each position gets a distinct salt, and the
 # finaliser spreads a one-bit change of the input over the whole word.
@@ -54,14 +55,15 @@ def _words(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, _UINT_OF_WIDTH[x.dtype.itemsize]).astype(jnp.uint32)
 
 
-def _partial(x: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
-    """uint32[2]: the two lanes' sums over the elements of `x`, whose leading index starts at `offset`."""
+def _partial(x: jax.Array, offsets: Sequence[jax.Array | int] = ()) -> jax.Array:
+    """uint32[2]: the two lanes' sums over the elements of `x`, a block of a larger array whose index along each
+    axis starts at `offsets` (zeros when not given)."""
     words = _words(x)
     salt = jnp.zeros(words.shape, jnp.uint32)
     for axis in range(words.ndim):
         index = jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
-        if axis == 0:
-            index = index + jnp.asarray(offset, jnp.uint32)
+        if axis < len(offsets):
+            index = index + jnp.asarray(offsets[axis], jnp.uint32)
         salt = salt + index * jnp.uint32(_AXIS_SALTS[axis % len(_AXIS_SALTS)])
     mixed = _fmix32(words ^ salt)
     # fmix32 is a bijection, so the first lane changes whenever exactly one element does; the second, a square,
@@ -69,29 +71,77 @@ def _partial(x: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
     return jnp.stack([jnp.sum(mixed, dtype=jnp.uint32), jnp.sum(mixed * (mixed | jnp.uint32(1)), dtype=jnp.uint32)])
 
 
-def _in_host_memory(x: jax.Array) -> bool:
-    return getattr(getattr(x, "sharding", None), "memory_kind", None) == "pinned_host"
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _leaf(x: jax.Array, host: bool) -> jax.Array:
-    if not host or x.ndim == 0:
-        return _partial(jax.device_put(x, jax.memory.Space.Device) if host else x)
+def _shard_partial(x: jax.Array, spec: PartitionSpec, mesh: Mesh) -> jax.Array:
+    """Inside shard_map: this device's block's sums, counted once - by the replica at index 0 of every mesh axis
+    the array is not split over."""
+    offsets = []
+    for size, entry in zip(x.shape, tuple(spec) + (None,) * (x.ndim - len(spec))):
+        block = 0
+        for name in _axes(entry):
+            block = block * mesh.shape[name] + jax.lax.axis_index(name)
+        offsets.append(block * size)
+    split = {name for entry in spec for name in _axes(entry)}
+    owner = jnp.array(True)
+    for name in mesh.axis_names:
+        if name not in split:
+            owner = owner & (jax.lax.axis_index(name) == 0)
+    return _partial(x, offsets) * owner.astype(jnp.uint32)
+
+
+def _sharded(leaves: list[jax.Array], shardings: list[NamedSharding]) -> jax.Array:
+    """uint32[leaves, 2] of arrays on one mesh's devices: each device sums its own blocks (no collective), then
+    one all-reduce of 8 bytes per array. Far cheaper than a sharded reduction per array, which XLA partitions
+    into a collective each."""
+    mesh, specs = shardings[0].mesh, tuple(s.spec for s in shardings)
+    per_device = jax.shard_map(
+        lambda *xs: jnp.stack([_shard_partial(x, spec, mesh) for x, spec in zip(xs, specs)])[None],
+        mesh=mesh, in_specs=specs, out_specs=PartitionSpec(mesh.axis_names), check_vma=False)(*leaves)
+    return jnp.sum(per_device, axis=0, dtype=jnp.uint32)
+
+
+def _in_host_memory(sharding) -> bool:
+    return getattr(sharding, "memory_kind", None) == "pinned_host"
+
+
+def _streamed(x: jax.Array) -> jax.Array:
+    """An array in host memory, brought to the device a slice of its leading axis at a time."""
+    if x.ndim == 0:
+        return _partial(jax.device_put(x, jax.memory.Space.Device))
 
     def body(i, total):
         part = jax.device_put(jax.lax.dynamic_index_in_dim(x, i, keepdims=True), jax.memory.Space.Device)
-        return total + _partial(part, i)
+        return total + _partial(part, (i,))
 
     return jax.lax.fori_loop(0, x.shape[0], body, jnp.zeros(2, jnp.uint32))
 
 
 def make(abstract_tree: Any) -> Callable[[Any], jax.Array]:
     """A jitted function: a tree shaped like `abstract_tree` -> uint32[leaves, 2], replicated."""
-    return _jitted(tuple(_in_host_memory(x) for x in jax.tree.leaves(abstract_tree)))
+    return _jitted(tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(abstract_tree)))
 
 
-@functools.cache  # one function per placement pattern: jit then compiles once per tree structure and sharding
-def _jitted(host: tuple[bool, ...]) -> Callable[[Any], jax.Array]:
-    return jax.jit(lambda tree: jnp.stack([_leaf(x, h) for x, h in zip(jax.tree.leaves(tree), host)]))
+@functools.cache  # one function per placement: jit then compiles it once
+def _jitted(shardings: tuple) -> Callable[[Any], jax.Array]:
+    mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
+    on_mesh = [i for i, s in enumerate(shardings) if isinstance(s, NamedSharding) and s.mesh == mesh
+               and not _in_host_memory(s)]
+
+    def fingerprint(tree):
+        leaves = jax.tree.leaves(tree)
+        sums = [None] * len(leaves)
+        if on_mesh:
+            for i, row in zip(on_mesh, _sharded([leaves[i] for i in on_mesh], [shardings[i] for i in on_mesh])):
+                sums[i] = row
+        for i, x in enumerate(leaves):
+            if sums[i] is None:  # in host memory, or not placed on the mesh (a numpy array, one device)
+                sums[i] = _streamed(x) if _in_host_memory(shardings[i]) else _partial(x)
+        return jnp.stack(sums)
+
+    return jax.jit(fingerprint)
 
 
 def by_path(tree: Any, sums: jax.Array) -> dict[str, str]:
