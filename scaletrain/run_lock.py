@@ -44,11 +44,13 @@ def _holder_record() -> dict:
             "heartbeat": time.time()}
 
 
-def _in_use(location: str, holder: dict | None) -> RunDirInUse:
+def _in_use(location: str, holder: dict | None, stale_in: float | None = None) -> RunDirInUse:
     who = (f"process {holder.get('pid')} on {holder.get('host')}, running since {holder.get('started')}"
            if holder else "another run")
-    return RunDirInUse(f"run_dir '{location}' is in use by {who} ({FILE_NAME}); wait for that run to end, or "
-                       f"give this one another run_dir")
+    wait = "wait for that run to end" if stale_in is None else \
+        f"wait for that run to end (if it died, its lock is taken over in {stale_in:.0f} s)"
+    return RunDirInUse(f"run_dir '{location}' is in use by {who} ({FILE_NAME}); {wait}, or give this one another "
+                       f"run_dir")
 
 
 class _LocalLock:
@@ -98,8 +100,9 @@ class _BucketLock:
             self.generation = self._write(if_generation=0)
         except FileExistsError:
             holder, generation = self._read()
-            if holder is not None and time.time() - holder.get("heartbeat", 0) < STALE_AFTER_S:
-                raise _in_use(location, holder) from None
+            silent = time.time() - holder.get("heartbeat", 0) if holder is not None else None
+            if silent is not None and silent < STALE_AFTER_S:
+                raise _in_use(location, holder, STALE_AFTER_S - silent) from None
             try:  # stale, or deleted meanwhile (generation 0): take it over, unless another run does first
                 self.generation = self._write(if_generation=generation)
             except FileExistsError:
