@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from typing import Any
 
 import jax
@@ -30,21 +31,37 @@ COMMIT_MARKER = "commit_success.txt"
 DAMAGED = "damaged_checkpoints"  # beside checkpoints/: steps that failed verification, kept for inspection
 
 
+def _loop_closed(error: BaseException | None) -> bool:
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
+class _DropLoopClosed(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and _loop_closed(record.exc_info[1]))
+
+
 def _silence_abandoned_reads() -> None:
     """A failed restore leaves Tensorstore reads in flight; their callbacks later find Orbax's event loop closed
-    and each would print a traceback, the aftermath of an error already reported in one line. Only that
-    exception is dropped."""
+    and each would print a traceback - as an unraisable exception, from a thread, or logged by a future's
+    callback - the aftermath of an error already reported in one line. Only that exception is dropped."""
     previous = sys.unraisablehook
     if getattr(previous, "scaletrain", False):
         return
 
-    def hook(unraisable):
-        error = unraisable.exc_value
-        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+    def unraisable_hook(unraisable):
+        if not _loop_closed(unraisable.exc_value):
             previous(unraisable)
 
-    hook.scaletrain = True
-    sys.unraisablehook = hook
+    previous_thread_hook = threading.excepthook
+
+    def thread_hook(args):
+        if not _loop_closed(args.exc_value):
+            previous_thread_hook(args)
+
+    unraisable_hook.scaletrain = True
+    sys.unraisablehook, threading.excepthook = unraisable_hook, thread_hook
+    logging.getLogger("concurrent.futures").addFilter(_DropLoopClosed())
+    logging.getLogger("asyncio").addFilter(_DropLoopClosed())
 
 
 def locate(location: str | os.PathLike) -> tuple[epath.Path, int | None]:
@@ -222,15 +239,17 @@ def _metadata(manager: ocp.CheckpointManager, directory: epath.Path, step: int |
     return step, dict(meta)
 
 
-def check_resumable(directory: epath.Path, meta: dict, run_dir: str) -> None:
-    """Refuses (CheckpointError) to resume checkpoints of another model - other array shapes or dtypes, another
-    vocabulary - naming the config keys that differ. Reads only: run before anything is written."""
+def check_resumable(directory: epath.Path, meta: dict, run_dir: str) -> bool:
+    """Whether there are checkpoints to resume; refuses (CheckpointError) to resume checkpoints of another model -
+    other array shapes or dtypes, another vocabulary - naming the config keys that differ. Reads only: run before
+    anything is written."""
     if directory.exists() and not directory.is_dir():
         raise CheckpointError(f"'{directory}' is a file; expected the run's checkpoints folder (or nothing)")
     if not directory.exists():
-        return
+        return False
     manager = _read_only(directory)
-    for step in sorted(manager.all_steps(), reverse=True):
+    steps = manager.all_steps()
+    for step in sorted(steps, reverse=True):
         try:
             saved = dict(manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
         except Exception:  # noqa: BLE001 - an unreadable step is the restore's to report; look at an older one
@@ -238,13 +257,13 @@ def check_resumable(directory: epath.Path, meta: dict, run_dir: str) -> None:
             continue
         break
     else:
-        return
+        return bool(steps)
 
     def layout(m: dict) -> dict:
         return {p: (a["shape"], a["dtype"]) for p, a in m.get("arrays", {}).items()}
 
     if layout(saved) == layout(meta):
-        return
+        return True
     then, now = saved.get("config", {}).get("model", {}), meta["config"]["model"]
     keys = sorted(k for k in then.keys() | now.keys() if then.get(k) != now.get(k))
     if keys:
@@ -258,12 +277,11 @@ def check_resumable(directory: epath.Path, meta: dict, run_dir: str) -> None:
                           f"parameters, add checkpoint.init_from={run_dir}")
 
 
-def restore_params(path: str | os.PathLike, abstract_params: Any, what: str = "checkpoint.init_from",
-                   step: int | None = None) -> tuple[int, Any]:
-    """(step, parameters) of a checkpoint (the newest, or `step`), placed with the shardings of
-    `abstract_params`; its optimizer state and data position are not read. Shapes are checked against the saved
-    metadata first, so a mismatched model is one clear error (starting with `what`) rather than an Orbax
-    traceback."""
+def params_source(path: str | os.PathLike, abstract_params: Any, what: str = "checkpoint.init_from",
+                  step: int | None = None) -> tuple[ocp.CheckpointManager, epath.Path, int, dict]:
+    """(read-only manager, checkpoints folder, step, metadata) of the checkpoint `restore_params` would read, its
+    parameter shapes checked against `abstract_params` from the saved metadata alone, so a mismatched model is
+    one clear error (starting with `what`), found before anything is compiled."""
     directory, found = locate(path)
     step = found if step is None else step
     manager = _read_only(directory)
@@ -277,6 +295,15 @@ def restore_params(path: str | os.PathLike, abstract_params: Any, what: str = "c
         if tuple(saved[name]["shape"]) != x.shape:
             raise CheckpointError(f"{what}: parameter {name} is {tuple(saved[name]['shape'])} in "
                                   f"{directory / str(step)} but {x.shape} in this model; the model configs differ")
+    return manager, directory, step, meta
+
+
+def restore_params(path: str | os.PathLike, abstract_params: Any, what: str = "checkpoint.init_from",
+                   step: int | None = None) -> tuple[int, Any]:
+    """(step, parameters) of a checkpoint (the newest, or `step`), placed with the shardings of
+    `abstract_params`, verified against their fingerprints; its optimizer state and data position are not read."""
+    manager, directory, step, meta = params_source(path, abstract_params, what, step)
+    saved = {p.removeprefix(".params"): a for p, a in meta["arrays"].items() if p.startswith(".params")}
     # Read as saved, verified, then cast: a fingerprint is of the saved bits.
     saved_dtypes = jax.tree.map(lambda x: saved[x]["dtype"],
                                 jax.tree_util.tree_map_with_path(lambda p, _: jax.tree_util.keystr(p), abstract_params))

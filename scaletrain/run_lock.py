@@ -9,8 +9,9 @@ writes anything there, and a second run is refused with one line naming the hold
   disk or a bucket.)
 - Bucket (gs://): an object created only if absent (`ifGenerationMatch=0`). The holder rewrites it every
   HEARTBEAT_S seconds, each write conditional on the generation it last wrote, so it notices if another run has
-  taken the lock. A lock whose heartbeat is older than STALE_AFTER_S belongs to a run that died: a new run takes
-  it over by a write conditional on the stale generation, so of several runs trying at once exactly one wins.
+  taken the lock. A lock whose heartbeat is older than STALE_AFTER_S, or whose holder was a process of this host
+  that no longer exists, belongs to a run that died: a new run takes it over by a write conditional on the stale
+  generation, so of several runs trying at once exactly one wins.
 The lock is removed when the run ends (normally, by an error or by SIGTERM), and with it a run directory this run
 created and left empty.
 """
@@ -30,8 +31,8 @@ from scaletrain import storage
 from scaletrain.errors import UserError
 
 FILE_NAME = "run.lock"
-HEARTBEAT_S = 60.0
-STALE_AFTER_S = 600.0  # ten missed heartbeats: the holder is gone (or cut off, and will find its lock taken)
+HEARTBEAT_S = 15.0
+STALE_AFTER_S = 120.0  # eight missed heartbeats: the holder is gone (or cut off, and will find its lock taken)
 
 
 class RunDirInUse(UserError):
@@ -88,6 +89,20 @@ class _LocalLock:
         os.close(self.fd)
 
 
+def _may_live(holder: dict) -> bool:
+    """False only for a holder known dead: a process of this host that no longer exists. (A reused pid reads as
+    alive: the lock then waits to go stale, the safe side.)"""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return True
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 class _BucketLock:
     def __init__(self, path: str, location: str):
         import gcsfs
@@ -101,7 +116,7 @@ class _BucketLock:
         except FileExistsError:
             holder, generation = self._read()
             silent = time.time() - holder.get("heartbeat", 0) if holder is not None else None
-            if silent is not None and silent < STALE_AFTER_S:
+            if silent is not None and silent < STALE_AFTER_S and _may_live(holder):
                 raise _in_use(location, holder, STALE_AFTER_S - silent) from None
             try:  # stale, or deleted meanwhile (generation 0): take it over, unless another run does first
                 self.generation = self._write(if_generation=generation)

@@ -24,7 +24,7 @@ from scaletrain import data as data_lib
 from scaletrain import mesh as mesh_lib
 from scaletrain import model as model_lib
 from scaletrain import offload, optim, sharding, storage
-from scaletrain.checkpoint import Checkpointer, check_resumable, restore_params
+from scaletrain.checkpoint import Checkpointer, check_resumable, params_source, restore_params
 from scaletrain.control import Control, Preemption
 from scaletrain.errors import ConfigError, UserError, first_line
 from scaletrain.metrics import MetricsLog
@@ -216,7 +216,8 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     main = jax.process_index() == 0
     run_dir = storage.path(cfg.run_dir)
     meta = checkpoint_metadata(setup)
-    check_resumable(run_dir / "checkpoints", meta, cfg.run_dir)
+    if not check_resumable(run_dir / "checkpoints", meta, cfg.run_dir) and cfg.checkpoint.init_from:
+        params_source(cfg.checkpoint.init_from, setup.abstract_state.params)  # its shapes, before compiling
 
     t0 = time.perf_counter()
     step_fn = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()

@@ -159,8 +159,10 @@ def _uncommit(step_dir):
     (step_dir / "commit_success.txt").unlink()
 
 
+# Bytes garbled in place are caught by Tensorstore (unreadable) or, where it reads them without complaint, by the
+# fingerprints (damaged): which, depends on the file that happens to be largest.
 @pytest.mark.parametrize("damage, problem", [(_garble, "unreadable"), (_truncate, "unreadable"),
-                                             (_garble_in_place, "damaged"), (_uncommit, "incomplete")])
+                                             (_garble_in_place, "(unreadable|damaged)"), (_uncommit, "incomplete")])
 def test_damaged_newest_checkpoint_is_skipped_and_rewritten(tmp_path, uninterrupted, damage, problem):
     done, uninterrupted = uninterrupted
     shutil.copytree(done, tmp_path, dirs_exist_ok=True)
@@ -168,8 +170,9 @@ def test_damaged_newest_checkpoint_is_skipped_and_rewritten(tmp_path, uninterrup
     damage(tmp_path / "checkpoints" / str(STEPS))
     result = run_cli(_command(tmp_path, **{"checkpoint.max_to_keep": 1}))
     assert result.returncode == 0, result.stderr
-    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and warnings[0].startswith(f"warning: checkpoint at step {STEPS} is {problem}")
+    # XLA's C++ logging may share stderr's lines: the warning is looked for anywhere in them.
+    warnings = re.findall(r"warning: checkpoint at step \d+ is \w+", result.stderr)
+    assert len(warnings) == 1 and re.fullmatch(f"warning: checkpoint at step {STEPS} is {problem}", warnings[0])
     assert _resumed_step(result) == 28
     assert _losses(tmp_path) == uninterrupted  # and the final step was saved again
     assert run_cli(["ckpt", "inspect", str(tmp_path)], module=True).stdout.startswith(f"step {STEPS} ")
@@ -254,7 +257,7 @@ def test_init_from_takes_the_parameters_of_another_run(tmp_path, uninterrupted):
     assert _losses(tmp_path / "new")[0] < losses[0] - 1  # the same first batch, trained parameters
     other = run_cli(_command(tmp_path / "other", **mesh, **{"checkpoint.init_from": str(done), "model.d_ff": 256}))
     assert other.returncode == 2
-    assert other.stderr.startswith("error: checkpoint.init_from: parameter ['layers']['mlp']")
+    assert other.stderr.startswith("error: checkpoint.init_from: parameter ['layers']['mlp']")  # before compiling
 
 
 def test_checkpoints_describe_themselves(uninterrupted):
