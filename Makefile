@@ -1,4 +1,4 @@
-# Two commands do the whole set-up: `make train` and `make test` (CONTRACT.md).
+# Two commands do the whole set-up: `make train` and `make test` (README.md).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

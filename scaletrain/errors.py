@@ -1,4 +1,4 @@
-"""Errors that mean bad input: the CLI prints them as one `error:` line and exits 2 (CONTRACT.md)."""
+"""Errors that mean bad input: the CLI prints them as one `error:` line and exits 2 (README.md, docs/config.md)."""
 
 
 class UserError(Exception):

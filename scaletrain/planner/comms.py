@@ -1,6 +1,6 @@
 """Communication per train step: the bytes each device sends and the time of every collective, per mesh axis.
 
-Conventions (../shared/reference/scaling.md, "Collectives on a torus"; docs/planner.md):
+Conventions (the scaling book, "Collectives on a torus"; docs/planner.md):
 - V is the bytes of the whole array a collective gathers or reduces over one mesh axis of X devices (for an
   all-to-all, of the whole array exchanged; for a pipeline send, of the array sent).
 - Bytes per device are those each device sends on a ring: V (X-1)/X for an all-gather or a reduce-scatter,

@@ -1,7 +1,7 @@
 """Collective inventory: what a compiled step sends between devices, read from its optimised HLO.
 
 Each all-gather, all-reduce, reduce-scatter, all-to-all and collective-permute is reported with the bytes of
-the full array it gathers or reduces (V in ../shared/reference/scaling.md), the mesh axes its groups span, how
+the full array it gathers or reduces (V in the scaling book's notation, docs/planner.md), the mesh axes its groups span, how
 many times a step runs it (trip counts of enclosing loops multiplied: a scanned layer stack appears once in
 the text but runs once per layer) and whether it belongs to the forward pass, the backward pass or the update.
 """

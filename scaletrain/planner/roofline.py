@@ -1,7 +1,7 @@
 """The analytic planner: a train step's FLOPs, memory, communication and roofline time for a config on a machine
-that need not exist, with no compile - the scaling book's method (../shared/reference/scaling.md).
+that need not exist, with no compile - the scaling book's method ("How to Scale Your Model"; docs/planner.md).
 
-`plan(cfg, "v5p:4x4x4")` returns CONTRACT.md's `plan` keys and the terms behind them; `format_table` prints it.
+`plan(cfg, "v5p:4x4x4")` returns the `plan` command's keys (docs/planner.md) and the terms behind them; `format_table` prints it.
 The step time is a lower bound: the longest of compute (model FLOPs plus remat recomputation, stretched by the
 pipeline bubble), HBM traffic, and the busiest mesh axis's collectives on ICI and on DCN, each assumed to overlap
 the others perfectly. docs/planner.md states every formula and what is not modelled.
@@ -200,7 +200,7 @@ def _warnings(cfg, axes: Mapping[str, int], mem: memory.Prediction, chip: hw.Chi
 
 def plan(cfg, hardware: str) -> dict:
     """The analytic prediction for config `cfg` (scaletrain.config.load) on `hardware` (`[Sx]CHIP:DIMS`, e.g.
-    v5p:4x4x4): CONTRACT.md's keys, the terms behind them, scaling.md's critical batch sizes and the FSDP x
+    v5p:4x4x4): the `plan` command's keys, the terms behind them, scaling.md's critical batch sizes and the FSDP x
     tensor split the book recommends. Plain JSON types. Raises ConfigError for an unknown chip, a malformed
     topology, or mesh degrees that do not multiply to its chips."""
     topo = hw.topology(hardware)
