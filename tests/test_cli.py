@@ -1,4 +1,4 @@
-"""Bad input: exit status 2 and one `error:` line on stderr, no traceback, nothing written (CONTRACT.md)."""
+"""Bad input: exit status 2 and one `error:` line on stderr, no traceback, nothing written (README.md)."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""The collectives each strategy compiles to, read from the HLO, against ../shared/reference/scaling.md.
+"""The collectives each strategy compiles to, read from the HLO, against the scaling book's formulas (docs/planner.md).
 
 fp32 (4 bytes), 8 devices, tiny model: D=64, F=128, L=2, N=8 heads of 8, K=4 kv heads, V=384, T=32, batch 8.
 """
