@@ -278,8 +278,8 @@ def check_resumable(directory: epath.Path, meta: dict, run_dir: str) -> bool:
 
 
 def params_source(path: str | os.PathLike, abstract_params: Any, what: str = "checkpoint.init_from",
-                  step: int | None = None) -> tuple[ocp.CheckpointManager, epath.Path, int, dict]:
-    """(read-only manager, checkpoints folder, step, metadata) of the checkpoint `restore_params` would read, its
+                  step: int | None = None) -> tuple[ocp.CheckpointManager, epath.Path, int, dict, dict]:
+    """(read-only manager, checkpoints folder, step, metadata, saved parameter arrays) of the checkpoint `restore_params` would read, its
     parameter shapes checked against `abstract_params` from the saved metadata alone, so a mismatched model is
     one clear error (starting with `what`), found before anything is compiled."""
     directory, found = locate(path)
@@ -295,15 +295,14 @@ def params_source(path: str | os.PathLike, abstract_params: Any, what: str = "ch
         if tuple(saved[name]["shape"]) != x.shape:
             raise CheckpointError(f"{what}: parameter {name} is {tuple(saved[name]['shape'])} in "
                                   f"{directory / str(step)} but {x.shape} in this model; the model configs differ")
-    return manager, directory, step, meta
+    return manager, directory, step, meta, saved
 
 
 def restore_params(path: str | os.PathLike, abstract_params: Any, what: str = "checkpoint.init_from",
                    step: int | None = None) -> tuple[int, Any]:
     """(step, parameters) of a checkpoint (the newest, or `step`), placed with the shardings of
     `abstract_params`, verified against their fingerprints; its optimizer state and data position are not read."""
-    manager, directory, step, meta = params_source(path, abstract_params, what, step)
-    saved = {p.removeprefix(".params"): a for p, a in meta["arrays"].items() if p.startswith(".params")}
+    manager, directory, step, meta, saved = params_source(path, abstract_params, what, step)
     # Read as saved, verified, then cast: a fingerprint is of the saved bits.
     saved_dtypes = jax.tree.map(lambda x: saved[x]["dtype"],
                                 jax.tree_util.tree_map_with_path(lambda p, _: jax.tree_util.keystr(p), abstract_params))
