@@ -261,6 +261,8 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     flops_per_step = flops.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens_per_step
     peak = hardware.peak_flops(jax.devices(), cfg.hardware.peak_flops_per_device)
+    if main:  # which peak MFU divides by: measured now, or cached and when
+        print(f"scaletrain: {hardware.peak_note(jax.devices(), cfg.hardware.peak_flops_per_device)}", flush=True)
     log = MetricsLog(cfg.run_dir, cfg.steps, start, enabled=main)
     last_read = time.perf_counter()
 

@@ -44,6 +44,7 @@ def chip(device_kind: str) -> str | None:
 
 
 def _best_seconds(fn, arg, repeats: int = 5) -> float:
+    """The fastest of `repeats` timed calls after a warm-up: a busy machine only ever slows a call down."""
     fn(arg).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
@@ -53,14 +54,14 @@ def _best_seconds(fn, arg, repeats: int = 5) -> float:
     return best
 
 
-def measure_cpu_peak(n: int = 2048) -> float:
-    """FLOP/s of a large float32 matmul on the host CPU: the honest peak for CPU runs, which all simulated
-    devices share."""
+def measure_cpu_peak(n: int = 2048, repeats: int = 10) -> float:
+    """FLOP/s of a large float32 matmul on the host CPU (the fastest of `repeats`, ~0.1 s each): the honest peak
+    for CPU runs, which all simulated devices share."""
     import jax
     import jax.numpy as jnp
 
     a = jax.device_put(jnp.ones((n, n), jnp.float32), jax.devices("cpu")[0])
-    return 2 * n**3 / _best_seconds(jax.jit(lambda x: x @ x), a)
+    return 2 * n**3 / _best_seconds(jax.jit(lambda x: x @ x), a, repeats)
 
 
 def measure_cpu_bandwidth(n: int = 2**26) -> float:
@@ -72,29 +73,78 @@ def measure_cpu_bandwidth(n: int = 2**26) -> float:
     return 2 * 4 * n / _best_seconds(jax.jit(lambda x: x + 1), a)
 
 
+# A cached CPU measurement is checked again (measured, and replaced only if higher) once it is this old, and
+# whenever SCALETRAIN_MEASURE_PEAK=1: one taken while the machine was busy does not stay the peak for good.
+RECHECK_AFTER_S = 24 * 3600
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A measured CPU figure: the highest ever taken on this machine, when it was taken (unix time; 0 for a
+    cache written before the time was kept), and what this process measured (None: it used the cache)."""
+
+    value: float
+    at: float
+    now: float | None = None
+
+    def describe(self, unit: float = 1e9, name: str = "GFLOP/s") -> str:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.at)) if self.at else "at an unknown time"
+        if self.now is None:
+            return f"{self.value / unit:.0f} {name}, cached (measured {when}; {_CACHE})"
+        if self.now >= self.value:
+            return f"{self.value / unit:.0f} {name}, measured now (best of repeats; cached in {_CACHE})"
+        return (f"{self.value / unit:.0f} {name}, cached (measured {when}); measured now {self.now / unit:.0f}, "
+                f"lower, so the cached best stands")
+
+
+_SEEN: dict[str, Measured] = {}  # per process: measured or read once
+
+
 def cpu_peak() -> float:
-    return _measured("", measure_cpu_peak)
+    return cpu_peak_measured().value
+
+
+def cpu_peak_measured(recheck: bool = False) -> Measured:
+    """The CPU's matmul peak with where it came from; `recheck` measures again now (kept if higher)."""
+    return _measured("", measure_cpu_peak, recheck)
 
 
 def cpu_bandwidth() -> float:
-    return _measured("/bandwidth", measure_cpu_bandwidth)
+    return _measured("/bandwidth", measure_cpu_bandwidth).value
 
 
-def _measured(what: str, measure) -> float:
-    """Measured once per machine (CPU model and core count) and cached."""
+def _measured(what: str, measure, recheck: bool = False) -> Measured:
+    """Measured per machine (CPU model and core count) and cached, keeping the highest measurement ever taken:
+    a busy machine only reads low, so a lower reading never replaces a higher one. Checked again once a day
+    (RECHECK_AFTER_S), with `recheck` or SCALETRAIN_MEASURE_PEAK=1; at most once per process."""
     key = f"{platform.processor() or platform.machine()}/{os.cpu_count()}{what}"
+    if key in _SEEN and not recheck:
+        return _SEEN[key]
     try:
         cached = json.loads(_CACHE.read_text())
     except (OSError, ValueError):
         cached = {}
-    if key not in cached:
-        cached[key] = measure()
-        try:
-            _CACHE.parent.mkdir(parents=True, exist_ok=True)
-            _CACHE.write_text(json.dumps(cached))
-        except OSError:
-            pass  # an unwritable cache only costs a re-measurement next time
-    return cached[key]
+    entry = cached.get(key)
+    if isinstance(entry, (int, float)):  # a cache written before times were kept: checked again
+        entry = {"value": float(entry), "at": 0.0, "checked": 0.0}
+    recheck = recheck or os.environ.get("SCALETRAIN_MEASURE_PEAK") == "1"
+    if entry is not None and not recheck and time.time() - entry.get("checked", 0.0) < RECHECK_AFTER_S:
+        _SEEN[key] = Measured(entry["value"], entry["at"])
+        return _SEEN[key]
+    now, at = measure(), time.time()
+    if entry is None or now > entry["value"]:
+        entry = {"value": now, "at": at}
+    entry["checked"] = at
+    cached[key] = entry
+    try:
+        _CACHE.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _CACHE.with_name(f"{_CACHE.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(cached))
+        os.replace(tmp, _CACHE)  # whole or not at all: processes of one job may measure at once
+    except OSError:
+        pass  # an unwritable cache only costs a re-measurement next time
+    _SEEN[key] = Measured(entry["value"], entry["at"], now)
+    return _SEEN[key]
 
 
 def peak_flops(devices: Sequence, per_device_override: float | None = None) -> float | None:
@@ -106,6 +156,19 @@ def peak_flops(devices: Sequence, per_device_override: float | None = None) -> f
         return cpu_peak() * len({d.process_index for d in devices})  # one host's peak per process
     name = chip(kind)
     return table()[name]["bf16_flops"] * len(devices) if name else None
+
+
+def peak_note(devices: Sequence, per_device_override: float | None = None) -> str:
+    """One line naming the peak that MFU divides by and where it came from (after peak_flops)."""
+    if per_device_override:
+        return f"MFU against hardware.peak_flops_per_device {per_device_override:.3g} x {len(devices)} devices"
+    if devices[0].platform == "cpu":
+        hosts = len({d.process_index for d in devices})
+        return (f"MFU against this CPU's float32 matmul peak{f' x {hosts} processes' if hosts > 1 else ''}: "
+                f"{cpu_peak_measured().describe()}")
+    name = chip(devices[0].device_kind)
+    return (f"MFU against {name}'s bf16 peak {table()[name]['bf16_flops'] / 1e12:.0f} TFLOP/s x {len(devices)} "
+            f"chips (hardware.yaml)" if name else f"MFU unknown: no peak for {devices[0].device_kind}")
 
 
 @dataclass(frozen=True)
