@@ -24,6 +24,7 @@ from scaletrain.errors import ConfigError
 MESH_AXES = ("data", "fsdp", "expert", "pipeline", "tensor")
 # model.norm: how RMSNorm meets the matmul after it; model.norm_weights: whether the norms carry their gains
 # (docs/flashnorm.md). Here rather than in the model, so that checking a config never imports Flax.
+ATTENTIONS = ("xla", "flash")
 NORMS = ("standard", "deferred", "fused")
 NORM_WEIGHTS = ("standard", "folded", "weightless")
 
@@ -54,6 +55,7 @@ def defaults() -> ml_collections.ConfigDict:
                 "init_std": 0.02,
                 "param_dtype": "float32",
                 "dtype": "bfloat16",
+                "attention": "xla",
                 "attention_block": 0,
                 "logits_block": 0,
                 "norm": "standard",
@@ -116,6 +118,7 @@ CHOICES = {
     "model.rope_scaling": ("none", "llama3"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.dtype": ("float32", "bfloat16"),
+    "model.attention": ATTENTIONS,
     "model.norm": NORMS,
     "model.norm_weights": NORM_WEIGHTS,
     "remat.policy": remat.POLICIES,
@@ -362,13 +365,15 @@ def _largest_arrays(cfg: ml_collections.ConfigDict) -> dict[str, tuple[str, ...]
     batch = ("train.global_batch", "data.seq_len")
     queries = "model.attention_block" if cfg.model.attention_block else "data.seq_len"
     logits = "model.logits_block" if cfg.model.logits_block else "data.seq_len"
+    scores = {} if cfg.model.attention == "flash" else {
+        "a layer's attention scores": ("train.global_batch", "model.num_heads", queries, "data.seq_len")}
     return {
+        **scores,
         "the embedding table": ("model.vocab_size", "model.d_model"),
         "the attention weights": ("model.num_layers", "model.d_model", "model.num_heads", "model.head_dim"),
         "the MLP weights": ("model.num_layers", "model.d_model", "model.d_ff"),
         "the residual stream of every layer": ("model.num_layers", *batch, "model.d_model"),
         "the MLP activations of every layer": ("model.num_layers", *batch, "model.d_ff"),
-        "a layer's attention scores": ("train.global_batch", "model.num_heads", queries, "data.seq_len"),
         "the logits": ("train.global_batch", logits, "model.vocab_size"),
     }
 

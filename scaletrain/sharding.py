@@ -165,6 +165,14 @@ def local(fn, in_logical: tuple[tuple[str | None, ...], ...], out_logical: tuple
                          out_specs=spec(out_logical, rules.activations, mesh), check_vma=False)
 
 
+def ways(logical: str) -> int:
+    """Into how many shards the active activation rules split a logical axis (1 outside a step)."""
+    if not _ACTIVE:
+        return 1
+    mesh, rules, _ = _ACTIVE[-1]
+    return math.prod(mesh.shape[a] for a in _mesh_axes(rules.activations.get(logical)))
+
+
 def active_device() -> jax.Device:
     """A device of the active mesh (a TPU topology's, in an ahead-of-time compile), else the first local one."""
     return _ACTIVE[-1][0].devices.flat[0] if _ACTIVE else jax.devices()[0]

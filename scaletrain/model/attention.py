@@ -7,9 +7,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from scaletrain.kernels import flash_attention
 from scaletrain.model import rope
 from scaletrain.model.layers import RMSNorm, param, project
-from scaletrain.sharding import constrain
+from scaletrain.sharding import active_device, constrain, local, ways
 
 
 def attention_mask(segment_ids_bt: jax.Array) -> jax.Array:
@@ -108,12 +109,31 @@ class Attention(nnx.Module):
 
         b, t, n, h = q_btnh.shape
         k = cfg.num_kv_heads
-        q_btkgh = q_btnh.reshape(b, t, k, n // k, h) * jnp.asarray(h ** -0.5, dt)
-        block = cfg.attention_block
-        if 0 < block < t and t % block == 0:
-            out_btkgh = blocked_attention(q_btkgh, k_btkh, v_btkh, segment_ids_bt, block, cfg.unroll_loops)
+        q_btnh = q_btnh * jnp.asarray(h ** -0.5, dt)
+        if cfg.attention == "flash":
+            out_btnh = self._flash(q_btnh, k_btkh, v_btkh, segment_ids_bt)
         else:
-            out_btkgh = dot_attention(q_btkgh, k_btkh, v_btkh, attention_mask(segment_ids_bt))
-        out_btnh = checkpoint_name(out_btkgh.reshape(b, t, n, h), "attention_out")
+            q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
+            block = cfg.attention_block
+            if 0 < block < t and t % block == 0:
+                out_btkgh = blocked_attention(q_btkgh, k_btkh, v_btkh, segment_ids_bt, block, cfg.unroll_loops)
+            else:
+                out_btkgh = dot_attention(q_btkgh, k_btkh, v_btkh, attention_mask(segment_ids_bt))
+            out_btnh = checkpoint_name(out_btkgh.reshape(b, t, n, h), "attention_out")
         out_btd = project(out_btnh, self.wo[...], in_dims=2)
         return checkpoint_name(constrain(out_btd, ("batch", "residual_seq", "embed")), "out_proj")
+
+    def _flash(self, q_btnh, k_btkh, v_btkh, segment_ids_bt) -> jax.Array:
+        """The flash kernel per device on its batch rows and heads (kernels/flash_attention.py). The kernel
+        names its own residuals attention_out. Where the key/value heads are not split like the query heads
+        (fewer of them than `tensor` ways), each device's query heads get copies of the K/V heads they use."""
+        if ways("kv_heads") != ways("heads"):
+            g = self.cfg.num_heads // self.cfg.num_kv_heads
+            k_btkh, v_btkh = (constrain(jnp.repeat(x, g, axis=2), ("batch", "seq", "heads", "head_dim"))
+                              for x in (k_btkh, v_btkh))
+        kv_logical = ("batch", "seq", "kv_heads" if ways("kv_heads") == ways("heads") else "heads", "head_dim")
+        q_logical = ("batch", "seq", "heads", "head_dim")
+        kernel = flash_attention.kernel_for(active_device())
+        return local(lambda q, k, v, seg: flash_attention.flash_attention(q, k, v, seg, kernel),
+                     (q_logical, kv_logical, kv_logical, ("batch", "seq")), q_logical)(
+            q_btnh, k_btkh, v_btkh, segment_ids_bt)

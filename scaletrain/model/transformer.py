@@ -41,6 +41,7 @@ class ModelConfig:
     dtype: Any = jnp.bfloat16
     remat: str = "none"  # a remat.POLICIES name
     remat_custom: tuple[tuple[str, str], ...] = ()  # (checkpoint name, remat|device|offload) for "custom"
+    attention: str = "xla"  # config.ATTENTIONS: blocked attention in XLA, or a flash kernel
     attention_block: int = 0
     logits_block: int = 0  # sequence positions per block of the output projection + loss; 0: all at once
     fuse_qkv: bool = True  # False where kv heads are replicated over `tensor` (set by the trainer)

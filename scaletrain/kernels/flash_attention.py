@@ -1,0 +1,130 @@
+"""Flash attention: causal attention within each packed document, grouped-query heads, through the library's
+Pallas kernels (docs/attention.md).
+
+`flash_attention(q, k, v, segment_ids, kernel)` computes what `reference` computes - softmax(q k^T) v with the
+causal and same-document mask, q already scaled - without the [t, s] score matrix ever leaving the chip's
+on-core memory, and skipping the key blocks the mask hides entirely (about half of them: causal FLOPs):
+- TPU: JAX's splash attention (Mosaic). Query heads share their key/value head in the kernel's index maps, so
+  K/V are never repeated; the causal mask is static (its block structure is known at trace time, so fully
+  masked blocks are never visited), documents are segment ids. Off TPU the same kernel runs in Pallas'
+  interpret mode, which is how the CPU tests check it.
+- GPU: JAX's Pallas Triton kernel (jax.experimental.pallas.ops.gpu.attention), which takes segment ids and the
+  causal flag. It indexes K/V by query head, so grouped K/V heads are repeated for it (cuDNN's fused attention
+  would not need that, but takes packed documents only as ragged offsets with a static maximum count).
+
+Sequences whose length the blocks do not divide are padded with a segment id no document has (the pads attend
+to themselves only, and are cut off again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from scaletrain.kernels.tiling import round_up
+from scaletrain.planner import hardware
+
+# Splash's kernels take blocks in multiples of the TPU's 128 lanes.
+_LANES = 128
+_PAD_SEGMENT = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Splash:
+    """Splash attention (TPU) with its largest query and key/value blocks; `interpret` off TPU."""
+    block_q: int = 512
+    block_kv: int = 512
+    interpret: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Triton:
+    """Pallas' Triton attention (GPU) with its query and key blocks."""
+    block_q: int = 64
+    block_k: int = 64
+    interpret: bool = False
+
+
+# Per TPU generation. A (512 x 1024) float32 score block is 2 MiB of VMEM, with q, k, v, the output and their
+# double buffers under 6 MiB at head_dim 128: it fits every generation's VMEM (v4 16 MiB, v5p 64 MiB, v5e/v6e
+# 128 MiB). 512 x 512 is what MaxText runs on every generation; v6e's 256-wide MXU takes longer key blocks.
+# These have not been profiled on a TPU yet (docs/attention.md says how).
+GENERATIONS = {"v4": Splash(512, 512), "v5e": Splash(512, 512), "v5p": Splash(512, 512), "v6e": Splash(512, 1024)}
+
+# Off TPU and GPU: the TPU kernel interpreted, with the smallest blocks (several per axis at test sizes).
+INTERPRETED = Splash(block_q=_LANES, block_kv=_LANES, interpret=True)
+
+
+def kernel_for(device: jax.Device) -> Splash | Triton:
+    """The kernel and block sizes for a device: splash on a TPU, Triton on a GPU, splash interpreted elsewhere."""
+    if device.platform == "tpu":
+        return GENERATIONS.get(hardware.chip(device.device_kind) or "", Splash())
+    if device.platform == "gpu":
+        return Triton()
+    return INTERPRETED
+
+
+def reference(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
+    """The plain twin: every score materialised, float32 softmax. q is already scaled."""
+    b, t, n, h = q_btnh.shape
+    kv = k_bskh.shape[2]
+    q_btkgh = q_btnh.reshape(b, t, kv, n // kv, h)
+    logits = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    same_doc = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+    logits = jnp.where((causal & same_doc)[:, None, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(q_btnh.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh).reshape(q_btnh.shape)
+
+
+def _block(size: int, largest: int) -> int:
+    """The largest multiple of 128 lanes that divides `size` (itself a multiple of 128) and is at most `largest`."""
+    return max(b for b in range(_LANES, min(largest, size) + 1, _LANES) if size % b == 0)
+
+
+def _splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, kernel: Splash) -> jax.Array:
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    b, t, n, h = q_btnh.shape
+    bq, bkv = _block(t, kernel.block_q), _block(t, kernel.block_kv)
+    blocks = sa.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+                           block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
+    # Built per trace (the scan traces a layer once): the mask's block structure is numpy work at trace time.
+    # Its residuals (output and log-sum-exp) are named attention_out, so remat policies can save or offload them.
+    splash = sa.make_splash_mha(sa.MultiHeadMask([sa.CausalMask((t, t))] * n), block_sizes=blocks, head_shards=1,
+                                q_seq_shards=1, residual_checkpoint_name="attention_out",
+                                interpret=kernel.interpret)
+    heads_first = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731 - splash takes [heads, seq, head_dim]
+    out_bnth = jax.vmap(lambda q, k, v, seg: splash(q, k, v, sa.SegmentIds(seg, seg)))(
+        heads_first(q_btnh), heads_first(k_bskh), heads_first(v_bskh), segment_ids_bt)
+    return heads_first(out_bnth)
+
+
+def _triton(q_btnh, k_bskh, v_bskh, segment_ids_bt, kernel: Triton) -> jax.Array:
+    from jax.experimental.pallas.ops.gpu import attention
+
+    n, kv = q_btnh.shape[2], k_bskh.shape[2]
+    bq, bk = kernel.block_q, kernel.block_k
+    blocks = attention.BlockSizes(block_q=bq, block_k=bk, block_q_dkv=bq, block_kv_dkv=bk, block_q_dq=bq,
+                                  block_kv_dq=bk)
+    k_btnh, v_btnh = (jnp.repeat(x, n // kv, axis=2) for x in (k_bskh, v_bskh))
+    return attention.mha(q_btnh, k_btnh, v_btnh, segment_ids_bt, sm_scale=1.0, causal=True, block_sizes=blocks,
+                         interpret=kernel.interpret)
+
+
+def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, segment_ids_bt: jax.Array,
+                    kernel: Splash | Triton | None = None) -> jax.Array:
+    """`reference`'s attention through a flash kernel (kernel_for() the first device by default). q [b, t, n,
+    h] is already scaled; k, v [b, t, kv, h] with n a multiple of kv, query head i using key/value head
+    i // (n / kv)."""
+    kernel = kernel or kernel_for(jax.devices()[0])
+    t = q_btnh.shape[1]
+    padded = round_up(t, _LANES if isinstance(kernel, Splash) else max(kernel.block_q, kernel.block_k))
+    if padded != t:
+        pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - t)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+        q_btnh, k_bskh, v_bskh = pad(q_btnh), pad(k_bskh), pad(v_bskh)
+        segment_ids_bt = jnp.pad(segment_ids_bt, [(0, 0), (0, padded - t)], constant_values=_PAD_SEGMENT)
+    attend = _splash if isinstance(kernel, Splash) else _triton
+    return attend(q_btnh, k_bskh, v_bskh, segment_ids_bt.astype(jnp.int32), kernel)[:, :t]
