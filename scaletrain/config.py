@@ -79,6 +79,8 @@ def defaults() -> ml_collections.ConfigDict:
                 "grad_accum_steps": 1,
                 "log_every_steps": 1,
                 "on_nonfinite": "skip",
+                "profile_start": 0,
+                "profile_steps": 0,
             },
             "optim": {
                 "learning_rate": 3e-3,
@@ -134,7 +136,7 @@ _POSITIVE = (
     "train.log_every_steps", "checkpoint.every_steps", "checkpoint.max_to_keep", "model.rope_original_max_position",
     "model.rope_theta", "model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
 )
-_NON_NEGATIVE = ("seed", "checkpoint.every_minutes", "model.attention_block", "model.logits_block",
+_NON_NEGATIVE = ("seed", "train.profile_start", "train.profile_steps", "checkpoint.every_minutes", "model.attention_block", "model.logits_block",
                  "optim.learning_rate", "optim.warmup_steps", "optim.weight_decay", "optim.eps",
                  "optim.grad_clip_norm", "model.norm_eps", "model.init_std", "model.qk_norm_eps")
 _UNIT_INTERVAL = ("optim.min_lr_ratio", "optim.b1", "optim.b2")
@@ -333,6 +335,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     if cfg.train.global_batch % cfg.train.grad_accum_steps:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch} must be divisible by "
                           f"train.grad_accum_steps={cfg.train.grad_accum_steps}")
+    if cfg.train.profile_steps and cfg.train.profile_start < 1:
+        raise ConfigError(f"train.profile_steps={cfg.train.profile_steps} needs train.profile_start >= 1, the first "
+                          f"step to trace (steps count from 1; leave the first few out: they compile)")
     if cfg.data.source == "files" and not cfg.data.path:
         raise ConfigError("data.source=files needs data.path (a .txt/.jsonl file, a directory or a glob)")
 

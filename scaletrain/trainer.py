@@ -29,6 +29,7 @@ from scaletrain.control import Control, Preemption
 from scaletrain.errors import ConfigError, UserError, first_line
 from scaletrain.metrics import MetricsLog
 from scaletrain.planner import flops, hardware, memory
+from scaletrain.profiler import Profiler
 from scaletrain.run_lock import RunLock
 from scaletrain.train_step import TrainState, make_train_step
 
@@ -287,10 +288,13 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     # waits for the device it is feeding. Everything that decides the loop's course is read from replicated
     # arrays, so every process takes the same course.
     step, pending, stop = start, None, False
+    profiler = Profiler(cfg)
     try:
         while step < cfg.steps and not stop and diverged is None:
+            profiler.before(step + 1)
             state, metrics = step_fn(state, setup.put_batch(next(iterator)))
             step += 1
+            profiler.after(step, state)
             agreed = control.propose()
             save = step % cfg.checkpoint.every_steps == 0 or step == cfg.steps
             if pending is not None:
@@ -308,6 +312,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
             read(*pending[:2], last=True)
         ckpt.wait()
     finally:
+        profiler.close()
         log.close()
         ckpt.close()
     if diverged is not None:

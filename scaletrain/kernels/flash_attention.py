@@ -41,9 +41,12 @@ class Splash:
 
 @dataclasses.dataclass(frozen=True)
 class Triton:
-    """Pallas' Triton attention (GPU) with its query and key blocks."""
+    """Pallas' Triton attention (GPU): its forward query and key blocks, and the backward kernels'. 64 for all
+    three was the fastest measured on an H200 (docs/attention.md); the library's 128-query forward blocks
+    overflow the shared memory at head_dim 128 in float32."""
     block_q: int = 64
     block_k: int = 64
+    block_backward: int = 64
     interpret: bool = False
 
 
@@ -106,9 +109,9 @@ def _triton(q_btnh, k_bskh, v_bskh, segment_ids_bt, kernel: Triton) -> jax.Array
     from jax.experimental.pallas.ops.gpu import attention
 
     n, kv = q_btnh.shape[2], k_bskh.shape[2]
-    bq, bk = kernel.block_q, kernel.block_k
-    blocks = attention.BlockSizes(block_q=bq, block_k=bk, block_q_dkv=bq, block_kv_dkv=bk, block_q_dq=bq,
-                                  block_kv_dq=bk)
+    back = kernel.block_backward
+    blocks = attention.BlockSizes(block_q=kernel.block_q, block_k=kernel.block_k, block_q_dkv=back,
+                                  block_kv_dkv=back, block_q_dq=back, block_kv_dq=back)
     k_btnh, v_btnh = (jnp.repeat(x, n // kv, axis=2) for x in (k_bskh, v_bskh))
     return attention.mha(q_btnh, k_btnh, v_btnh, segment_ids_bt, sm_scale=1.0, causal=True, block_sizes=blocks,
                          interpret=kernel.interpret)
