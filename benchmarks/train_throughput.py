@@ -1,15 +1,21 @@
 """Training throughput: tokens/s, step time and MFU of the real train step, with the roofline prediction.
 
     python benchmarks/train_throughput.py [--model tiny|maxtext|all] [--steps N] [--cpu-devices 8] [--set K=V]...
+                                          [--json]
 
 `tiny` is configs/llama_tiny.yaml on the built-in corpus; `maxtext` is MaxText's tiny Llama (4 layers, d_model
 256, 4 heads of 64, d_ff 1024, vocab 32000, seq 256, global batch 8, fp32, fsdp=8, synthetic data), the
-model of the project's CPU throughput target. Results belong in docs/benchmarks.md with the command and machine.
+model of the project's CPU throughput target (benchmarks/vs_maxtext.py runs it beside MaxText). Step time is
+the mean of the timed steps dispatched back to back; `median_step_s` is the median of the same steps timed
+one by one (each waited for). `--json` prints one JSON object per model instead of a line. Results belong in
+docs/benchmarks.md with the command and machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import platform
 import sys
 import time
@@ -39,7 +45,7 @@ def measure(name: str, steps: int, warmup: int, overrides: list[str], inventory:
     from scaletrain.planner import flops, hardware, hlo
 
     path, preset = MODELS[name]
-    cfg = config.load(path, preset + [f"steps={steps + warmup}"] + overrides)
+    cfg = config.load(path, preset + [f"steps={2 * steps + warmup}"] + overrides)
     setup = trainer.build(cfg)
     iterator = data.make_iterator(cfg, setup.batch_sharding)
     state = setup.init(jax.random.PRNGKey(0))
@@ -55,6 +61,12 @@ def measure(name: str, steps: int, warmup: int, overrides: list[str], inventory:
         state, metrics = step(state, setup.put_batch(next(iterator)))
     jax.block_until_ready(metrics)
     step_s = (time.perf_counter() - t0) / steps
+    times = []
+    for _ in range(steps):  # the same steps one by one: a median that a disturbed step does not move
+        t0 = time.perf_counter()
+        state, metrics = step(state, setup.put_batch(next(iterator)))
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
 
     tokens = cfg.train.global_batch * cfg.data.seq_len
     step_flops = flops.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens
@@ -63,8 +75,10 @@ def measure(name: str, steps: int, warmup: int, overrides: list[str], inventory:
         "model": name, "params": flops.param_count(setup.model_cfg).total, "devices": jax.device_count(),
         "mesh": mesh.describe(setup.mesh.shape),
         "tokens_per_step": tokens, "step_flops": step_flops, "compile_s": compile_s, "step_time_s": step_s,
-        "tokens_per_sec": tokens / step_s, "mfu": step_flops / step_s / peak if peak else None,
+        "tokens_per_sec": tokens / step_s, "median_step_s": statistics.median(times),
+        "median_tokens_per_sec": tokens / statistics.median(times), "mfu": step_flops / step_s / peak if peak else None,
         "peak_flops": peak, "roofline_step_s": step_flops / peak if peak else None,
+        "median_mfu": step_flops / statistics.median(times) / peak if peak else None,
         "final_loss": float(metrics["loss"]), "collectives": collectives,
     }
 
@@ -76,6 +90,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
     p.add_argument("--cpu-devices", type=int, default=8)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true", help="one JSON object per model")
     args = p.parse_args()
     runtime.configure(args.cpu_devices)
     import jax
@@ -84,12 +99,15 @@ def main() -> int:
           f"jax {jax.__version__}  {jax.device_count()} x {jax.devices()[0].device_kind}")
     for name in MODELS if args.model == "all" else [args.model]:
         r = measure(name, args.steps, args.warmup, args.set)
+        if args.json:
+            print(json.dumps(r), flush=True)
+            continue
         mfu = "n/a (unknown peak)" if r["mfu"] is None else (
             f"{100 * r['mfu']:.1f}%  (roofline {r['roofline_step_s'] * 1e3:.1f} ms at peak "
             f"{r['peak_flops'] / 1e9:.0f} GFLOP/s)")
         print(f"{name:8s} {r['params'] / 1e6:6.2f}M params  mesh {r['mesh']}  {r['tokens_per_step']} tok/step  "
               f"step {r['step_time_s'] * 1e3:8.1f} ms  {r['tokens_per_sec']:9,.0f} tok/s  MFU {mfu}  "
-              f"compile {r['compile_s']:.1f} s", flush=True)
+              f"compile {r['compile_s']:.1f} s  (median step {r['median_step_s'] * 1e3:.1f} ms)", flush=True)
     return 0
 
 
