@@ -372,9 +372,11 @@ def test_hbm_traffic():
     # 2 (32 in + in out + 32 out): 28672 + 16384 + 53248 + 28672 = 126976, three passes: 380928. Attention reads
     # Q, K, V and writes its output: 3 x 2 x 32 x (64 + 32 + 32 + 64) = 36864. Per layer 417792, 2 layers.
     # Output projection: 3 x (2 (32 x 64 + 64 x 384) + 4 x 32 x 384) + loss 2 x 4 x 32 x 384 = 405504.
-    # Update: 7 x 4 bytes x 123200 / 8 parameters = 431200.
-    cfg = _cfg()
-    assert roofline.hbm_bytes(cfg, _axes(fsdp=8), frozenset()) == 2 * 417792 + 405504 + 431200
+    # Update: 7 x 4 bytes x 123200 / 8 parameters = 431200. That is all with the flash kernels; XLA's attention
+    # also moves its scores: 32 tokens x 4 heads x 32 keys x 73 bytes = 299008 per layer.
+    assert roofline.hbm_bytes(_cfg(**{"model.attention": "flash"}), _axes(fsdp=8), frozenset()) == (
+        2 * 417792 + 405504 + 431200)
+    assert roofline.hbm_bytes(_cfg(), _axes(fsdp=8), frozenset()) == 2 * (417792 + 299008) + 405504 + 431200
 
 
 def test_small_model_on_v5e_fsdp_collectives_are_latency_bound():
@@ -395,8 +397,9 @@ def test_step_time_is_the_longest_term():
     assert r["step_time_s"] == max(r["time_s"].values()) == r["time_s"][r["bound"]]
     # MFU counts model FLOPs only: step FLOPs / (chips x peak x step time).
     assert r["mfu_upper_bound"] == pytest.approx(r["step_flops"] / (32 * 4.59e14 * r["step_time_s"]))
-    # Compute: (model + recomputed FLOPs) / 32 chips / 4.59e14.
-    assert r["time_s"]["compute"] == pytest.approx((r["step_flops"] + r["recompute_flops"]) / 32 / 4.59e14)
+    # Compute: (model + recomputed + attention's extra executed FLOPs) / 32 chips / 4.59e14.
+    executed = r["step_flops"] + r["recompute_flops"] + r["attention_extra_flops"]
+    assert r["time_s"]["compute"] == pytest.approx(executed / 32 / 4.59e14)
     assert r["bound"] == "compute"
 
 
@@ -406,7 +409,7 @@ def test_llama3_8b_on_v5p_64_memory_against_the_compiled_step():
     # bytes x 8.03e9 / 32 = 4.0e9, layer inputs 32 x 32768 x 4096 x 2 = 8.6e9, one layer rematerialised
     # 20 x 32768 x 4096 x 2 = 5.4e9 plus one query block's scores 4 x 32 x 512 x 8192 x (4 x 4 + 2) = 9.7e9,
     # logits 2 x 4 x 1024 x 128256 x 4 = 4.2e9.
-    r = roofline.plan(_cfg("llama3_8b.yaml"), "v5p:4x4x2")
+    r = roofline.plan(_cfg("llama3_8b.yaml", **{"model.attention": "xla"}), "v5p:4x4x2")
     detail = r["memory_detail_bytes"]
     assert detail["saved_activations"] == 32 * 32768 * 4096 * 2
     assert detail["layer_working_set"] == 20 * 32768 * 4096 * 2 + 4 * 32 * 512 * 8192 * 18
@@ -506,8 +509,9 @@ def test_llama3_70b_fsdp_x_tensor_is_compute_bound():
     assert (r["mesh"]["sizes"]["fsdp"], r["bound"]) == (2240, "compute")
     assert r["critical_batch"]["fsdp_x_tensor"]["met"] and r["critical_batch"]["tensor"]["met"]
     # Full remat recomputes Q/K/V, attention, the output projection and gate/up for every token and layer:
-    # 2 x 8192 x 10240 + 2 x 4096 x 64 x 128 + 2 x 8192 x 8192 + 4 x 8192 x 28672 = 1,308,622,848 FLOPs.
-    assert r["recompute_flops"] == 4194304 * 80 * 1_308_622_848
+    # 2 x 8192 x 10240 + 2 x 4096 x 64 x 128 x 1.125 + 2 x 8192 x 8192 + 4 x 8192 x 28672 = 1,317,011,456 FLOPs
+    # (the flash kernel computes its diagonal 512-key blocks whole: 1 + 512 / 4096 causal forwards).
+    assert r["recompute_flops"] == 4194304 * 80 * 1_317_011_456
     # The saved layer inputs are the book's activation checkpoints, one per layer instead of its two:
     # 2 bytes x 8192 x 4,194,304 tokens x 80 layers / 8960 chips.
     assert r["memory_detail_bytes"]["saved_activations"] == pytest.approx(2 * 8192 * 4194304 * 80 / 8960)
@@ -521,3 +525,20 @@ def test_llama3_70b_book_thresholds_with_tensor_on_a_whole_axis():
     assert r["critical_batch"]["tensor"]["threshold"] == pytest.approx(28672 / 2550)
     assert not r["critical_batch"]["tensor"]["met"]
     assert math.isclose(2550**2 / (2 * 28672), 113.4, abs_tol=0.05)
+
+
+def test_flash_attention_executes_the_causal_half_and_moves_no_scores():
+    """XLA's attention computes every key (3 causal forwards beyond the model FLOPs over forward and backward)
+    and moves its scores through HBM; the flash kernels skip masked blocks - computing the diagonal 512-key
+    blocks whole, 1 + 512/8192 - and their backward recomputes the scores: 3.5 x 1.0625 - 3 causal forwards."""
+    cfg = {a: _cfg("llama3_8b.yaml", **{"model.attention": a}) for a in ("xla", "flash")}
+    plans = {a: roofline.plan(c, "v5p:4x4x2") for a, c in cfg.items()}
+    causal_forward = 2 * 8192 * 32 * 128 * 32 * 128 * 8192  # per token x layers x tokens
+    assert plans["xla"]["attention_extra_flops"] == pytest.approx(3 * causal_forward)
+    assert plans["flash"]["attention_extra_flops"] == pytest.approx((3.5 * 1.0625 - 3) * causal_forward)
+    assert plans["xla"]["step_flops"] == plans["flash"]["step_flops"]  # the same model FLOPs (MFU)
+    scores = 32 * 32768 * 32 * 8192 * roofline.XLA_SCORE_BYTES  # layers x tokens x heads x keys per chip
+    assert plans["xla"]["hbm_traffic_bytes"] - plans["flash"]["hbm_traffic_bytes"] == pytest.approx(scores)
+    # No query block's scores in memory with flash.
+    xla_layer, flash_layer = (p["memory_detail_bytes"]["layer_working_set"] for p in (plans["xla"], plans["flash"]))
+    assert xla_layer - flash_layer == 4 * 32 * 512 * 8192 * 18

@@ -121,9 +121,10 @@ def tensor_elements(m, tensor: int, sequence_parallel: bool) -> dict[str, float]
 
 
 def blocked_attention(cfg) -> bool:
-    """model.attention_block splits the queries (model/attention.py): scores are rematerialised per block."""
+    """model.attention_block splits the queries of XLA's attention (model/attention.py): scores are
+    rematerialised per block."""
     block, seq = cfg.model.attention_block, cfg.data.seq_len
-    return 0 < block < seq and seq % block == 0
+    return cfg.model.attention == "xla" and 0 < block < seq and seq % block == 0
 
 
 def logits_block(cfg) -> int:
@@ -133,14 +134,15 @@ def logits_block(cfg) -> int:
 
 
 def _unremat_layer(cfg, tensor: int, dtype_bytes: int) -> float:
-    """Bytes per token of one layer with nothing rematerialised: scaling.md's 20 tensors of d_model, plus the
+    """Bytes per token of one layer with nothing rematerialised: scaling.md's 20 tensors of d_model, plus XLA's
     attention scores when no query blocking bounds them (the float32 softmax output its VJP reads and the
     probabilities cast for the values matmul: N T elements per token)."""
     m, sp = cfg.model, cfg.sharding.sequence_parallel
     d = m.d_model
     residual = RESIDUAL_TENSORS * d / (tensor if sp else 1)
     inner = (NONE_TENSORS - RESIDUAL_TENSORS) * d / tensor
-    scores = 0.0 if blocked_attention(cfg) else m.num_heads / tensor * cfg.data.seq_len * (4 + dtype_bytes)
+    whole = m.attention == "xla" and not blocked_attention(cfg)  # flash kernels keep scores on-chip
+    scores = m.num_heads / tensor * cfg.data.seq_len * (4 + dtype_bytes) if whole else 0.0
     return (residual + inner) * dtype_bytes + scores
 
 

@@ -17,6 +17,7 @@ from scaletrain import mesh as mesh_lib
 from scaletrain.config import MESH_AXES
 from scaletrain.planner import comms, flops, memory
 from scaletrain.planner import hardware as hw
+from scaletrain.kernels.tiling import round_up
 
 GB = 1e9
 _QKV = {"query_proj", "key_proj", "value_proj"}
@@ -47,6 +48,57 @@ def forward_flops(m, seq_len: int, tensor: int = 1) -> dict[str, float]:
     return out
 
 
+# Attention's executed FLOPs as multiples of its causal forward (flops.py's two matmuls over the unmasked half),
+# (forward, backward): XLA's attention, blocked or not, computes every key, masked or not, and its backward
+# four matmuls; the flash kernels skip fully masked blocks (computing the diagonal ones whole) and their
+# backward recomputes the scores, five matmuls.
+ATTENTION_PASSES = {"xla": (2.0, 4.0), "flash": (1.0, 2.5)}
+
+
+def attention_pass(cfg, chip: str | None = None) -> float:
+    """One forward pass of attention as executed, in causal forwards: 2 for XLA; for flash 1 + (a key block)/T,
+    the diagonal blocks computed whole (the kernel's blocks on `chip`, kernels/flash_attention.py)."""
+    if cfg.model.attention == "xla":
+        return ATTENTION_PASSES["xla"][0]
+    from scaletrain.kernels import flash_attention
+
+    kernel = flash_attention.GENERATIONS.get(chip or "", flash_attention.Splash())
+    seq = cfg.data.seq_len
+    return 1.0 + min(kernel.block_kv, round_up(seq, 128)) / seq
+
+
+def attention_extra_flops(cfg, chip: str | None = None) -> float:
+    """Training FLOPs per token of attention beyond its model FLOPs (3 causal forwards) and any remat: XLA's
+    masked half; the flash backward's recomputed scores and the diagonal blocks."""
+    fwd, bwd = ATTENTION_PASSES[cfg.model.attention]
+    scale = attention_pass(cfg, chip) / fwd
+    causal = forward_flops(cfg.model, cfg.data.seq_len)["attention"] * cfg.model.num_layers
+    return ((fwd + bwd) * scale - 3) * causal
+
+
+def flash_kernel_cost(cfg, axes: Mapping[str, int], chip: str) -> dict[str, float]:
+    """FLOPs and HBM bytes per device and step of the flash kernels alone (the compile command adds them to XLA's
+    estimate, which counts a Pallas kernel as nothing): every forward pass (the remat policy's recompute too) and
+    the backward. Each reads Q once and K/V once per query block (the causal half of them), and writes its
+    output; the backward reads the output gradient as well and writes three gradients."""
+    m, seq = cfg.model, cfg.data.seq_len
+    t = axes["tensor"]
+    forwards = 1 + ("attention" in recomputed(cfg))
+    fwd, bwd = ATTENTION_PASSES["flash"]
+    causal = forward_flops(m, seq, t)["attention"] * m.num_layers
+    tokens = memory.replica_tokens(cfg, axes) * cfg.train.grad_accum_steps / axes["pipeline"]
+    flops_ = tokens * causal * (forwards * fwd + bwd) * attention_pass(cfg, chip) / fwd
+    from scaletrain.kernels import flash_attention
+
+    kernel = flash_attention.GENERATIONS.get(chip, flash_attention.Splash())
+    q_blocks = round_up(seq, 128) / min(kernel.block_q, round_up(seq, 128))
+    e = memory.tensor_elements(m, t, sequence_parallel=False)
+    q, kv = e["query_proj"], e["key_proj"] + e["value_proj"]
+    per_pass = q + kv * (q_blocks + 1) / 2 + q  # Q, K/V per query block, the output
+    bytes_ = tokens * m.num_layers * memory.DTYPE_BYTES[m.dtype] * (forwards * per_pass + 2 * per_pass + 2 * q)
+    return {"flops": flops_, "bytes": bytes_}
+
+
 def recomputed(cfg) -> frozenset[str]:
     """Matmul groups the backward pass computes a second time. Attention always - its probabilities are never
     kept - except under policy none without query blocking (blocked attention rematerialises each block
@@ -66,13 +118,20 @@ def recomputed_logits(cfg) -> bool:
     return memory.logits_block(cfg) < cfg.data.seq_len
 
 
+# HBM bytes per attention score (one query, key and head, per layer and step) of XLA's attention, all passes: read
+# off the compiled Llama-3.1-8B step on v5p:4x4x2 (full remat, 512-query blocks): 22.6 TB accessed per chip with
+# `xla`, 2.4 TB with `flash` (the rest of the step), over 2.75e11 scores per chip. The flash kernels keep scores
+# on-chip: none.
+XLA_SCORE_BYTES = 73
+
+
 def hbm_bytes(cfg, axes: Mapping[str, int], recompute: frozenset[str]) -> float:
     """HBM traffic of one device per step. Each projection reads its input and weights and writes its output
     (scaling.md: 2BD + 2DF + 2BF bytes in bf16) once forward, twice backward (input and weight gradients) and
-    once more when recomputed; attention reads Q, K, V and writes its output per pass; the output projection
-    writes float32 logits (twice when model.logits_block recomputes them), the loss reads them and writes their
-    gradient; the optimizer reads parameters,
-    gradients and both moments and writes parameters and moments, on its shard of the state."""
+    once more when recomputed; attention reads Q, K, V and writes its output per pass, and XLA's attention moves
+    its scores (XLA_SCORE_BYTES each); the output projection writes float32 logits (twice when model.logits_block
+    recomputes them), the loss reads them and writes their gradient; the optimizer reads parameters, gradients and
+    both moments and writes parameters and moments, on its shard of the state."""
     m = cfg.model
     t, stages = axes["tensor"], axes["pipeline"]
     ab, pb = memory.DTYPE_BYTES[m.dtype], memory.DTYPE_BYTES[m.param_dtype]
@@ -82,6 +141,8 @@ def hbm_bytes(cfg, axes: Mapping[str, int], recompute: frozenset[str]) -> float:
     elements = memory.tensor_elements(m, t, sequence_parallel=False)
     qkvo = 2 * elements["query_proj"] + 2 * elements["key_proj"]
     layer += (3 + ("attention" in recompute)) * ab * tokens * qkvo
+    if m.attention == "xla":
+        layer += XLA_SCORE_BYTES * tokens * m.num_heads / t * cfg.data.seq_len
     vocab = m.vocab_size / t
     passes = 3 + recomputed_logits(cfg)
     head = passes * (ab * (tokens * m.d_model + m.d_model * vocab) + 4 * tokens * vocab) + 2 * 4 * tokens * vocab
@@ -213,15 +274,19 @@ def plan(cfg, hardware: str) -> dict:
     tokens = cfg.train.global_batch * cfg.data.seq_len
     per_token = flops.flops_per_token(m, cfg.data.seq_len)
     step_flops = per_token * tokens
-    recompute_flops = tokens * (m.num_layers * sum(forward_flops(m, cfg.data.seq_len)[g] for g in recompute)
+    forward = forward_flops(m, cfg.data.seq_len) | {"attention": forward_flops(m, cfg.data.seq_len)["attention"]
+                                                    * attention_pass(cfg, chip.name)}
+    recompute_flops = tokens * (m.num_layers * sum(forward[g] for g in recompute)
                                 + recomputed_logits(cfg) * 2 * m.d_model * m.vocab_size)
+    extra_flops = tokens * attention_extra_flops(cfg, chip.name)
     bubble = comms.bubble(axes["pipeline"], cfg.train.grad_accum_steps)
     # The expert axis splits nothing of a dense model (the batch is not sharded over it): its devices repeat work.
     working_devices = axes["data"] * axes["fsdp"] * axes["tensor"] * axes["pipeline"]
     transfers = step_transfers(cfg, axes, links, recompute)
     sent, seconds = comms.by_axis(transfers)
     hbm = hbm_bytes(cfg, axes, recompute)
-    times = {"compute": (step_flops + recompute_flops) / working_devices / chip.bf16_flops / (1 - bubble),
+    times = {"compute": (step_flops + recompute_flops + extra_flops) / working_devices / chip.bf16_flops
+             / (1 - bubble),
              "hbm": hbm / chip.hbm_bandwidth,
              "ici": max(seconds[a] for a in MESH_AXES),
              "dcn": max(seconds[f"dcn_{a}"] for a in MESH_AXES)}
@@ -243,6 +308,8 @@ def plan(cfg, hardware: str) -> dict:
         "tokens_per_replica": memory.replica_tokens(cfg, axes),
         "step_flops": step_flops,
         "recompute_flops": recompute_flops,
+        "attention": m.attention,
+        "attention_extra_flops": extra_flops,
         "recomputed": sorted(recompute | ({"logits"} if recomputed_logits(cfg) else set())),
         "step_time_s": step_time,
         "bound": bound,
@@ -296,7 +363,8 @@ def format_table(result: dict) -> str:
              f"batch {r['tokens_per_step']:,} tokens per step: {r['tokens_per_chip']:.0f} per chip, "
              f"{r['tokens_per_replica']:.0f} per data-parallel replica and microbatch",
              f"{_si(r['flops_per_token'], 'FLOP')} per token, {_si(r['step_flops'], 'FLOP')} per step (model FLOPs), "
-             f"+{_si(r['recompute_flops'], 'FLOP')} recomputed ({', '.join(r['recomputed']) or 'nothing'})",
+             f"+{_si(r['recompute_flops'], 'FLOP')} recomputed ({', '.join(r['recomputed']) or 'nothing'}), "
+             f"+{_si(r['attention_extra_flops'], 'FLOP')} more executed by {r['attention']} attention",
              "",
              f"step time >= {_seconds(r['step_time_s'])} ({r['bound']}-bound), {_si(r['tokens_per_second'])} "
              f"tokens/s, MFU <= {100 * r['mfu_upper_bound']:.1f}%"]
