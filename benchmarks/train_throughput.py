@@ -1,13 +1,14 @@
 """Training throughput: tokens/s, step time and MFU of the real train step, with the roofline prediction.
 
     python benchmarks/train_throughput.py [--model tiny|maxtext|all] [--steps N] [--cpu-devices 8] [--set K=V]...
-                                          [--json]
+                                          [--json] [--plain-loss]
 
 `tiny` is configs/llama_tiny.yaml on the built-in corpus; `maxtext` is MaxText's tiny Llama (4 layers, d_model
 256, 4 heads of 64, d_ff 1024, vocab 32000, seq 256, global batch 8, fp32, fsdp=8, synthetic data), the
 model of the project's CPU throughput target (benchmarks/vs_maxtext.py runs it beside MaxText). Step time is
 the mean of the timed steps dispatched back to back; `median_step_s` is the median of the same steps timed
-one by one (each waited for). `--json` prints one JSON object per model instead of a line. Results belong in
+one by one (each waited for). `--json` prints one JSON object per model instead of a line; `--plain-loss`
+turns off the CPU's fused output projection + loss (train_step.FUSED_LOSS), to measure what it gains. Results belong in
 docs/benchmarks.md with the command and machine.
 """
 
@@ -91,7 +92,12 @@ def main() -> int:
     p.add_argument("--cpu-devices", type=int, default=8)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true", help="one JSON object per model")
+    p.add_argument("--plain-loss", action="store_true", help="logits, then the loss (no fused path)")
     args = p.parse_args()
+    if args.plain_loss:
+        from scaletrain import train_step
+
+        train_step.FUSED_LOSS = False
     runtime.configure(args.cpu_devices)
     import jax
 

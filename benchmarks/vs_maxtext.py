@@ -1,6 +1,6 @@
 """scaletrain against MaxText on CPU, side by side in one run: the same tiny Llama, interleaved rounds, medians.
 
-    MAXTEXT_SCRIPTS=DIR python benchmarks/vs_maxtext.py [--rounds 3] [--steps 12] [--set K=V]... [--xla-flags F]
+    MAXTEXT_SCRIPTS=DIR python benchmarks/vs_maxtext.py [--rounds 3] [--steps 12] [--ours NAME=ARGS]...
 
 The model is MaxText's tiny Llama (4 layers, d_model 256, 4 heads of 64, d_ff 1024, vocab 32000 untied, seq 256,
 global batch 8, fp32, 8 simulated CPU devices, fsdp 8, synthetic data): `--model maxtext` of
@@ -12,10 +12,13 @@ must hold:
   Python >= 3.12), printing as its last lines a JSON summary with `tokens_per_s_global` (from the median step time);
 - `install_maxtext.sh`, run once beforehand to create that environment.
 
-Each round runs both, in alternating order, each in a fresh process (compile excluded on both sides). Reported:
-the median over rounds of each side's tokens/s (each a median over its timed steps), their ratio, the ratio's
-range over rounds, and our MFU against this CPU's measured float32 matmul peak, measured again before every
-round (hardware.py keeps the best measurement ever taken, so a busy moment cannot lower it).
+`--ours NAME=ARGS` (repeatable) adds a scaletrain variant: ARGS are train_throughput.py arguments (`--set
+model.logits_block=64`, `--plain-loss`), and words starting `--xla_` are XLA flags for that process only; the
+first variant is the one compared (default: one variant, `scaletrain`, with no arguments). Each round runs
+MaxText and every variant in turn, the order reversed every other round, each in a fresh process (compile
+excluded on both sides). Reported: the median over rounds of each one's tokens/s (each a median over its timed
+steps), the ratio to MaxText, its range over rounds, and MFU against this CPU's float32 matmul peak, measured
+again before every round (hardware.py keeps the best measurement ever taken, so a busy moment cannot lower it).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -53,12 +57,14 @@ def run_maxtext(scripts: Path, steps: int) -> dict:
             "compile_s": summary["aot_compile_s"], "loss": summary["loss_last"]}
 
 
-def run_ours(steps: int, overrides: list[str], xla_flags: str) -> dict:
+def run_ours(steps: int, spec: str) -> dict:
+    words = shlex.split(spec)
+    flags = [w for w in words if w.startswith("--xla_")]
     cmd = [sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--model", "maxtext", "--json",
-           "--steps", str(steps), *[a for kv in overrides for a in ("--set", kv)]]
+           "--steps", str(steps), *[w for w in words if not w.startswith("--xla_")]]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    if xla_flags:
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
+    if flags:
+        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip()
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if result.returncode:
         raise RuntimeError(f"scaletrain failed ({result.returncode}): {result.stderr[-3000:]}")
@@ -72,10 +78,10 @@ def main() -> int:
     p.add_argument("--maxtext-scripts", type=Path, default=os.environ.get(ENV),
                    help=f"folder with run_maxtext_tiny.sh and install_maxtext.sh (default: ${ENV})")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=12, help="timed steps per side and round")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="scaletrain overrides")
-    p.add_argument("--xla-flags", default="", help="XLA_FLAGS added for scaletrain's process only")
+    p.add_argument("--steps", type=int, default=12, help="timed steps per run")
+    p.add_argument("--ours", action="append", default=[], metavar="NAME=ARGS", help="a scaletrain variant")
     args = p.parse_args()
+    variants = dict(v.partition("=")[::2] for v in args.ours) or {"scaletrain": ""}
     scripts = args.maxtext_scripts
     if scripts is None or not (scripts / "run_maxtext_tiny.sh").is_file():
         where = f"{scripts} has no run_maxtext_tiny.sh" if scripts else f"${ENV} is not set"
@@ -94,41 +100,32 @@ def main() -> int:
     runtime.configure(None)
     from scaletrain.planner import hardware
 
+    described = "; ".join(f"{k} [{v or '-'}]" for k, v in variants.items())
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()} {platform.processor()} {os.cpu_count()} cores  "
-          f"{args.rounds} rounds x {args.steps} steps  scaletrain overrides: {' '.join(args.set) or '-'}  "
-          f"XLA flags: {args.xla_flags or '-'}", flush=True)
-    print("| round | first | scaletrain tok/s | MaxText tok/s | ratio | peak GFLOP/s (measured now) |")
-    print("|---|---|---|---|---|---|")
-    ours, theirs = [], []
+          f"{args.rounds} rounds x {args.steps} steps  variants: {described}", flush=True)
+    names = [*variants, "maxtext"]
+    print(f"| round | peak GFLOP/s (measured now) | {' | '.join(f'{n} tok/s' for n in names)} |")
+    print(f"|---|---|{'---|' * len(names)}")
+    runs: dict[str, list[dict]] = {n: [] for n in names}
     for i in range(args.rounds):
         measured = hardware.cpu_peak_measured(recheck=True)
-        order = ["scaletrain", "maxtext"] if i % 2 == 0 else ["maxtext", "scaletrain"]
-        got = {}
-        for side in order:
-            got[side] = (run_ours(args.steps, args.set, args.xla_flags) if side == "scaletrain"
-                         else run_maxtext(scripts, args.steps))
-        ours.append(got["scaletrain"])
-        theirs.append(got["maxtext"])
-        print(f"| {i + 1} | {order[0]} | {got['scaletrain']['tokens_per_sec']:,.0f} | "
-              f"{got['maxtext']['tokens_per_sec']:,.0f} | "
-              f"{got['scaletrain']['tokens_per_sec'] / got['maxtext']['tokens_per_sec']:.2f}x | "
-              f"{measured.value / 1e9:.0f} ({measured.now / 1e9:.0f}) |", flush=True)
+        for name in names if i % 2 == 0 else names[::-1]:
+            runs[name].append(run_maxtext(scripts, args.steps) if name == "maxtext"
+                              else run_ours(args.steps, variants[name]))
+            print(f"  round {i + 1} {name}: {runs[name][-1]['tokens_per_sec']:,.0f} tok/s", file=sys.stderr, flush=True)
+        cells = " | ".join(f"{runs[n][-1]['tokens_per_sec']:,.0f}" for n in names)
+        print(f"| {i + 1} | {measured.value / 1e9:.0f} ({measured.now / 1e9:.0f}) | {cells} |", flush=True)
     peak = hardware.cpu_peak_measured()
-    ours_tps = statistics.median(r["tokens_per_sec"] for r in ours)
-    theirs_tps = statistics.median(r["tokens_per_sec"] for r in theirs)
-    ratios = [a["tokens_per_sec"] / b["tokens_per_sec"] for a, b in zip(ours, theirs)]
-    step_flops = ours[0]["step_flops"]
-    tokens = 8 * 256
-    mfu = step_flops / (tokens / ours_tps) / peak.value
-    print(f"scaletrain {ours_tps:,.0f} tok/s (median; rounds {min(r['tokens_per_sec'] for r in ours):,.0f}-"
-          f"{max(r['tokens_per_sec'] for r in ours):,.0f}), MaxText {theirs_tps:,.0f} tok/s (rounds "
-          f"{min(r['tokens_per_sec'] for r in theirs):,.0f}-{max(r['tokens_per_sec'] for r in theirs):,.0f})")
-    print(f"ratio {ours_tps / theirs_tps:.2f}x (per round {min(ratios):.2f}-{max(ratios):.2f}x); scaletrain MFU "
-          f"{100 * mfu:.1f}% and MaxText {100 * mfu * theirs_tps / ours_tps:.1f}% of the peak "
-          f"{peak.value / 1e9:.0f} GFLOP/s ({step_flops / 1e9:.1f} GFLOP per step)")
-    print(f"compile s: scaletrain {statistics.median(r['compile_s'] for r in ours):.1f}, MaxText "
-          f"{statistics.median(r['compile_s'] or 0 for r in theirs):.1f}; last loss scaletrain "
-          f"{ours[-1]['loss']:.3f}, MaxText {theirs[-1]['loss']:.3f}")
+    step_flops = next(r["step_flops"] for n in variants for r in runs[n])
+    tps = {n: statistics.median(r["tokens_per_sec"] for r in runs[n]) for n in names}
+    print(f"peak {peak.describe()}; {step_flops / 1e9:.1f} GFLOP per {8 * 256}-token step")
+    for n in names:
+        ratios = [a["tokens_per_sec"] / b["tokens_per_sec"] for a, b in zip(runs[n], runs["maxtext"])]
+        mfu = step_flops * tps[n] / (8 * 256) / peak.value
+        print(f"{n:12s} {tps[n]:7,.0f} tok/s (rounds {min(r['tokens_per_sec'] for r in runs[n]):,.0f}-"
+              f"{max(r['tokens_per_sec'] for r in runs[n]):,.0f})  {tps[n] / tps['maxtext']:.2f}x MaxText (rounds "
+              f"{min(ratios):.2f}-{max(ratios):.2f}x)  MFU {100 * mfu:.1f}%  compile "
+              f"{statistics.median(r['compile_s'] or 0 for r in runs[n]):.1f} s  last loss {runs[n][-1]['loss']:.3f}")
     return 0
 
 

@@ -2,11 +2,18 @@
 
 The gradient of softmax cross-entropy is softmax(logits) - onehot(label). Written as one custom VJP, XLA makes
 it a single elementwise pass over the [tokens, vocab] logits, with the one-hot built by comparison instead of
-the scatter that differentiating the label gather would produce (on CPU that scatter and its relayout cost as much as the
-output projection's matmuls). `optax.softmax_cross_entropy_with_integer_labels` is its slow twin in tests.
+the scatter that differentiating the label gather would produce (on CPU that scatter and its relayout cost as
+much as the output projection's matmuls). `optax.softmax_cross_entropy_with_integer_labels` is its slow twin in
+tests.
+
+`linear_cross_entropy` goes one step further, for CPUs (train_step.py decides where): the output projection and
+the loss together, a chunk of the vocabulary at a time, with the gradient formed in the forward pass, so that the
+[tokens, vocab] logits are never written and read back as a whole. `cross_entropy` of the logits is its twin.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,3 +45,87 @@ def _backward(residuals, g):
 
 
 cross_entropy.defvjp(_forward, _backward)
+
+
+# The output projection and the loss in one pass over vocabulary chunks: the CPU's fast path (train_step.py).
+
+
+def vocab_chunk(vocab: int, target: int = 2000) -> int:
+    """The largest divisor of `vocab` up to `target`: the width of one chunk of the output projection."""
+    return max(c for c in range(1, min(vocab, target) + 1) if vocab % c == 0)
+
+
+def _per_device(x_btd, w, labels_bt, weights_bt, chunk):
+    """This device's summed loss terms, d loss / d x and its partial d loss / d w, with the output projection
+    done `chunk` vocabulary columns at a time so that no [tokens, vocab] array but the exponentials is written.
+
+    Pass 1 computes each chunk's logits, keeps exp(logits - chunk max) and folds the chunk into a running
+    log-sum-exp (online softmax) and the label's logit. Pass 2 turns each kept chunk into its gradient
+    weights * (softmax - onehot) while it is in cache and multiplies it at once into d x and d w's columns."""
+    b, t, d = x_btd.shape
+    x, labels, weights = x_btd.reshape(b * t, d), labels_bt.reshape(-1), weights_bt.reshape(-1).astype(jnp.float32)
+    n, vocab = x.shape[0], w.shape[1]
+    w = w.astype(x.dtype)
+    column = jax.lax.broadcasted_iota(labels.dtype, (n, chunk), 1)
+
+    def columns(i):
+        return jax.lax.dynamic_slice_in_dim(w, i * chunk, chunk, axis=1)
+
+    def first(carry, i):
+        m, s, label_logit = carry
+        z = jnp.dot(x, columns(i), preferred_element_type=jnp.float32)
+        z_max = jnp.max(z, axis=-1)
+        e = jnp.exp(z - z_max[:, None])
+        m_new = jnp.maximum(m, z_max)
+        s = s * jnp.exp(m - m_new) + jnp.sum(e, axis=-1) * jnp.exp(z_max - m_new)
+        label_logit = label_logit + jnp.sum(jnp.where(column + i * chunk == labels[:, None], z, 0.0), axis=-1)
+        return (m_new, s, label_logit), (e, z_max)
+
+    zeros = jnp.zeros((n,), jnp.float32)
+    (m, s, label_logit), (exps, maxes) = jax.lax.scan(
+        first, (jnp.full((n,), -jnp.inf, jnp.float32), zeros, zeros), jnp.arange(vocab // chunk))
+    lse = m + jnp.log(s)
+
+    def second(carry, xs):
+        dx, dw = carry
+        e, z_max, i = xs
+        g = e * (jnp.exp(z_max - lse) * weights)[:, None]
+        g = g - jnp.where(column + i * chunk == labels[:, None], weights[:, None], 0.0)
+        dx = dx + jax.lax.dot_general(g, columns(i), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        dw_i = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return (dx, jax.lax.dynamic_update_slice_in_dim(dw, dw_i, i * chunk, axis=1)), None
+
+    (dx, dw), _ = jax.lax.scan(second, (jnp.zeros((n, d), jnp.float32), jnp.zeros((d, vocab), jnp.float32)),
+                               (exps, maxes, jnp.arange(vocab // chunk)))
+    return (lse - label_logit).reshape(b, t), dx.reshape(b, t, d), dw.reshape(1, 1, d, vocab)
+
+
+def _linear_cross_entropy_parts(x_btd, w, labels_bt, weights_bt, chunk):
+    from scaletrain.sharding import local
+
+    fn = local(functools.partial(_per_device, chunk=chunk),
+               (("batch", "seq", "embed"), (None, None), ("batch", "seq"), ("batch", "seq")), ("batch", "seq"))
+    ce, dx, dw = fn(x_btd, w, labels_bt, weights_bt)  # dw: one partial sum per data shard, summed here
+    return jnp.sum(ce * weights_bt), (ce, dx.astype(x_btd.dtype), jnp.sum(dw, axis=(0, 1)).astype(w.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def linear_cross_entropy(x_btd: jax.Array, w: jax.Array, labels_bt: jax.Array, weights_bt: jax.Array,
+                         chunk: int) -> jax.Array:
+    """sum(weights * cross_entropy(x @ w, labels)) for x [b, t, d], w [d, vocab] (vocab a multiple of `chunk`,
+    vocab_chunk), without the [b, t, vocab] logits: their gradient is formed chunk by chunk in the forward pass
+    (the loss is the last thing computed, so its cotangent is one scalar that the backward pass only scales
+    by). Per device: a sharded vocabulary is not supported. `cross_entropy` of `x @ w` is its slow twin."""
+    return _linear_cross_entropy_parts(x_btd, w, labels_bt, weights_bt, chunk)[0]
+
+
+def _lce_forward(x_btd, w, labels_bt, weights_bt, chunk):
+    return _linear_cross_entropy_parts(x_btd, w, labels_bt, weights_bt, chunk)
+
+
+def _lce_backward(chunk, residuals, g):
+    ce, dx, dw = residuals
+    return g * dx, g * dw, None, g * ce
+
+
+linear_cross_entropy.defvjp(_lce_forward, _lce_backward)

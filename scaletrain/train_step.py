@@ -11,8 +11,12 @@ import optax
 from flax import nnx
 
 from scaletrain import optim
-from scaletrain.loss import cross_entropy
-from scaletrain.sharding import constrain, use_rules
+from scaletrain.loss import cross_entropy, linear_cross_entropy, vocab_chunk
+from scaletrain.sharding import active_device, constrain, use_rules, ways
+
+# The CPU's fast path for the output projection + loss (loss.linear_cross_entropy); False: always the plain
+# path, its slow twin in tests.
+FUSED_LOSS = True
 
 
 @flax.struct.dataclass
@@ -38,6 +42,9 @@ def loss_sum(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array]) -
         return jnp.sum(cross_entropy(nnx.merge(graphdef, params).logits(x_btd), targets_bt) * mask_bt)
 
     block, seq = model.cfg.logits_block, x_btd.shape[1]
+    if (not block or block >= seq) and _fused_loss(model, x_btd):
+        return linear_cross_entropy(x_btd, model.lm_head[...], targets_bt, mask_bt.astype(jnp.float32),
+                                    vocab_chunk(model.cfg.vocab_size)), count
     if not block or block >= seq:
         return block_loss(params, x_btd, targets_bt, mask_bt), count
 
@@ -48,6 +55,16 @@ def loss_sum(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array]) -
     total, _ = jax.lax.scan(lambda total, xs: (total + recomputed(params, *xs), None), jnp.zeros((), jnp.float32),
                             (blocks(x_btd), blocks(targets_bt), blocks(mask_bt)), unroll=model.cfg.unroll_loops)
     return total, count
+
+
+def _fused_loss(model, x_btd) -> bool:
+    """Whether the whole sequences' loss takes loss.linear_cross_entropy: on CPU, where the passes over the
+    [tokens, vocab] logits cost as much as the projection's matmuls, for a float32 untied output projection of
+    the standard-norm stream over an unsharded vocabulary. Elsewhere (TPU, GPU) the plain path: its logits stay
+    one fused XLA pass, and no measurement there backs the change."""
+    cfg = model.cfg
+    return (FUSED_LOSS and active_device().platform == "cpu" and not cfg.tie_embeddings and cfg.norm == "standard"
+            and x_btd.dtype == jnp.float32 and ways("vocab") == 1 and vocab_chunk(cfg.vocab_size) >= 128)
 
 
 def _microbatches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:

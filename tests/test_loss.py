@@ -1,5 +1,6 @@
 """The hand-written cross-entropy gradient against optax's (its slow, obvious twin); the loss over blocks of
-positions (model.logits_block) against the loss over whole sequences."""
+positions (model.logits_block) against the loss over whole sequences; the CPU's fused output projection + loss
+(loss.linear_cross_entropy) against the logits followed by cross_entropy."""
 
 import dataclasses
 
@@ -10,9 +11,11 @@ import optax
 import pytest
 from flax import nnx
 
-from scaletrain.loss import cross_entropy
+from scaletrain import config, train_step, trainer
+from scaletrain.loss import cross_entropy, linear_cross_entropy, vocab_chunk
 from scaletrain.model import Llama, ModelConfig
 from scaletrain.train_step import loss_sum
+from tests.conftest import tiny_overrides
 
 
 def test_value_and_gradient_match_optax():
@@ -62,3 +65,65 @@ def test_logits_blocks_give_the_whole_sequences_loss_and_gradient(variant):
     np.testing.assert_allclose(blocked, whole, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(blocked_grad), jax.tree.leaves(whole_grad)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("chunk", [48, 16, 8])
+@pytest.mark.parametrize("scale", [1.0, 300.0])
+def test_fused_projection_and_loss_match_logits_then_loss(chunk, scale):
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(2, 6, 16)) * scale, jnp.float32)
+    w = jnp.asarray(rng.normal(size=(16, 48)) * 0.3, jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 48, (2, 6)), jnp.int32)
+    weights = jnp.asarray(rng.random((2, 6)) > 0.3, jnp.float32)
+
+    def fused(x, w, weights):
+        return linear_cross_entropy(x, w, labels, weights, chunk)
+
+    def plain(x, w, weights):
+        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(x @ w, labels) * weights)
+
+    want, want_grads = jax.value_and_grad(plain, argnums=(0, 1, 2))(x, w, weights)
+    for fn in (fused, jax.jit(fused)):
+        got, got_grads = jax.value_and_grad(fn, argnums=(0, 1, 2))(x, w, weights)
+        assert np.isfinite(got)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        for a, b in zip(got_grads, want_grads):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
+
+
+def test_vocab_chunk_divides_the_vocabulary():
+    assert vocab_chunk(32000) == 2000 and vocab_chunk(128256) == 1336 and vocab_chunk(384) == 384
+    assert vocab_chunk(131) == 131 and vocab_chunk(2003, 2000) == 1  # a prime: the plain path is taken
+
+
+def test_fused_loss_trains_like_the_plain_path_on_8_devices(monkeypatch):
+    """Three fsdp=8 steps (grad accumulation 2, masked positions) with the fused path equal the plain path's;
+    the compiled step has no [batch, seq, vocab] logits."""
+    cfg = config.load(None, tiny_overrides("unused", steps=3) + ["mesh.fsdp=4", "mesh.data=2", "train.global_batch=16",
+                                                                  "train.grad_accum_steps=2"])
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(3):
+        tokens = rng.integers(0, 384, (16, 32))
+        batches.append({"tokens": tokens.astype(np.int32), "targets": np.roll(tokens, -1, 1).astype(np.int32),
+                        "positions": np.tile(np.arange(32, dtype=np.int32), (16, 1)),
+                        "segment_ids": np.ones((16, 32), np.int32),
+                        "loss_mask": (rng.random((16, 32)) > 0.2).astype(np.float32)})
+
+    def run(fused):
+        monkeypatch.setattr(train_step, "FUSED_LOSS", fused)
+        setup = trainer.build(cfg, jax.devices())
+        state = setup.init(jax.random.PRNGKey(0))
+        hlo = setup.step.lower(setup.abstract_state, setup.abstract_batch()).as_text()
+        losses = []
+        for batch in batches:
+            state, metrics = setup.step(state, setup.put_batch(batch))
+            losses.append(float(metrics["loss"]))
+        return losses, jax.device_get(state.params), hlo
+
+    (fused_losses, fused_params, fused_hlo), (plain_losses, plain_params, plain_hlo) = run(True), run(False)
+    logits = "tensor<8x32x384xf32>"  # one microbatch's, whole
+    assert logits in plain_hlo and logits not in fused_hlo
+    np.testing.assert_allclose(fused_losses, plain_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(fused_params), jax.tree.leaves(plain_params)):
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
