@@ -178,32 +178,39 @@ def active_device() -> jax.Device:
     return _ACTIVE[-1][0].devices.flat[0] if _ACTIVE else jax.devices()[0]
 
 
-def constrain_param(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+def constrain_param(x: jax.Array, logical: tuple[str | None, ...], dtype=None) -> jax.Array:
     """One layer's weight inside the layer scan: placed per the parameter rules, and its gradient per the
     gradient rules. The scan slices layer i out of the stacked weights; left to itself, sharding propagation
     may all-reduce each layer's gradient whole and slice it afterwards. Pinned here, FSDP's gradients are
     reduce-scattered layer by layer (ZeRO-2's too, its parameters being replicated). With parameters in host
-    memory the weight is copied to the device here, and its gradient stays there."""
+    memory the weight is copied to the device here, and its gradient stays there.
+
+    `dtype` (the compute dtype) casts the weight after it is placed, and pins its gradient before the cast
+    back: XLA then gathers the weight and reduce-scatters its gradient in the compute dtype. Pinned after the
+    cast back instead, the gradient's reduction and its slicing are separated by a convert, and XLA all-reduces
+    the whole gradient (twice the bytes) before slicing it."""
     if not _ACTIVE:
-        return x
+        return x if dtype is None else x.astype(dtype)
     mesh, rules, params_on_host = _ACTIVE[-1]
     return _place(x, NamedSharding(mesh, spec(logical, rules.params, mesh)),
-                  NamedSharding(mesh, spec(logical, rules.grads, mesh)), params_on_host)
+                  NamedSharding(mesh, spec(logical, rules.grads, mesh)), params_on_host,
+                  None if dtype is None else jax.numpy.dtype(dtype), x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _place(x, forward: NamedSharding, backward: NamedSharding, fetch: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _place(x, forward: NamedSharding, backward: NamedSharding, fetch: bool, dtype, x_dtype):
     if fetch:
         x = jax.device_put(x, jax.memory.Space.Device)
-    return jax.lax.with_sharding_constraint(x, forward)
+    x = jax.lax.with_sharding_constraint(x, forward)
+    return x if dtype is None else x.astype(dtype)
 
 
-def _place_forward(x, forward, backward, fetch):
-    return _place(x, forward, backward, fetch), None
+def _place_forward(x, forward, backward, fetch, dtype, x_dtype):
+    return _place(x, forward, backward, fetch, dtype, x_dtype), None
 
 
-def _place_backward(forward, backward, fetch, _, g):
-    g = jax.lax.with_sharding_constraint(g, backward)
+def _place_backward(forward, backward, fetch, dtype, x_dtype, _, g):
+    g = jax.lax.with_sharding_constraint(g, backward).astype(x_dtype)
     return (jax.device_put(g, jax.memory.Space.Host) if fetch else g,)
 
 
