@@ -129,3 +129,64 @@ def _lce_backward(chunk, residuals, g):
 
 
 linear_cross_entropy.defvjp(_lce_forward, _lce_backward)
+
+
+# The output projection and the loss a block of positions at a time, the gradient formed in the forward pass: the
+# path of model.logits_block (train_step.py), for accelerators. XLA partitions it, any vocabulary sharding
+# included.
+
+
+def _blocked_parts(x_btd, w, labels_bt, weights_bt, block, unroll):
+    """The summed loss, and the residuals of its gradient: each position's loss term, d loss / d x and d loss /
+    d w. The output projection's weight is gathered once (placed per the activation rules, which never split
+    `embed`), not once per block; each block's weight gradient is reduced in the compute dtype into an
+    accumulator placed as the gradient will be (a reduce-scatter under FSDP), not all-reduced whole; no block's
+    logits are computed twice. float32 logits and softmax, as `cross_entropy`."""
+    from scaletrain.sharding import constrain
+
+    b, t, d = x_btd.shape
+    dtype = x_btd.dtype
+    w_dv = constrain(w.astype(dtype), ("embed", "vocab"))
+    n = t // block
+
+    def split(a):  # [b, t, ...] -> [t / block, b, block, ...]
+        return a.reshape(b, n, block, *a.shape[2:]).swapaxes(0, 1)
+
+    def one(dw_dv, xs):
+        x_btd, labels_bt, weights_bt = xs
+        logits = constrain(jnp.dot(x_btd, w_dv, preferred_element_type=jnp.float32), ("batch", "seq", "vocab"))
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        is_label = _is_label(logits, labels_bt)
+        label_logit = jnp.sum(jnp.where(is_label, logits, 0.0), axis=-1)
+        dlogits = ((jnp.exp(logits - lse[..., None]) - is_label) * weights_bt[..., None]).astype(dtype)
+        dx_btd = jnp.einsum("btv,dv->btd", dlogits, w_dv, preferred_element_type=jnp.float32).astype(dtype)
+        dw_block = jnp.einsum("btd,btv->dv", x_btd, dlogits, preferred_element_type=dtype)
+        dw_dv = dw_dv + constrain(dw_block, ("embed", "vocab"), "grads").astype(jnp.float32)
+        return dw_dv, (lse - label_logit, dx_btd)
+
+    dw0 = constrain(jnp.zeros((d, w.shape[1]), jnp.float32), ("embed", "vocab"), "grads")
+    dw_dv, (ce, dx) = jax.lax.scan(one, dw0, (split(x_btd), split(labels_bt), split(weights_bt)), unroll=unroll)
+    ce_bt, dx_btd = (a.swapaxes(0, 1).reshape(b, t, *a.shape[3:]) for a in (ce, dx))
+    return jnp.sum(ce_bt * weights_bt), (ce_bt, dx_btd, dw_dv.astype(w.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def blocked_linear_cross_entropy(x_btd: jax.Array, w: jax.Array, labels_bt: jax.Array, weights_bt: jax.Array,
+                                 block: int, unroll: bool = False) -> jax.Array:
+    """sum(weights * cross_entropy(x @ w, labels)) for x [b, t, d] (t a multiple of `block`), w [d, vocab], the
+    [b, t, vocab] logits existing one block of positions at a time and each computed once (`unroll`: the block
+    loop unrolled, for XLA's cost estimate). `cross_entropy` of `x @ w` is its slow twin."""
+    return _blocked_parts(x_btd, w, labels_bt, weights_bt, block, unroll)[0]
+
+
+def _blocked_forward(x_btd, w, labels_bt, weights_bt, block, unroll):
+    return _blocked_parts(x_btd, w, labels_bt, weights_bt, block, unroll)
+
+
+def _blocked_backward(block, unroll, residuals, g):
+    ce_bt, dx_btd, dw_dv = residuals
+    return (g * dx_btd).astype(dx_btd.dtype), g * dw_dv, None, g * ce_bt
+
+
+blocked_linear_cross_entropy.defvjp(_blocked_forward, _blocked_backward)
+

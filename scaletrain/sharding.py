@@ -146,12 +146,13 @@ def use_rules(mesh: Mesh, rules: Rules, params_on_host: bool = False) -> Iterato
         _ACTIVE.pop()
 
 
-def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
-    """An activation, placed per the active rules (unchanged outside a step)."""
+def constrain(x: jax.Array, logical: tuple[str | None, ...], kind: str = "activations") -> jax.Array:
+    """An activation (or, with kind="grads", a gradient), placed per the active rules (unchanged outside a
+    step)."""
     if not _ACTIVE:
         return x
     mesh, rules, _ = _ACTIVE[-1]
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(logical, rules.activations, mesh)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(logical, getattr(rules, kind), mesh)))
 
 
 def local(fn, in_logical: tuple[tuple[str | None, ...], ...], out_logical: tuple[str | None, ...]):

@@ -11,7 +11,7 @@ import optax
 from flax import nnx
 
 from scaletrain import optim
-from scaletrain.loss import cross_entropy, linear_cross_entropy, vocab_chunk
+from scaletrain.loss import blocked_linear_cross_entropy, cross_entropy, linear_cross_entropy, vocab_chunk
 from scaletrain.sharding import active_device, constrain, use_rules, ways
 
 # The CPU's fast path for the output projection + loss (loss.linear_cross_entropy); False: always the plain
@@ -31,8 +31,9 @@ def loss_sum(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array]) -
     """Summed masked next-token cross-entropy, and the number of tokens it sums over.
 
     With model.logits_block, the float32 logits - at Llama 3's vocabulary the largest activation by far - exist
-    one block of positions at a time: each block's projection and loss is a checkpointed step of a scan, so the
-    backward pass recomputes that block's logits (one more output-projection forward) instead of keeping them."""
+    one block of positions at a time: loss.blocked_linear_cross_entropy forms each block's gradient as it goes
+    (an untied output projection of the normalised stream); otherwise each block's projection and loss is a
+    checkpointed step of a scan, and the backward pass recomputes that block's logits."""
     model = nnx.merge(graphdef, params)
     x_btd = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
     targets_bt, mask_bt = batch["targets"], batch["loss_mask"]
@@ -48,6 +49,10 @@ def loss_sum(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array]) -
     if not block or block >= seq:
         return block_loss(params, x_btd, targets_bt, mask_bt), count
 
+    if _projects_the_stream(model.cfg):
+        return blocked_linear_cross_entropy(x_btd, model.lm_head[...], targets_bt, mask_bt.astype(jnp.float32),
+                                            block, model.cfg.unroll_loops), count
+
     def blocks(a):  # [b, t, ...] -> [t / block, b, block, ...]: a view along the unsharded sequence
         return a.reshape(a.shape[0], seq // block, block, *a.shape[2:]).swapaxes(0, 1)
 
@@ -57,14 +62,19 @@ def loss_sum(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array]) -
     return total, count
 
 
+def _projects_the_stream(cfg) -> bool:
+    """Whether the logits are `hidden`'s stream times lm_head, nothing else (untied, the final norm applied
+    before): what the fused losses compute. FUSED_LOSS False keeps the plain paths, their twins in tests."""
+    return FUSED_LOSS and not cfg.tie_embeddings and cfg.norm == "standard"
+
+
 def _fused_loss(model, x_btd) -> bool:
     """Whether the whole sequences' loss takes loss.linear_cross_entropy: on CPU, where the passes over the
     [tokens, vocab] logits cost as much as the projection's matmuls, for a float32 untied output projection of
     the standard-norm stream over an unsharded vocabulary. Elsewhere (TPU, GPU) the plain path: its logits stay
     one fused XLA pass, and no measurement there backs the change."""
     cfg = model.cfg
-    return (FUSED_LOSS and active_device().platform == "cpu" and not cfg.tie_embeddings and cfg.norm == "standard"
-            and x_btd.dtype == jnp.float32 and ways("vocab") == 1 and vocab_chunk(cfg.vocab_size) >= 128)
+    return (_projects_the_stream(cfg) and active_device().platform == "cpu" and x_btd.dtype == jnp.float32 and ways("vocab") == 1 and vocab_chunk(cfg.vocab_size) >= 128)
 
 
 def _microbatches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:

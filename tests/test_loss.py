@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from scaletrain import config, train_step, trainer
-from scaletrain.loss import cross_entropy, linear_cross_entropy, vocab_chunk
+from scaletrain.loss import blocked_linear_cross_entropy, cross_entropy, linear_cross_entropy, vocab_chunk
 from scaletrain.model import Llama, ModelConfig
 from scaletrain.train_step import loss_sum
 from tests.conftest import tiny_overrides
@@ -89,6 +89,28 @@ def test_fused_projection_and_loss_match_logits_then_loss(chunk, scale):
         np.testing.assert_allclose(got, want, rtol=1e-5)
         for a, b in zip(got_grads, want_grads):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
+
+
+@pytest.mark.parametrize("block", [6, 3, 1])
+@pytest.mark.parametrize("scale", [1.0, 300.0])
+def test_blocked_projection_and_loss_match_logits_then_loss(block, scale):
+    """loss.blocked_linear_cross_entropy (model.logits_block's path): value and gradients of the plain path."""
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(2, 6, 16)) * scale, jnp.float32)
+    w = jnp.asarray(rng.normal(size=(16, 48)) * 0.3, jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 48, (2, 6)), jnp.int32)
+    weights = jnp.asarray(rng.random((2, 6)) > 0.3, jnp.float32)
+
+    def plain(x, w, weights):
+        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(x @ w, labels) * weights)
+
+    want, want_grads = jax.value_and_grad(plain, argnums=(0, 1, 2))(x, w, weights)
+    got, got_grads = jax.jit(jax.value_and_grad(
+        lambda x, w, weights: blocked_linear_cross_entropy(x, w, labels, weights, block), argnums=(0, 1, 2)))(
+        x, w, weights)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
 
 
 def test_vocab_chunk_divides_the_vocabulary():
