@@ -28,7 +28,7 @@ class Profiler:
     def before(self, step: int) -> None:
         if self.count and step == self.first and self.local is None:
             self.local = Path(tempfile.mkdtemp(prefix="scaletrain-profile-")) if self.remote else Path(self.target)
-            jax.profiler.start_trace(str(self.local))
+            jax.profiler.start_trace(str(self.local), create_perfetto_trace=True)
 
     def after(self, step: int, state) -> None:
         if self.local is not None and step == self.first + self.count - 1:

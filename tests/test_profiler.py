@@ -11,8 +11,9 @@ def test_the_chosen_steps_are_traced_into_the_run_directory(tmp_path):
     run = tmp_path / "run"
     proc = run_cli(_set(tiny_overrides(run, steps=4) + ["train.profile_start=2", "train.profile_steps=2"]))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    traces = list((run / "profile").rglob("*.xplane.pb"))
+    traces = list((run / "profile").rglob("*.xplane.pb"))  # TensorBoard's profile plugin
     assert len(traces) == 1 and traces[0].stat().st_size > 0
+    assert list((run / "profile").rglob("*.trace.json.gz"))  # Perfetto
     assert "profile of steps 2-3 written to" in proc.stderr
 
 
