@@ -49,7 +49,7 @@ def loss_sum(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array]) -
     if not block or block >= seq:
         return block_loss(params, x_btd, targets_bt, mask_bt), count
 
-    if _projects_the_stream(model.cfg):
+    if projects_the_stream(model.cfg):
         return blocked_linear_cross_entropy(x_btd, model.lm_head[...], targets_bt, mask_bt.astype(jnp.float32),
                                             block, model.cfg.unroll_loops), count
 
@@ -62,7 +62,7 @@ def loss_sum(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array]) -
     return total, count
 
 
-def _projects_the_stream(cfg) -> bool:
+def projects_the_stream(cfg) -> bool:
     """Whether the logits are `hidden`'s stream times lm_head, nothing else (untied, the final norm applied
     before): what the fused losses compute. FUSED_LOSS False keeps the plain paths, their twins in tests."""
     return FUSED_LOSS and not cfg.tie_embeddings and cfg.norm == "standard"
@@ -74,7 +74,8 @@ def _fused_loss(model, x_btd) -> bool:
     the standard-norm stream over an unsharded vocabulary. Elsewhere (TPU, GPU) the plain path: its logits stay
     one fused XLA pass, and no measurement there backs the change."""
     cfg = model.cfg
-    return (_projects_the_stream(cfg) and active_device().platform == "cpu" and x_btd.dtype == jnp.float32 and ways("vocab") == 1 and vocab_chunk(cfg.vocab_size) >= 128)
+    return (projects_the_stream(cfg) and active_device().platform == "cpu" and x_btd.dtype == jnp.float32
+            and ways("vocab") == 1 and vocab_chunk(cfg.vocab_size) >= 128)
 
 
 def _microbatches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:

@@ -114,8 +114,11 @@ def recomputed(cfg) -> frozenset[str]:
 
 
 def recomputed_logits(cfg) -> bool:
-    """model.logits_block: the backward pass runs the output projection of each block again."""
-    return memory.logits_block(cfg) < cfg.data.seq_len
+    """model.logits_block: the backward pass runs the output projection of each block again - unless the loss
+    forms each block's gradient in the forward pass (train_step.projects_the_stream)."""
+    from scaletrain.train_step import projects_the_stream
+
+    return memory.logits_block(cfg) < cfg.data.seq_len and not projects_the_stream(cfg.model)
 
 
 # HBM bytes per attention score (one query, key and head, per layer and step) of XLA's attention, all passes: read
