@@ -28,6 +28,23 @@ def tiny_overrides(run_dir: Path | str, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in values.items()]
 
 
+def train_steps(batches, overrides: list[str], devices=None) -> tuple[list[float], dict]:
+    """Losses and final parameters (on the host) of the tiny model with `overrides`, one step per batch, on
+    `devices` (as many as the mesh's data x fsdp x tensor by default)."""
+    import jax
+
+    from scaletrain import config, trainer
+
+    cfg = config.load(None, tiny_overrides("unused", steps=len(batches)) + list(overrides))
+    setup = trainer.build(cfg, devices or jax.devices()[: cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor])
+    state = setup.init(jax.random.PRNGKey(0))
+    losses = []
+    for batch in batches:
+        state, metrics = setup.step(state, setup.put_batch(batch))
+        losses.append(float(metrics["loss"]))
+    return losses, jax.device_get(state.params)
+
+
 def run_cli(args: list[str], module: bool = False, timeout: float = 300):
     """Run `python train.py ARGS`, or `python -m scaletrain ARGS` with module=True, in a subprocess."""
     import subprocess

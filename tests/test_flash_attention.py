@@ -9,7 +9,7 @@ import pytest
 
 from scaletrain import config, trainer
 from scaletrain.kernels import flash_attention as fa
-from tests.conftest import tiny_overrides
+from tests.conftest import tiny_overrides, train_steps
 
 STEPS = 3
 HEAD_DIM = 64
@@ -61,20 +61,9 @@ def test_the_reference_is_the_models_xla_attention():
     np.testing.assert_allclose(blocked, fa.reference(q, k, v, segments), rtol=1e-5, atol=1e-6)
 
 
-def _train(batches, *overrides):
-    cfg = config.load(None, tiny_overrides("unused", steps=STEPS) + list(overrides))
-    setup = trainer.build(cfg, jax.devices()[: cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor])
-    state = setup.init(jax.random.PRNGKey(0))
-    losses = []
-    for batch in batches:
-        state, metrics = setup.step(state, setup.put_batch(batch))
-        losses.append(float(metrics["loss"]))
-    return losses, jax.device_get(state.params)
-
-
 @pytest.fixture(scope="module")
 def xla_one_device(batches):
-    return _train(batches)
+    return train_steps(batches, [])
 
 
 # Meshes of 8 devices with fsdp x tensor (kv heads split at tensor=2, replicated at tensor=4: the tiny model has
@@ -94,7 +83,7 @@ MESHES = {
 def test_the_model_with_flash_trains_like_xla_on_one_device(batches, xla_one_device, mesh):
     """fp32, 3 steps: losses and every parameter within 1e-5 relative (parameters in norm, as tests/test_parallel.py
     explains)."""
-    losses, params = _train(batches, "model.attention=flash", *MESHES[mesh])
+    losses, params = train_steps(batches, ["model.attention=flash", *MESHES[mesh]])
     np.testing.assert_allclose(losses, xla_one_device[0], rtol=1e-5)
     for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(xla_one_device[1])):
         assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want), jax.tree_util.keystr(path)

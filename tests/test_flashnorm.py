@@ -12,7 +12,7 @@ from jax.experimental.pallas import tpu as pltpu
 from scaletrain import config, trainer
 from scaletrain.kernels import norm_matmul as nm
 from scaletrain.kernels import norm_matmul_tpu as tpu
-from tests.conftest import tiny_overrides
+from tests.conftest import tiny_overrides, train_steps
 
 EPS = 1e-5
 # Small blocks, so that every grid axis and every in-kernel loop has several steps; no dimension below is a
@@ -135,15 +135,7 @@ STEPS = 3
 
 
 def _train(batches, norm):
-    cfg = config.load(None, tiny_overrides("unused", steps=STEPS) + ["mesh.fsdp=4", "mesh.tensor=2",
-                                                                     f"model.norm={norm}"])
-    setup = trainer.build(cfg, jax.devices())
-    state = setup.init(jax.random.PRNGKey(0))
-    losses = []
-    for batch in batches:
-        state, metrics = setup.step(state, setup.put_batch(batch))
-        losses.append(float(metrics["loss"]))
-    return losses, jax.device_get(state.params)
+    return train_steps(batches, ["mesh.fsdp=4", "mesh.tensor=2", f"model.norm={norm}"])
 
 
 @pytest.fixture(scope="module")

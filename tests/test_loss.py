@@ -67,9 +67,15 @@ def test_logits_blocks_give_the_whole_sequences_loss_and_gradient(variant):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("chunk", [48, 16, 8])
+# The two fused output projections + losses, each with its block parameter: loss.linear_cross_entropy over
+# vocabulary chunks (the CPU's path) and loss.blocked_linear_cross_entropy over positions (model.logits_block's).
+FUSED = [(linear_cross_entropy, size) for size in (48, 16, 8)] + [(blocked_linear_cross_entropy, size)
+                                                                 for size in (6, 3, 1)]
+
+
+@pytest.mark.parametrize("fused_loss, size", FUSED, ids=[f"{f.__name__}-{n}" for f, n in FUSED])
 @pytest.mark.parametrize("scale", [1.0, 300.0])
-def test_fused_projection_and_loss_match_logits_then_loss(chunk, scale):
+def test_fused_projection_and_loss_match_logits_then_loss(fused_loss, size, scale):
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(2, 6, 16)) * scale, jnp.float32)
     w = jnp.asarray(rng.normal(size=(16, 48)) * 0.3, jnp.float32)
@@ -77,7 +83,7 @@ def test_fused_projection_and_loss_match_logits_then_loss(chunk, scale):
     weights = jnp.asarray(rng.random((2, 6)) > 0.3, jnp.float32)
 
     def fused(x, w, weights):
-        return linear_cross_entropy(x, w, labels, weights, chunk)
+        return fused_loss(x, w, labels, weights, size)
 
     def plain(x, w, weights):
         return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(x @ w, labels) * weights)
@@ -89,28 +95,6 @@ def test_fused_projection_and_loss_match_logits_then_loss(chunk, scale):
         np.testing.assert_allclose(got, want, rtol=1e-5)
         for a, b in zip(got_grads, want_grads):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
-
-
-@pytest.mark.parametrize("block", [6, 3, 1])
-@pytest.mark.parametrize("scale", [1.0, 300.0])
-def test_blocked_projection_and_loss_match_logits_then_loss(block, scale):
-    """loss.blocked_linear_cross_entropy (model.logits_block's path): value and gradients of the plain path."""
-    rng = np.random.default_rng(2)
-    x = jnp.asarray(rng.normal(size=(2, 6, 16)) * scale, jnp.float32)
-    w = jnp.asarray(rng.normal(size=(16, 48)) * 0.3, jnp.float32)
-    labels = jnp.asarray(rng.integers(0, 48, (2, 6)), jnp.int32)
-    weights = jnp.asarray(rng.random((2, 6)) > 0.3, jnp.float32)
-
-    def plain(x, w, weights):
-        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(x @ w, labels) * weights)
-
-    want, want_grads = jax.value_and_grad(plain, argnums=(0, 1, 2))(x, w, weights)
-    got, got_grads = jax.jit(jax.value_and_grad(
-        lambda x, w, weights: blocked_linear_cross_entropy(x, w, labels, weights, block), argnums=(0, 1, 2)))(
-        x, w, weights)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    for a, b in zip(got_grads, want_grads):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
 
 
 def test_vocab_chunk_divides_the_vocabulary():
