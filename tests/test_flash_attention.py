@@ -52,13 +52,17 @@ def test_kernels_equal_the_reference(kernel, t, n, kv):
 
 
 def test_the_reference_is_the_models_xla_attention():
-    """The twin the kernels are held to computes what the `xla` path computes, blocked or not."""
+    """The twin the kernels are held to computes what the `xla` path computes, blocked or not: output and
+    gradients."""
     from scaletrain.model.attention import blocked_attention
 
     q, k, v, segments = _operands(256, 4, 2)
     b, t, n, h = q.shape
-    blocked = blocked_attention(q.reshape(b, t, 2, 2, h), k, v, segments, block=64).reshape(q.shape)
-    np.testing.assert_allclose(blocked, fa.reference(q, k, v, segments), rtol=1e-5, atol=1e-6)
+
+    def xla(q, k, v, segments):
+        return blocked_attention(q.reshape(b, t, 2, 2, h), k, v, segments, block=64).reshape(q.shape)
+
+    _assert_close(_value_and_grads(xla, q, k, v, segments), _value_and_grads(fa.reference, q, k, v, segments))
 
 
 @pytest.fixture(scope="module")
