@@ -35,15 +35,20 @@ def _loop_closed(error: BaseException | None) -> bool:
     return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
 
 
-class _DropLoopClosed(logging.Filter):
+class _DropAbandoned(logging.Filter):
+    """Drops the loop-closed errors, and asyncio's report of the abandoned reads' own failures (the unreadable
+    files, already named in the skipped step's warning) when their tasks are collected."""
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and _loop_closed(record.exc_info[1]))
+        abandoned = record.name == "asyncio" and "exception was never retrieved" in record.getMessage()
+        return not (abandoned or (record.exc_info and _loop_closed(record.exc_info[1])))
 
 
 def _silence_abandoned_reads() -> None:
     """A failed restore leaves Tensorstore reads in flight; their callbacks later find Orbax's event loop closed
     and each would print a traceback - as an unraisable exception, from a thread, or logged by a future's
-    callback - the aftermath of an error already reported in one line. Only that exception is dropped."""
+    callback - and asyncio logs the reads' own failures when their tasks are collected: the aftermath of an
+    error already reported in one line. Only those are dropped."""
     previous = sys.unraisablehook
     if getattr(previous, "scaletrain", False):
         return
@@ -60,8 +65,8 @@ def _silence_abandoned_reads() -> None:
 
     unraisable_hook.scaletrain = True
     sys.unraisablehook, threading.excepthook = unraisable_hook, thread_hook
-    logging.getLogger("concurrent.futures").addFilter(_DropLoopClosed())
-    logging.getLogger("asyncio").addFilter(_DropLoopClosed())
+    logging.getLogger("concurrent.futures").addFilter(_DropAbandoned())
+    logging.getLogger("asyncio").addFilter(_DropAbandoned())
 
 
 def locate(location: str | os.PathLike) -> tuple[epath.Path, int | None]:

@@ -80,3 +80,25 @@ def test_init_from_restores_parameters_only_into_another_mesh(saved):
         assert jax.tree.map(lambda x: x.sharding, params) == setup.state_shardings.params
     with pytest.raises(CheckpointError, match=r"parameter \['layers'\]\['mlp'\]\['w_down'\] is \(2, 128, 64\)"):
         restore_params(directory, _setup(jax.devices(), "mesh.fsdp=8", "model.d_ff=256").abstract_state.params)
+
+
+def test_the_failures_of_abandoned_reads_are_not_reported_again(caplog):
+    """After a restore fails, asyncio's report of its abandoned reads' own failures (when their tasks are
+    collected) would print a traceback after the one-line warning: it is dropped."""
+    import asyncio
+    import gc
+
+    from scaletrain import checkpoint
+
+    checkpoint._silence_abandoned_reads()
+
+    async def read():
+        raise ValueError("a truncated file")
+
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(read())
+    loop.run_until_complete(asyncio.sleep(0.01))
+    del task
+    gc.collect()
+    loop.close()
+    assert "never retrieved" not in caplog.text
