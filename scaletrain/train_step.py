@@ -69,11 +69,11 @@ def projects_the_stream(cfg) -> bool:
 
 
 def _fused_loss(model, x_btd) -> bool:
-    """Whether the whole sequences' loss takes loss.linear_cross_entropy: on CPU, where the passes over the
-    [tokens, vocab] logits cost as much as the projection's matmuls, for a float32 untied output projection of
-    the standard-norm stream over an unsharded vocabulary. Elsewhere (TPU, GPU) whole sequences take the plain
-    path - its logits stay one fused XLA pass, and no measurement there backs the change - and model.logits_block
-    the blocked fused one."""
+    """Whether the whole sequences' loss takes loss.linear_cross_entropy: on CPU, where it saves the passes
+    over the [tokens, vocab] logits (10-25% over the projection's matmuls per device, docs/benchmarks.md), for a
+    float32 untied output projection of the standard-norm stream over an unsharded vocabulary. Elsewhere (TPU,
+    GPU) whole sequences take the plain path - its logits stay one fused XLA pass, and no measurement there
+    backs the change - and model.logits_block the blocked fused one."""
     cfg = model.cfg
     return (projects_the_stream(cfg) and active_device().platform == "cpu" and x_btd.dtype == jnp.float32
             and ways("vocab") == 1 and vocab_chunk(cfg.vocab_size) >= 128)
