@@ -284,8 +284,8 @@ def check_resumable(directory: epath.Path, meta: dict, run_dir: str) -> bool:
 
 def params_source(path: str | os.PathLike, abstract_params: Any, what: str = "checkpoint.init_from",
                   step: int | None = None) -> tuple[ocp.CheckpointManager, epath.Path, int, dict, dict]:
-    """(read-only manager, checkpoints folder, step, metadata, saved parameter arrays) of the checkpoint `restore_params` would read, its
-    parameter shapes checked against `abstract_params` from the saved metadata alone, so a mismatched model is
+    """(read-only manager, checkpoints folder, step, metadata, saved parameter arrays) of the checkpoint
+    `restore_params` would read, its parameter shapes checked against `abstract_params` from the saved metadata alone, so a mismatched model is
     one clear error (starting with `what`), found before anything is compiled."""
     directory, found = locate(path)
     step = found if step is None else step

@@ -60,10 +60,15 @@ GENERATIONS = {"v4": Splash(512, 512), "v5e": Splash(512, 512), "v5p": Splash(51
 INTERPRETED = Splash(block_q=_LANES, block_kv=_LANES, interpret=True)
 
 
+def splash_for(chip: str | None) -> Splash:
+    """Splash's blocks for a TPU generation by its hardware.yaml name (the defaults for one not in the table)."""
+    return GENERATIONS.get(chip or "", Splash())
+
+
 def kernel_for(device: jax.Device) -> Splash | Triton:
     """The kernel and block sizes for a device: splash on a TPU, Triton on a GPU, splash interpreted elsewhere."""
     if device.platform == "tpu":
-        return GENERATIONS.get(hardware.chip(device.device_kind) or "", Splash())
+        return splash_for(hardware.chip(device.device_kind))
     if device.platform == "gpu":
         return Triton()
     return INTERPRETED
@@ -87,11 +92,17 @@ def _block(size: int, largest: int) -> int:
     return max(b for b in range(_LANES, min(largest, size) + 1, _LANES) if size % b == 0)
 
 
+def splash_blocks(seq_len: int, kernel: Splash) -> tuple[int, int, int]:
+    """(padded length, query block, key/value block) that splash runs a sequence of `seq_len` with."""
+    t = round_up(seq_len, _LANES)
+    return t, _block(t, kernel.block_q), _block(t, kernel.block_kv)
+
+
 def _splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, kernel: Splash) -> jax.Array:
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     b, t, n, h = q_btnh.shape
-    bq, bkv = _block(t, kernel.block_q), _block(t, kernel.block_kv)
+    _, bq, bkv = splash_blocks(t, kernel)
     blocks = sa.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
                            block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
     # Built per trace (the scan traces a layer once): the mask's block structure is numpy work at trace time.

@@ -124,9 +124,10 @@ class Llama(nnx.Module):
         def layer(x_btd, layer_params):
             x_btd = checkpoint_name(constrain(x_btd, ("batch", "residual_seq", "embed")), "decoder_layer_input")
             # Matmul weights in the compute dtype from here on (norm gains stay in float32: the norms compute in it).
-            layer_params = jax.tree.map(
-                lambda v: v.replace(constrain_param(v[...], v.out_sharding[1:], cfg.dtype if v[...].ndim > 1 else None)),
-                layer_params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+            def place(v):
+                return v.replace(constrain_param(v[...], v.out_sharding[1:], cfg.dtype if v[...].ndim > 1 else None))
+
+            layer_params = jax.tree.map(place, layer_params, is_leaf=lambda v: isinstance(v, nnx.Variable))
             return nnx.merge(graphdef, layer_params)(x_btd, sin_bth, cos_bth, segment_ids_bt), None
 
         x_btd, _ = jax.lax.scan(remat.apply(layer, cfg.remat, cfg.remat_custom), x_btd, stacked,

@@ -83,8 +83,8 @@ def _loop_corrected(cfg, devices) -> dict[str, float]:
 
 
 def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
-    """The `compile` command's result (docs/planner.md) for `cfg` on `topology` (a TPU topology, or `cpu`: devices_for). Raises
-    ConfigError for a config or topology the step cannot be built for."""
+    """The `compile` command's result (docs/planner.md) for `cfg` on `topology` (a TPU topology, or `cpu`:
+    devices_for). Raises ConfigError for a config or topology the step cannot be built for."""
     import jax
 
     from scaletrain import trainer

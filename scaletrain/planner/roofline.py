@@ -1,7 +1,8 @@
 """The analytic planner: a train step's FLOPs, memory, communication and roofline time for a config on a machine
 that need not exist, with no compile - the scaling book's method ("How to Scale Your Model"; docs/planner.md).
 
-`plan(cfg, "v5p:4x4x4")` returns the `plan` command's keys (docs/planner.md) and the terms behind them; `format_table` prints it.
+`plan(cfg, "v5p:4x4x4")` returns the `plan` command's keys (docs/planner.md) and the terms behind them;
+`format_table` prints it.
 The step time is a lower bound: the longest of compute (model FLOPs plus remat recomputation, stretched by the
 pipeline bubble), HBM traffic, and the busiest mesh axis's collectives on ICI and on DCN, each assumed to overlap
 the others perfectly. docs/planner.md states every formula and what is not modelled.
@@ -15,9 +16,9 @@ from typing import Mapping
 
 from scaletrain import mesh as mesh_lib
 from scaletrain.config import MESH_AXES
+from scaletrain.kernels import flash_attention
 from scaletrain.planner import comms, flops, memory
 from scaletrain.planner import hardware as hw
-from scaletrain.kernels.tiling import round_up
 
 GB = 1e9
 _QKV = {"query_proj", "key_proj", "value_proj"}
@@ -60,11 +61,8 @@ def attention_pass(cfg, chip: str | None = None) -> float:
     the diagonal blocks computed whole (the kernel's blocks on `chip`, kernels/flash_attention.py)."""
     if cfg.model.attention == "xla":
         return ATTENTION_PASSES["xla"][0]
-    from scaletrain.kernels import flash_attention
-
-    kernel = flash_attention.GENERATIONS.get(chip or "", flash_attention.Splash())
-    seq = cfg.data.seq_len
-    return 1.0 + min(kernel.block_kv, round_up(seq, 128)) / seq
+    _, _, block_kv = flash_attention.splash_blocks(cfg.data.seq_len, flash_attention.splash_for(chip))
+    return 1.0 + block_kv / cfg.data.seq_len
 
 
 def attention_extra_flops(cfg, chip: str | None = None) -> float:
@@ -88,10 +86,8 @@ def flash_kernel_cost(cfg, axes: Mapping[str, int], chip: str) -> dict[str, floa
     causal = forward_flops(m, seq, t)["attention"] * m.num_layers
     tokens = memory.replica_tokens(cfg, axes) * cfg.train.grad_accum_steps / axes["pipeline"]
     flops_ = tokens * causal * (forwards * fwd + bwd) * attention_pass(cfg, chip) / fwd
-    from scaletrain.kernels import flash_attention
-
-    kernel = flash_attention.GENERATIONS.get(chip, flash_attention.Splash())
-    q_blocks = round_up(seq, 128) / min(kernel.block_q, round_up(seq, 128))
+    padded, block_q, _ = flash_attention.splash_blocks(seq, flash_attention.splash_for(chip))
+    q_blocks = padded / block_q
     e = memory.tensor_elements(m, t, sequence_parallel=False)
     q, kv = e["query_proj"], e["key_proj"] + e["value_proj"]
     per_pass = q + kv * (q_blocks + 1) / 2 + q  # Q, K/V per query block, the output
@@ -277,8 +273,8 @@ def plan(cfg, hardware: str) -> dict:
     tokens = cfg.train.global_batch * cfg.data.seq_len
     per_token = flops.flops_per_token(m, cfg.data.seq_len)
     step_flops = per_token * tokens
-    forward = forward_flops(m, cfg.data.seq_len) | {"attention": forward_flops(m, cfg.data.seq_len)["attention"]
-                                                    * attention_pass(cfg, chip.name)}
+    forward = forward_flops(m, cfg.data.seq_len)
+    forward["attention"] *= attention_pass(cfg, chip.name)  # as executed
     recompute_flops = tokens * (m.num_layers * sum(forward[g] for g in recompute)
                                 + recomputed_logits(cfg) * 2 * m.d_model * m.vocab_size)
     extra_flops = tokens * attention_extra_flops(cfg, chip.name)
