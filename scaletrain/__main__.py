@@ -49,6 +49,14 @@ def parser() -> argparse.ArgumentParser:
     fold = convert_sub.add_parser("fold-norms", help="fold the RMSNorm gains into the following weights")
     fold.add_argument("--run-dir", required=True)
     fold.add_argument("--out", required=True, help="the new run directory (new or empty, in an existing folder)")
+    from_hf = convert_sub.add_parser("from-hf", help="a Hugging Face checkpoint (config.json + safetensors) to a "
+                                     "run directory")
+    from_hf.add_argument("--hf-dir", required=True, help="a folder with config.json, *.safetensors and the tokenizer")
+    from_hf.add_argument("--out", required=True, help="the new run directory (new or empty, in an existing folder)")
+    to_hf = convert_sub.add_parser("to-hf", help="a run's checkpoint to a Hugging Face folder (safetensors)")
+    to_hf.add_argument("--run-dir", required=True)
+    to_hf.add_argument("--out", required=True, help="the new folder (new or empty, in an existing folder)")
+    to_hf.add_argument("--step", type=int, default=None, help="which checkpoint (default: the newest)")
     logits = sub.add_parser("logits", help="float32 logits of a checkpoint for token ids")
     logits.add_argument("--run-dir", required=True)
     logits.add_argument("--step", type=int, default=None, help="which checkpoint (default: the newest)")
@@ -56,6 +64,28 @@ def parser() -> argparse.ArgumentParser:
     logits.add_argument("--out", required=True, help="a new .npy file for the logits [batch, seq, vocab]")
     logits.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override the run's config, e.g. --set model.norm=fused")
+    gen = sub.add_parser("generate", help="continue a prompt with a run's checkpoint (KV-cached decoding)")
+    gen.add_argument("--run-dir", required=True)
+    gen.add_argument("--step", type=int, default=None, help="which checkpoint (default: the newest)")
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (the default)")
+    gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling: the smallest set of "
+                     "tokens whose probabilities sum to P (1: all)")
+    gen.add_argument("--seed", type=int, default=0, help="the sampling seed")
+    data = sub.add_parser("data", help="prepare training data")
+    data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=Parser)
+    prepare = data_sub.add_parser("prepare", help="tokenize a corpus into ArrayRecord shards (data.source: prepared)")
+    prepare.add_argument("--tokenizer", required=True, help="bytes, a tokenizer.json, a folder holding one, or a "
+                         "SentencePiece .model")
+    prepare.add_argument("--input", required=True, nargs="+", metavar="PATH_OR_GLOB",
+                         help=".txt, .jsonl or .parquet files, folders or globs, local or gs://")
+    prepare.add_argument("--out", required=True, help="the new dataset folder (new or empty)")
+    prepare.add_argument("--field", default="text", help="the text field of JSONL and Parquet records")
+    prepare.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
+                         help="the fraction of documents held out for evaluation")
+    prepare.add_argument("--workers", type=int, default=None, metavar="N",
+                         help="tokenizing processes (default: one per core)")
     plan = sub.add_parser("plan", help="predict step time, memory and communication for a mesh (no compile)")
     _add_config_args(plan)
     plan.add_argument("--hardware", required=True, help="chip and slice, e.g. v5p:16x16x16 or v5e:16x16")
@@ -165,9 +195,42 @@ def convert(args: argparse.Namespace) -> int:
 
     _check_out(args.out, existing="empty folder")
     runtime.configure(None)
-    from scaletrain import inference
+    if args.convert_command == "fold-norms":
+        from scaletrain import inference
 
-    return inference.fold_norms(args.run_dir, args.out)
+        return inference.fold_norms(args.run_dir, args.out)
+    from scaletrain import hf
+
+    if args.convert_command == "from-hf":
+        return hf.from_hf(args.hf_dir, args.out)
+    return hf.to_hf(args.run_dir, args.out, args.step)
+
+
+def generate(args: argparse.Namespace) -> int:
+    from scaletrain import runtime
+
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    runtime.configure(None)
+    from scaletrain import generate as generate_lib
+
+    return generate_lib.main(args.run_dir, args.step, args.prompt, args.max_new_tokens, args.temperature,
+                             args.top_p, args.seed)
+
+
+def data(args: argparse.Namespace) -> int:
+    from scaletrain import prepare
+
+    if not 0 <= args.eval_fraction < 1:
+        raise UserError(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
+    if args.workers is not None and args.workers < 1:
+        raise UserError(f"--workers must be >= 1, got {args.workers}")
+    _check_out(args.out, existing="empty folder")
+    return prepare.main(args.tokenizer, args.input, args.out, args.field, args.eval_fraction, args.workers)
 
 
 def logits(args: argparse.Namespace) -> int:
@@ -206,8 +269,8 @@ def train(args: argparse.Namespace) -> int:
     return trainer.run(cfg)
 
 
-COMMANDS = {"train": train, "ckpt": ckpt, "convert": convert, "logits": logits, "plan": plan, "compile": compile_,
-            "sweep": sweep}
+COMMANDS = {"train": train, "ckpt": ckpt, "convert": convert, "logits": logits, "generate": generate, "data": data,
+            "plan": plan, "compile": compile_, "sweep": sweep}
 
 
 def main(argv: list[str] | None = None) -> int:

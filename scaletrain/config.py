@@ -69,6 +69,9 @@ def defaults() -> ml_collections.ConfigDict:
                 "path": "",
                 "jsonl_field": "text",
                 "seq_len": 256,
+                "tokenizer": "bytes",
+                "eval_path": "",
+                "workers": 0,
             },
             "remat": {
                 "policy": "none",
@@ -81,6 +84,8 @@ def defaults() -> ml_collections.ConfigDict:
                 "on_nonfinite": "skip",
                 "profile_start": 0,
                 "profile_steps": 0,
+                "eval_every_steps": 0,
+                "eval_batches": 4,
             },
             "optim": {
                 "learning_rate": 3e-3,
@@ -125,7 +130,7 @@ CHOICES = {
     "model.norm_weights": NORM_WEIGHTS,
     "remat.policy": remat.POLICIES,
     **{f"remat.custom.{name}": remat.MODES for name in remat.NAMES},
-    "data.source": ("stdlib", "synthetic", "files"),
+    "data.source": ("stdlib", "synthetic", "files", "prepared"),
     "train.on_nonfinite": ("skip", "stop"),
     "sharding.preset": ("fsdp", "dp", "zero1", "zero2"),
 }
@@ -133,10 +138,10 @@ CHOICES = {
 _POSITIVE = (
     "steps", "model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads", "model.num_kv_heads",
     "model.head_dim", "model.d_ff", "data.seq_len", "train.global_batch", "train.grad_accum_steps",
-    "train.log_every_steps", "checkpoint.every_steps", "checkpoint.max_to_keep", "model.rope_original_max_position",
+    "train.log_every_steps", "train.eval_batches", "checkpoint.every_steps", "checkpoint.max_to_keep", "model.rope_original_max_position",
     "model.rope_theta", "model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
 )
-_NON_NEGATIVE = ("seed", "train.profile_start", "train.profile_steps", "checkpoint.every_minutes",
+_NON_NEGATIVE = ("seed", "train.profile_start", "train.profile_steps", "train.eval_every_steps", "data.workers", "checkpoint.every_minutes",
                  "model.attention_block", "model.logits_block", "optim.learning_rate", "optim.warmup_steps",
                  "optim.weight_decay", "optim.eps", "optim.grad_clip_norm", "model.norm_eps", "model.init_std", "model.qk_norm_eps")
 _UNIT_INTERVAL = ("optim.min_lr_ratio", "optim.b1", "optim.b2")
