@@ -31,7 +31,8 @@ def load_config(run_dir: str | Path, overrides: list[str] = (), one_device: bool
     return config_lib.load(path, mesh + list(overrides))
 
 
-def _setup(cfg):
+def one_device_setup(cfg):
+    """The run's objects (trainer.build) on this machine's first device."""
     from scaletrain import trainer
 
     return trainer.build(cfg, jax.devices()[:1])
@@ -70,11 +71,11 @@ def fold_norms(run_dir: str, out_dir: str) -> int:
     if cfg.model.norm_weights != "standard":
         raise UserError(f"'{run_dir}' already has model.norm_weights={cfg.model.norm_weights}: nothing to fold")
     out = storage.path(out_dir)
-    source = _setup(cfg)
+    source = one_device_setup(cfg)
     step, params = restore_params(run_dir, source.abstract_state.params, what="convert fold-norms")
     folded_overrides = ["model.norm_weights=folded", f"run_dir={out}"]
     folded_cfg = load_config(run_dir, folded_overrides)
-    target = _setup(folded_cfg)
+    target = one_device_setup(folded_cfg)
     state = target.init(jax.random.PRNGKey(folded_cfg.seed))
     folded = jax.device_put(fold(params, cfg.model.tie_embeddings), target.state_shardings.params)
     state = state.replace(params=folded, step=jnp.asarray(step, jnp.int32))
@@ -114,7 +115,7 @@ def logits(run_dir: str, step: int | None, tokens_path: str, out_path: str, over
 
     cfg = load_config(run_dir, overrides)
     tokens = read_tokens(tokens_path, cfg.model.vocab_size)
-    setup = _setup(cfg)
+    setup = one_device_setup(cfg)
     step, params = restore_params(run_dir, setup.abstract_state.params, what="logits", step=step)
     graphdef = model_lib.abstract(setup.model_cfg)[0]
 

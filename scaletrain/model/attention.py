@@ -96,20 +96,29 @@ class Attention(nnx.Module):
         v = (norm.project_unscaled(x_btd, self.wv[...]) * norm.row_scale(x_btd, 2)).astype(x_btd.dtype)
         return checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
 
-    def __call__(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array,
-                 segment_ids_bt: jax.Array) -> jax.Array:
-        """Attention over norm(x): the input norm is applied with the Q/K/V projection (model.norm)."""
-        cfg, dt = self.cfg, x_btd.dtype
+    def _queries_keys_values(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array):
+        """Q (scaled by head_dim**-0.5), K and V of norm(x), Q and K rotated by RoPE: the input norm is applied
+        with the projection (model.norm)."""
+        cfg = self.cfg
         q_btnh, k_btkh, v_btkh = self._project_qkv(x_btd, norm)
         if cfg.qk_norm:
             q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
         q_btnh = constrain(rope.apply(q_btnh, sin_bth, cos_bth), ("batch", "seq", "heads", "head_dim"))
         k_btkh = constrain(rope.apply(k_btkh, sin_bth, cos_bth), ("batch", "seq", "kv_heads", "head_dim"))
         v_btkh = constrain(v_btkh, ("batch", "seq", "kv_heads", "head_dim"))
+        return q_btnh * jnp.asarray(cfg.head_dim ** -0.5, x_btd.dtype), k_btkh, v_btkh
 
+    def _out(self, out_btnh: jax.Array) -> jax.Array:
+        out_btd = project(out_btnh, self.wo[...], in_dims=2)
+        return checkpoint_name(constrain(out_btd, ("batch", "residual_seq", "embed")), "out_proj")
+
+    def __call__(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array,
+                 segment_ids_bt: jax.Array) -> jax.Array:
+        """Attention over norm(x) within each document."""
+        cfg = self.cfg
+        q_btnh, k_btkh, v_btkh = self._queries_keys_values(x_btd, norm, sin_bth, cos_bth)
         b, t, n, h = q_btnh.shape
         k = cfg.num_kv_heads
-        q_btnh = q_btnh * jnp.asarray(h ** -0.5, dt)
         if cfg.attention == "flash":
             out_btnh = self._flash(q_btnh, k_btkh, v_btkh, segment_ids_bt)
         else:
@@ -120,8 +129,22 @@ class Attention(nnx.Module):
             else:
                 out_btkgh = dot_attention(q_btkgh, k_btkh, v_btkh, attention_mask(segment_ids_bt))
             out_btnh = checkpoint_name(out_btkgh.reshape(b, t, n, h), "attention_out")
-        out_btd = project(out_btnh, self.wo[...], in_dims=2)
-        return checkpoint_name(constrain(out_btd, ("batch", "residual_seq", "embed")), "out_proj")
+        return self._out(out_btnh)
+
+    def decode(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array, start: jax.Array,
+               cache_bskh: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Attention of the t positions [start, start + t) of one sequence per row, over the keys and values
+        cached for the positions before them (the KV cache, [b, max_len, kv_heads, head_dim] each). Returns the
+        output and the cache with these positions' keys and values written in."""
+        q_btnh, k_btkh, v_btkh = self._queries_keys_values(x_btd, norm, sin_bth, cos_bth)
+        k_cache, v_cache = (jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, axis=1)
+                            for c, new in zip(cache_bskh, (k_btkh, v_btkh)))
+        b, t, n, h = q_btnh.shape
+        k = self.cfg.num_kv_heads
+        # Cache slots past the newest position hold zeros, or nothing yet: causality masks them.
+        causal = (start + jnp.arange(t))[:, None] >= jnp.arange(k_cache.shape[1])[None, :]
+        out_btkgh = dot_attention(q_btnh.reshape(b, t, k, n // k, h), k_cache, v_cache, causal[None, None, None])
+        return self._out(out_btkgh.reshape(b, t, n, h)), (k_cache, v_cache)
 
     def _flash(self, q_btnh, k_btkh, v_btkh, segment_ids_bt) -> jax.Array:
         """The flash kernel per device on its batch rows and heads (kernels/flash_attention.py). The kernel

@@ -87,6 +87,12 @@ class Block(nnx.Module):
         x_btd = x_btd + self.attn(x_btd, self.attn_norm, sin_bth, cos_bth, segment_ids_bt)
         return x_btd + self.mlp(x_btd, self.mlp_norm)
 
+    def decode(self, x_btd, sin_bth, cos_bth, start, cache):
+        """The block for positions [start, start + t) against this layer's KV cache (Attention.decode)."""
+        attn_btd, cache = self.attn.decode(x_btd, self.attn_norm, sin_bth, cos_bth, start, cache)
+        x_btd = x_btd + attn_btd
+        return x_btd + self.mlp(x_btd, self.mlp_norm), cache
+
 
 class Llama(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -123,21 +129,51 @@ class Llama(nnx.Module):
 
         def layer(x_btd, layer_params):
             x_btd = checkpoint_name(constrain(x_btd, ("batch", "residual_seq", "embed")), "decoder_layer_input")
-            # Matmul weights in the compute dtype from here on (norm gains stay in float32: the norms compute in it).
-            def place(v):
-                return v.replace(constrain_param(v[...], v.out_sharding[1:], cfg.dtype if v[...].ndim > 1 else None))
-
-            layer_params = jax.tree.map(place, layer_params, is_leaf=lambda v: isinstance(v, nnx.Variable))
-            return nnx.merge(graphdef, layer_params)(x_btd, sin_bth, cos_bth, segment_ids_bt), None
+            return nnx.merge(graphdef, self._placed(layer_params))(x_btd, sin_bth, cos_bth, segment_ids_bt), None
 
         x_btd, _ = jax.lax.scan(remat.apply(layer, cfg.remat, cfg.remat_custom), x_btd, stacked,
                                 unroll=cfg.unroll_loops)
+        return self._final_stream(x_btd)
+
+    def _placed(self, layer_params):
+        """One layer's parameters, placed; matmul weights in the compute dtype from here on (norm gains stay in
+        float32: the norms compute in it)."""
+        def place(v):
+            return v.replace(constrain_param(v[...], v.out_sharding[1:], self.cfg.dtype if v[...].ndim > 1 else None))
+
+        return jax.tree.map(place, layer_params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+    def _final_stream(self, x_btd: jax.Array) -> jax.Array:
         # Gathered along the sequence for the vocab-parallel output projection. The standard norm runs before
         # the gather, on the sequence-split stream, so that the backward pass reduce-scatters its input
         # gradient rather than all-reducing it; deferred and fused norms need whole rows, so run after it.
         if self._norm_first():
             x_btd = constrain(self.final_norm(x_btd), ("batch", "residual_seq", "embed"))
         return constrain(x_btd, ("batch", "seq", "embed"))
+
+    def init_cache(self, batch: int, max_len: int) -> tuple[jax.Array, jax.Array]:
+        """An empty KV cache for `decode`: keys and values [layers, batch, max_len, kv_heads, head_dim]."""
+        cfg = self.cfg
+        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        return jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)
+
+    def decode(self, tokens_bt: jax.Array, start: jax.Array, cache) -> tuple[jax.Array, tuple]:
+        """float32 logits of tokens at positions [start, start + t), one sequence per row, attending to the
+        positions before them through `cache` (init_cache's); returns the cache with theirs added. The same
+        layers as `__call__`, so prefilling a prompt then feeding one token at a time computes its logits."""
+        cfg = self.cfg
+        x_btd = self.embed(tokens_bt, cfg.dtype)
+        positions_bt = jnp.broadcast_to(start + jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
+        sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies())
+        graphdef, stacked = nnx.split(self.layers)
+
+        def layer(x_btd, xs):
+            layer_params, k_cache, v_cache = xs
+            block = nnx.merge(graphdef, self._placed(layer_params))
+            return block.decode(x_btd, sin_bth, cos_bth, start, (k_cache, v_cache))
+
+        x_btd, cache = jax.lax.scan(layer, x_btd, (stacked, *cache))
+        return self.logits(self._final_stream(x_btd)), cache
 
     def logits(self, x_btd: jax.Array) -> jax.Array:
         """float32 logits [b, t, vocab] of `hidden`'s stream, or of any block of its positions."""
