@@ -38,6 +38,8 @@ class Progress:
         line = (f"step {step:>{len(str(self.total))}}/{self.total}  loss {record['loss']:.4f}  "
                 f"{record['tokens_per_sec']:,.0f} tok/s  MFU {mfu}  step {record['step_time_s'] * 1e3:.0f} ms  "
                 f"ETA {_fmt_duration(eta_s)}")
+        if "eval_loss" in record:
+            line += f"  eval loss {record['eval_loss']:.4f}"
         if self.live:
             width = int(40 * step / self.total)
             self.stream.write(f"\r[{'#' * width}{'.' * (40 - width)}] {line}\033[K")
@@ -98,7 +100,7 @@ class MetricsLog:
         if self.tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"train/{k}", v, record["step"])
+                    self.tb.add_scalar("eval/loss" if k == "eval_loss" else f"train/{k}", v, record["step"])
         if time.monotonic() - self.synced > SYNC_EVERY_S:
             self.sync()
         done = record["step"] - self.start_step

@@ -90,6 +90,17 @@ def _microbatches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
     return jax.tree.map(split, batch)
 
 
+def make_eval_step(graphdef: nnx.GraphDef, fetch_params: Callable | None, mesh, rules) -> Callable:
+    """(params, batch) -> (summed loss, token count): the training loss of a batch, without its gradient.
+    `fetch_params` brings parameters kept in host memory to the device (optim.Update.fetch_params)."""
+
+    def eval_step(params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        with use_rules(mesh, rules, fetch_params is not None):
+            return loss_sum(graphdef, params if fetch_params is None else fetch_params(params), batch)
+
+    return eval_step
+
+
 def make_train_step(graphdef: nnx.GraphDef, update: optim.Update, lr: optax.Schedule, grad_clip_norm: float,
                     grad_accum_steps: int, mesh, rules, grad_shardings: Any) -> Callable:
     """`rules` is a sharding.Rules; `grad_shardings` places gradients per the preset (ZeRO-2: scattered)."""

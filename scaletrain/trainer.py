@@ -27,11 +27,12 @@ from scaletrain import offload, optim, sharding, storage
 from scaletrain.checkpoint import Checkpointer, check_resumable, params_source, restore_params
 from scaletrain.control import Control, Preemption
 from scaletrain.errors import ConfigError, UserError, first_line
+from scaletrain.evaluation import Evaluator
 from scaletrain.metrics import MetricsLog
 from scaletrain.planner import flops, hardware, memory
 from scaletrain.profiler import Profiler
 from scaletrain.run_lock import RunLock
-from scaletrain.train_step import TrainState, make_train_step
+from scaletrain.train_step import TrainState, make_eval_step, make_train_step
 
 EXIT_DIVERGED = 1
 
@@ -50,6 +51,7 @@ class Setup:
     batch_sharding: NamedSharding
     init: Callable[[jax.Array], TrainState]
     step: Callable[[TrainState, dict], tuple[TrainState, dict]]
+    eval_step: Callable[[Any, dict], tuple[jax.Array, jax.Array]]  # (params, batch) -> (loss sum, tokens)
 
     def put_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows (data.process_rows) -> global batch arrays on the mesh."""
@@ -138,6 +140,8 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
         init=jax.jit(init, out_shardings=state_shardings),
         step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0),
+        eval_step=jax.jit(make_eval_step(graphdef, update.fetch_params, mesh, rules),
+                          in_shardings=(state_shardings.params, batch_sharding), out_shardings=sharding.replicated(mesh)),
     )
 
 
@@ -227,6 +231,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
         print(f"compiled the train step in {time.perf_counter() - t0:.1f} s; {memory.describe(compiled_memory)}",
               flush=True)
     memory.check_fits(compiled_memory, jax.local_devices())
+    evaluator = Evaluator(cfg, setup) if cfg.train.eval_every_steps else None
 
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.max_to_keep, cfg.checkpoint.async_save)
     try:
@@ -274,7 +279,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
         dt, last_read = now - last_read, now
-        if step % cfg.train.log_every_steps == 0 or last or values["update_skipped"]:
+        if step % cfg.train.log_every_steps == 0 or last or values["update_skipped"] or "eval_loss" in values:
             log.log({"step": step, **values, "tokens_per_sec": tokens_per_step / dt, "step_time_s": dt,
                      "mfu": flops_per_step / dt / peak if peak else None})
         if values["update_skipped"]:
@@ -295,6 +300,8 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
             state, metrics = step_fn(state, setup.put_batch(next(iterator)))
             step += 1
             profiler.after(step, state)
+            if evaluator is not None and (step % cfg.train.eval_every_steps == 0 or step == cfg.steps):
+                metrics = {**metrics, "eval_loss": evaluator(state.params)}
             agreed = control.propose()
             save = step % cfg.checkpoint.every_steps == 0 or step == cfg.steps
             if pending is not None:
