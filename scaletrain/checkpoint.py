@@ -263,6 +263,10 @@ def check_resumable(directory: epath.Path, meta: dict, run_dir: str) -> bool:
         break
     else:
         return bool(steps)
+    if saved.get("params_only"):
+        raise CheckpointError(f"run_dir '{run_dir}' holds a parameters-only checkpoint (step {step}, written by "
+                              f"`convert from-hf`): it has no optimizer state to resume. Nothing was changed. To "
+                              f"train from it, give this run another run_dir and add checkpoint.init_from={run_dir}")
 
     def layout(m: dict) -> dict:
         return {p: (a["shape"], a["dtype"]) for p, a in m.get("arrays", {}).items()}

@@ -1,0 +1,480 @@
+"""Hugging Face checkpoints in and out: `convert from-hf` (config.json + safetensors -> a run directory) and
+`convert to-hf` (a run's checkpoint -> config.json + safetensors). docs/huggingface.md.
+
+One table (TENSORS) maps every Hugging Face tensor to its scaletrain parameter, in both directions. scaletrain's
+RoPE is rotate-half like Hugging Face's and it scales q by head_dim**-0.5 itself, so the weights need no
+permutation and no scaling: linear weights are transposed and reshaped, everything else is copied as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from etils import epath
+
+from scaletrain import config as config_lib
+from scaletrain import storage
+from scaletrain.errors import UserError, first_line
+
+# (Hugging Face name, scaletrain parameter path, in_dims), in Hugging Face's order. `{i}` is the layer, whose
+# parameters scaletrain stacks on a leading axis. in_dims None: the same array. Otherwise a linear weight
+# [out, in], whose transpose is scaletrain's weight with its first `in_dims` dims flattened (e.g. wq [embed,
+# heads, head_dim] is q_proj.weight.T [embed, heads * head_dim]). A row applies where the model has its parameter
+# (q_norm/k_norm with qk_norm, lm_head without tied embeddings).
+TENSORS: tuple[tuple[str, tuple[str, ...], int | None], ...] = (
+    ("model.embed_tokens.weight", ("embed", "table"), None),
+    ("model.layers.{i}.input_layernorm.weight", ("layers", "attn_norm", "scale"), None),
+    ("model.layers.{i}.self_attn.q_proj.weight", ("layers", "attn", "wq"), 1),
+    ("model.layers.{i}.self_attn.k_proj.weight", ("layers", "attn", "wk"), 1),
+    ("model.layers.{i}.self_attn.v_proj.weight", ("layers", "attn", "wv"), 1),
+    ("model.layers.{i}.self_attn.o_proj.weight", ("layers", "attn", "wo"), 2),
+    ("model.layers.{i}.self_attn.q_norm.weight", ("layers", "attn", "q_norm", "scale"), None),
+    ("model.layers.{i}.self_attn.k_norm.weight", ("layers", "attn", "k_norm", "scale"), None),
+    ("model.layers.{i}.post_attention_layernorm.weight", ("layers", "mlp_norm", "scale"), None),
+    ("model.layers.{i}.mlp.gate_proj.weight", ("layers", "mlp", "w_gate"), 1),
+    ("model.layers.{i}.mlp.up_proj.weight", ("layers", "mlp", "w_up"), 1),
+    ("model.layers.{i}.mlp.down_proj.weight", ("layers", "mlp", "w_down"), 1),
+    ("model.norm.weight", ("final_norm", "scale"), None),
+    ("lm_head.weight", ("lm_head",), 1),
+)
+# Buffers some checkpoints carry that the model recomputes: skipped on the way in.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+# config.json key -> model.* key, where one is the other.
+CONFIG_KEYS = (("vocab_size", "vocab_size"), ("hidden_size", "d_model"), ("num_hidden_layers", "num_layers"),
+               ("num_attention_heads", "num_heads"), ("num_key_value_heads", "num_kv_heads"),
+               ("head_dim", "head_dim"), ("intermediate_size", "d_ff"), ("rms_norm_eps", "norm_eps"),
+               ("tie_word_embeddings", "tie_embeddings"))
+# rope_parameters / rope_scaling key -> model.* key, for rope_type llama3.
+LLAMA3_ROPE_KEYS = (("factor", "rope_scaling_factor"), ("low_freq_factor", "rope_low_freq_factor"),
+                    ("high_freq_factor", "rope_high_freq_factor"),
+                    ("original_max_position_embeddings", "rope_original_max_position"))
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen3ForCausalLM": "qwen3"}
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+# Copied into <run>/tokenizer/ and back: whichever exist.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "generation_config.json")
+HF_CONFIG = "hf/config.json"  # the original config.json, kept in the run directory for to-hf
+SHARD_BYTES = 5 * 10**9
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One Hugging Face tensor and where it lives in scaletrain's parameters."""
+    name: str
+    path: tuple[str, ...]
+    layer: int | None  # its index on the stacked layer axis
+    in_dims: int | None
+    shape: tuple[int, ...]  # scaletrain's, without the layer axis
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        if self.in_dims is None:
+            return self.shape
+        return math.prod(self.shape[self.in_dims:]), math.prod(self.shape[:self.in_dims])
+
+    def to_scaletrain(self, x: np.ndarray) -> np.ndarray:
+        return x if self.in_dims is None else x.T.reshape(self.shape)
+
+    def to_hf(self, x: np.ndarray) -> np.ndarray:
+        return x if self.in_dims is None else x.reshape(*self.hf_shape[::-1]).T
+
+
+def tensors(abstract_params: dict) -> list[Tensor]:
+    """Every Hugging Face tensor of a model with these parameters, in Hugging Face's order: what precedes the
+    layers in TENSORS, the layers one after the other, then the rest."""
+    first_layer_row = next(row for row, (_, path, _) in enumerate(TENSORS) if path[0] == "layers")
+    keyed = []
+    for row, (name, path, in_dims) in enumerate(TENSORS):
+        try:
+            shape = _leaf(abstract_params, path).shape
+        except KeyError:  # the model has no such parameter
+            continue
+        if path[0] == "layers":
+            keyed += [((i, row), Tensor(name.format(i=i), path, i, in_dims, shape[1:])) for i in range(shape[0])]
+        else:
+            keyed.append(((-1 if row < first_layer_row else math.inf, row), Tensor(name, path, None, in_dims, shape)))
+    return [t for _, t in sorted(keyed, key=lambda kt: kt[0])]
+
+
+def _leaf(tree: dict, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# config.json <-> model.* keys
+
+
+def model_keys(hf: dict, source: str) -> dict[str, Any]:
+    """The model.* keys of a Hugging Face config; anything scaletrain's model cannot represent is a UserError."""
+    arch = _architecture(hf, source)
+
+    def refuse(what: str) -> UserError:
+        return UserError(f"{source}: {arch} with {what} is not supported (scaletrain's model has no such feature)")
+
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise refuse(f"hidden_act={act}")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise refuse(f"{key}=true")
+    if arch == "MistralForCausalLM" and hf.get("sliding_window") is not None:
+        raise refuse(f"sliding_window={hf['sliding_window']} (sliding-window attention)")
+    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or ()):
+        raise refuse("use_sliding_window=true (sliding-window attention)")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if hf.get(key) is None:
+            raise UserError(f"{source}: config.json has no {key}")
+    keys = {ours: hf[theirs] for theirs, ours in CONFIG_KEYS if hf.get(theirs) is not None}
+    keys.setdefault("num_kv_heads", hf["num_attention_heads"])
+    keys.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+    keys.setdefault("tie_embeddings", False)  # the three architectures' default
+    keys |= _rope_keys(hf, refuse)
+    if arch == "Qwen3ForCausalLM":  # Qwen3 normalises q and k per head, with the model's eps
+        keys |= {"qk_norm": True, "qk_norm_eps": keys.get("norm_eps", 1e-6)}
+    return keys
+
+
+def _architecture(hf: dict, source: str) -> str:
+    by_type = {t: a for a, t in ARCHITECTURES.items()}
+    names = hf.get("architectures") or [by_type.get(hf.get("model_type"), f"model_type {hf.get('model_type')}")]
+    if len(names) != 1 or names[0] not in ARCHITECTURES:
+        raise UserError(f"{source}: architecture {', '.join(map(str, names))} is not supported; expected one of "
+                        f"{', '.join(ARCHITECTURES)}")
+    return names[0]
+
+
+def _rope_keys(hf: dict, refuse) -> dict[str, Any]:
+    """transformers 5 writes the rope settings as rope_parameters (theta included), earlier versions as rope_theta
+    and rope_scaling; rope_parameters wins where both are present, as in transformers."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise refuse("rope parameters per attention type")
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    if kind not in ("default", "llama3"):
+        raise refuse(f"rope_type {kind}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}")
+    keys = {"rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0))}
+    if kind == "llama3":
+        missing = [theirs for theirs, _ in LLAMA3_ROPE_KEYS if theirs not in rope]
+        if missing:
+            raise refuse(f"rope_type llama3 without {', '.join(missing)}")
+        keys |= {"rope_scaling": "llama3", **{ours: rope[theirs] for theirs, ours in LLAMA3_ROPE_KEYS}}
+    return keys
+
+
+def hf_config(model) -> dict:
+    """config.json for a run's model (`model`: its config's model section): Qwen3 where Q and K are normalised,
+    else Llama. The rope settings are written as rope_theta and rope_scaling, which transformers 4 and 5 read."""
+    if model.norm_weights != "standard":
+        raise UserError(f"model.norm_weights={model.norm_weights}: Hugging Face's Llama keeps its RMSNorm gains; "
+                        f"export a run with standard norms")
+    if model.qk_norm and model.qk_norm_eps != model.norm_eps:
+        raise UserError(f"model.qk_norm_eps={model.qk_norm_eps} differs from model.norm_eps={model.norm_eps}: "
+                        f"Qwen3 normalises Q and K with the model's rms_norm_eps")
+    arch = "Qwen3ForCausalLM" if model.qk_norm else "LlamaForCausalLM"
+    rope_scaling = None
+    if model.rope_scaling == "llama3":
+        rope_scaling = {"rope_type": "llama3", **{theirs: model[ours] for theirs, ours in LLAMA3_ROPE_KEYS}}
+    return {"architectures": [arch], "model_type": ARCHITECTURES[arch],
+            **{theirs: model[ours] for theirs, ours in CONFIG_KEYS},
+            "hidden_act": "silu", "attention_bias": False, **({} if model.qk_norm else {"mlp_bias": False}),
+            "rope_theta": model.rope_theta, "rope_scaling": rope_scaling, "dtype": model.param_dtype}
+
+
+def _dtype(hf: dict, default: str) -> Any:
+    """The dtype the Hugging Face config names for its weights; the run's parameter dtype when it names none."""
+    return DTYPES.get(hf.get("dtype") or hf.get("torch_dtype"), DTYPES[default])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# from-hf
+
+
+def from_hf(hf_dir: str, out: str) -> int:
+    """`convert from-hf`: a run directory at OUT (new or empty: the command line checks) with config.yaml, a
+    parameters-only checkpoint at step 0 that `logits`, `to-hf` and `checkpoint.init_from` read, the tokenizer
+    files and the original config.json. Everything is checked before anything is written."""
+    from scaletrain import trainer
+
+    source = Path(hf_dir)
+    hf = _read_json(source / "config.json", f"--hf-dir {hf_dir}")
+    keys = model_keys(hf, f"{source / 'config.json'}")
+    # Validated against the source's tokenizer (nothing is written yet), then written naming the copy.
+    cfg = _run_config(keys, out, _tokenizer(source))
+    setup = trainer.build(cfg, jax.devices()[:1])
+    with ExitStack() as stack:
+        reader = _Reader(source, stack)
+        layout = tensors(setup.abstract_state.params)
+        reader.check(layout)
+        params = _read_params(reader, layout, setup.abstract_state.params, setup.state_shardings.params)
+    run = storage.prepare(out)
+    _save_params(setup, params, run)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            (run / "tokenizer" / name).parent.mkdir(parents=True, exist_ok=True)
+            (run / "tokenizer" / name).write_bytes((source / name).read_bytes())
+    (run / HF_CONFIG).parent.mkdir(parents=True, exist_ok=True)
+    (run / HF_CONFIG).write_bytes((source / "config.json").read_bytes())
+    cfg = _run_config(keys, out, _tokenizer(run / "tokenizer"))
+    # Last: a run directory without config.yaml is an interrupted conversion, not a run.
+    (run / "config.yaml").write_text(config_lib.to_yaml(cfg))
+    count = sum(math.prod(x.shape) for x in jax.tree.leaves(setup.abstract_state.params))
+    print(f"converted {hf_dir} ({_architecture(hf, hf_dir)}, {count / 1e6:.2f}M parameters, "
+          f"{len(reader.files)} safetensors file{'s' if len(reader.files) > 1 else ''}) into {out} (step 0); "
+          f"fine-tune it with checkpoint.init_from={out}")
+    return 0
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise UserError(f"{what}: {path} not found")
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{what}: {path} is not readable JSON ({first_line(e)})") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{what}: {path} holds no JSON object")
+    return value
+
+
+def _tokenizer(folder: Path | epath.Path) -> str:
+    """data.tokenizer for the tokenizer files in `folder`: the folder where it holds a tokenizer.json, the
+    SentencePiece model where that is all there is, else the byte tokenizer."""
+    if (folder / "tokenizer.json").is_file():
+        return str(folder)
+    return str(folder / "tokenizer.model") if (folder / "tokenizer.model").is_file() else "bytes"
+
+
+def _run_config(model: dict[str, Any], run_dir: str, tokenizer: str):
+    overrides = {**{f"model.{k}": v for k, v in model.items()}, "run_dir": str(storage.path(run_dir)),
+                 "data.tokenizer": tokenizer, "model.param_dtype": "float32"}
+    # JSON scalars are YAML scalars: strings stay strings, whatever they hold.
+    return config_lib.load(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
+
+
+class _Reader:
+    """The safetensors files of a Hugging Face folder, single or sharded (model.safetensors.index.json), each
+    opened once (memory-mapped: a tensor is read when asked for)."""
+
+    def __init__(self, source: Path, stack: ExitStack):
+        from safetensors import safe_open
+
+        self.source, self._stack, self._open, self._handles = source, stack, safe_open, {}
+        if (source / INDEX_FILE).is_file():
+            weight_map = _read_json(source / INDEX_FILE, "--hf-dir").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise UserError(f"{source / INDEX_FILE} has no weight_map")
+            self.location = dict(weight_map)
+        elif (source / SINGLE_FILE).is_file():
+            self.location = {name: SINGLE_FILE for name in self._file(SINGLE_FILE).keys()}
+        else:
+            raise UserError(f"--hf-dir {source}: neither {SINGLE_FILE} nor {INDEX_FILE} found (only safetensors "
+                            f"checkpoints are read)")
+        self.files = sorted(set(self.location.values()))
+
+    def _file(self, name: str):
+        if name not in self._handles:
+            if not (self.source / name).is_file():
+                raise UserError(f"{self.source / INDEX_FILE} names {name}, which is not in {self.source}")
+            try:
+                self._handles[name] = self._stack.enter_context(self._open(self.source / name, framework="numpy"))
+            except Exception as e:  # noqa: BLE001 - safetensors' and the OS's errors alike: one line
+                raise UserError(f"{self.source / name}: cannot read it as safetensors ({first_line(e)})") from None
+        return self._handles[name]
+
+    def check(self, layout: list[Tensor]) -> None:
+        """Every tensor present with its shape and a float dtype, and no tensor left without a place: checked
+        from the files' headers, before anything is read."""
+        expected = {t.name for t in layout}
+        for t in layout:
+            if t.name not in self.location:
+                raise UserError(f"{self.source}: no tensor {t.name} (expected {list(t.hf_shape)}) in "
+                                f"{', '.join(self.files)}")
+            file = self.location[t.name]
+            if t.name not in self._file(file).keys():
+                raise UserError(f"{self.source / file} lacks tensor {t.name} (expected {list(t.hf_shape)}), "
+                                f"which {INDEX_FILE} places there")
+            piece = self._file(file).get_slice(t.name)
+            shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
+            if shape != t.hf_shape or dtype not in ("F32", "BF16", "F16"):
+                raise UserError(f"{self.source / file}: tensor {t.name} is {dtype} {list(shape)}; expected "
+                                f"{list(t.hf_shape)} (from config.json) in F32, BF16 or F16")
+        # A tied checkpoint may still carry lm_head.weight: transformers ignores it too.
+        extra = [n for n in self.location if n not in expected and not n.endswith(IGNORED_SUFFIXES)
+                 and n != "lm_head.weight"]
+        if extra:
+            raise UserError(f"{self.source}: tensor {extra[0]} has no place in scaletrain's model"
+                            f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}; its config.json "
+                            f"describes another model")
+
+    def read(self, t: Tensor) -> np.ndarray:
+        try:
+            return self._file(self.location[t.name]).get_tensor(t.name)
+        except Exception as e:  # noqa: BLE001 - a file truncated or damaged past its header
+            raise UserError(f"{self.source / self.location[t.name]}: cannot read tensor {t.name} "
+                            f"({first_line(e)})") from None
+
+
+def _read_params(reader: _Reader, layout: list[Tensor], abstract_params: dict, shardings: dict) -> dict:
+    """The parameters, one scaletrain array at a time: each filled tensor by tensor on the host, then handed to
+    the device (here the host too) and dropped, so that host memory holds the model about once."""
+    by_path: dict[tuple[str, ...], list[Tensor]] = {}
+    for t in layout:
+        by_path.setdefault(t.path, []).append(t)
+
+    def fill(path: tuple[str, ...]) -> jax.Array:
+        target = _leaf(abstract_params, path)
+        host = np.empty(target.shape, target.dtype)
+        for t in by_path[path]:
+            host[() if t.layer is None else t.layer] = t.to_scaletrain(reader.read(t))
+        return jax.device_put(host, _leaf(shardings, path))
+
+    return _map_paths(fill, abstract_params)
+
+
+def _map_paths(fn, tree: dict, prefix: tuple[str, ...] = ()) -> dict:
+    return {k: _map_paths(fn, v, prefix + (k,)) if isinstance(v, dict) else fn(prefix + (k,))
+            for k, v in tree.items()}
+
+
+def _save_params(setup, params: dict, run: epath.Path) -> None:
+    """A checkpoint of the parameters alone at step 0, with the metadata and fingerprints of a training run's:
+    restore_params (logits, to-hf, checkpoint.init_from) reads it like any other. No optimizer state: Adam's
+    moments would triple the memory and the files, and a fine-tuning run starts them afresh anyway."""
+    from scaletrain.checkpoint import Checkpointer
+    from scaletrain.trainer import checkpoint_metadata
+    from scaletrain.train_step import TrainState
+
+    state = TrainState(params=params, opt_state=None, step=jnp.zeros((), jnp.int32), rng=None)
+    saved = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]}
+    meta = checkpoint_metadata(setup)
+    meta = {**meta, "params_only": True, "arrays": {p: a for p, a in meta["arrays"].items() if p in saved}}
+    ckpt = Checkpointer(run / "checkpoints", max_to_keep=1, async_save=False)
+    try:
+        ckpt.save(0, state, {"next_sample": 0}, meta)
+        ckpt.wait()
+    finally:
+        ckpt.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# to-hf
+
+
+def to_hf(run_dir: str, out: str, step: int | None = None, shard_bytes: int = SHARD_BYTES) -> int:
+    """`convert to-hf`: OUT (new or empty: the command line checks) gets config.json, the weights as safetensors
+    in the config's dtype (files of at most `shard_bytes`, with model.safetensors.index.json when there are
+    several) and the run's tokenizer files. The config is the one the run was converted from where there is one
+    (kept in RUN_DIR/hf/, or in the run checkpoint.init_from names) and it describes this model; else it is built
+    from the run's config."""
+    from scaletrain import inference, trainer
+    from scaletrain.checkpoint import restore_params
+
+    if storage.is_remote(out):
+        raise UserError(f"--out {out}: to-hf writes a local folder; copy it to the bucket afterwards")
+    cfg = inference.load_config(run_dir)
+    built = hf_config(cfg.model)  # refuses what Hugging Face's models cannot represent
+    kept = _kept_config(run_dir, cfg)
+    hf = json.loads(kept) if kept else built
+    dtype = _dtype(hf, cfg.model.param_dtype)
+    setup = trainer.build(cfg, jax.devices()[:1])
+    step, params = restore_params(run_dir, setup.abstract_state.params, what="convert to-hf", step=step)
+    target = Path(out)
+    target.mkdir(exist_ok=True)
+    files = _write_safetensors(params, tensors(setup.abstract_state.params), dtype, target, shard_bytes)
+    (target / "config.json").write_text(kept or json.dumps(built, indent=2) + "\n")
+    copied = _copy_tokenizer(run_dir, cfg.data.tokenizer, target)
+    print(f"wrote step {step} of {run_dir} to {out}: {files} safetensors file{'s' if files > 1 else ''} "
+          f"({np.dtype(dtype).name}), config.json ({'kept from the conversion' if kept else 'built'})"
+          f"{', ' + ', '.join(copied) if copied else ''}")
+    return 0
+
+
+def _kept_config(run_dir: str, cfg) -> str | None:
+    """The config.json the run (or the run it was initialised from) was converted from, if it describes the
+    run's model - the same model.* keys - so that the export names the same architecture and dtype."""
+    from scaletrain.checkpoint import locate
+
+    places = [storage.path(run_dir)]
+    if cfg.checkpoint.init_from:
+        try:
+            places.append(locate(cfg.checkpoint.init_from)[0].parent)
+        except UserError:  # gone since: the config is built instead
+            pass
+    for place in places:
+        path = place / HF_CONFIG
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        try:
+            keys = model_keys(json.loads(text), str(path))
+        except (UserError, ValueError):
+            continue
+        if all(cfg.model[k] == v for k, v in keys.items()):
+            return text
+    return None
+
+
+def _write_safetensors(params: dict, layout: list[Tensor], dtype, target: Path, shard_bytes: int) -> int:
+    """The tensors in Hugging Face's order, a file at a time: host memory holds the model and one file's
+    tensors. One file (model.safetensors) when all fit in `shard_bytes`, else model-0000K-of-0000N.safetensors
+    and the index. Returns the number of files."""
+    from safetensors.numpy import save_file
+
+    host = jax.tree.map(np.asarray, params)  # on the CPU device: views, not copies
+    itemsize = np.dtype(dtype).itemsize
+    shards: list[list[Tensor]] = [[]]
+    size = 0
+    for t in layout:
+        nbytes = math.prod(t.hf_shape) * itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += nbytes
+    names = ([SINGLE_FILE] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    for name, shard in zip(names, shards):
+        arrays = {}
+        for t in shard:
+            x = _leaf(host, t.path)
+            arrays[t.name] = np.ascontiguousarray(t.to_hf(x if t.layer is None else x[t.layer]).astype(dtype))
+        save_file(arrays, target / name, metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(math.prod(t.hf_shape) * itemsize for t in layout)},
+                 "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard}}
+        (target / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return len(shards)
+
+
+def _copy_tokenizer(run_dir: str, tokenizer: str, target: Path) -> list[str]:
+    """The tokenizer files a conversion kept in RUN_DIR/tokenizer/, else those data.tokenizer names (a folder
+    of them, a tokenizer.json or a SentencePiece model), under their Hugging Face names."""
+    kept = storage.path(run_dir) / "tokenizer"
+    source = kept if kept.is_dir() or tokenizer == "bytes" else storage.path(tokenizer)
+    if source.is_dir():
+        found = {name: source / name for name in TOKENIZER_FILES if (source / name).is_file()}
+    elif source.is_file():
+        found = {"tokenizer.model" if source.suffix == ".model" else "tokenizer.json": source}
+    else:
+        if tokenizer != "bytes":
+            print(f"warning: data.tokenizer {tokenizer} not found: no tokenizer files written", file=sys.stderr)
+        return []
+    for name, path in found.items():
+        (target / name).write_bytes(path.read_bytes())
+    return list(found)
