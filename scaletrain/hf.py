@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from etils import epath
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from scaletrain import config as config_lib
 from scaletrain import storage
@@ -64,7 +66,7 @@ DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.f
 # Copied into <run>/tokenizer/ and back: whichever exist.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
-HF_CONFIG = "hf/config.json"  # the original config.json, kept in the run directory for to-hf
+HF_CONFIG = "hf"  # the folder of the run directory that keeps the original config.json, for to-hf
 SHARD_BYTES = 5 * 10**9
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 
@@ -212,8 +214,8 @@ def from_hf(hf_dir: str, out: str) -> int:
     from scaletrain import trainer
 
     source = Path(hf_dir)
-    hf = _read_json(source / "config.json", f"--hf-dir {hf_dir}")
-    keys = model_keys(hf, f"{source / 'config.json'}")
+    config_json = _read_json(source / "config.json", f"--hf-dir {hf_dir}")
+    keys = model_keys(config_json, f"{source / 'config.json'}")
     # Validated against the source's tokenizer (nothing is written yet), then written naming the copy.
     cfg = _run_config(keys, out, _tokenizer(source))
     setup = trainer.build(cfg, jax.devices()[:1])
@@ -224,17 +226,13 @@ def from_hf(hf_dir: str, out: str) -> int:
         params = _read_params(reader, layout, setup.abstract_state.params, setup.state_shardings.params)
     run = storage.prepare(out)
     _save_params(setup, params, run)
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            (run / "tokenizer" / name).parent.mkdir(parents=True, exist_ok=True)
-            (run / "tokenizer" / name).write_bytes((source / name).read_bytes())
-    (run / HF_CONFIG).parent.mkdir(parents=True, exist_ok=True)
-    (run / HF_CONFIG).write_bytes((source / "config.json").read_bytes())
+    _copy({name: source / name for name in TOKENIZER_FILES if (source / name).is_file()}, run / "tokenizer")
+    _copy({"config.json": source / "config.json"}, run / HF_CONFIG)
     cfg = _run_config(keys, out, _tokenizer(run / "tokenizer"))
     # Last: a run directory without config.yaml is an interrupted conversion, not a run.
     (run / "config.yaml").write_text(config_lib.to_yaml(cfg))
     count = sum(math.prod(x.shape) for x in jax.tree.leaves(setup.abstract_state.params))
-    print(f"converted {hf_dir} ({_architecture(hf, hf_dir)}, {count / 1e6:.2f}M parameters, "
+    print(f"converted {hf_dir} ({_architecture(config_json, hf_dir)}, {count / 1e6:.2f}M parameters, "
           f"{len(reader.files)} safetensors file{'s' if len(reader.files) > 1 else ''}) into {out} (step 0); "
           f"fine-tune it with checkpoint.init_from={out}")
     return 0
@@ -272,9 +270,7 @@ class _Reader:
     opened once (memory-mapped: a tensor is read when asked for)."""
 
     def __init__(self, source: Path, stack: ExitStack):
-        from safetensors import safe_open
-
-        self.source, self._stack, self._open, self._handles = source, stack, safe_open, {}
+        self.source, self._stack, self._handles = source, stack, {}
         if (source / INDEX_FILE).is_file():
             weight_map = _read_json(source / INDEX_FILE, "--hf-dir").get("weight_map")
             if not isinstance(weight_map, dict):
@@ -292,7 +288,7 @@ class _Reader:
             if not (self.source / name).is_file():
                 raise UserError(f"{self.source / INDEX_FILE} names {name}, which is not in {self.source}")
             try:
-                self._handles[name] = self._stack.enter_context(self._open(self.source / name, framework="numpy"))
+                self._handles[name] = self._stack.enter_context(safe_open(self.source / name, framework="numpy"))
             except Exception as e:  # noqa: BLE001 - safetensors' and the OS's errors alike: one line
                 raise UserError(f"{self.source / name}: cannot read it as safetensors ({first_line(e)})") from None
         return self._handles[name]
@@ -390,8 +386,7 @@ def to_hf(run_dir: str, out: str, step: int | None = None, shard_bytes: int = SH
     cfg = inference.load_config(run_dir)
     built = hf_config(cfg.model)  # refuses what Hugging Face's models cannot represent
     kept = _kept_config(run_dir, cfg)
-    hf = json.loads(kept) if kept else built
-    dtype = _dtype(hf, cfg.model.param_dtype)
+    dtype = _dtype(json.loads(kept) if kept else built, cfg.model.param_dtype)
     setup = trainer.build(cfg, jax.devices()[:1])
     step, params = restore_params(run_dir, setup.abstract_state.params, what="convert to-hf", step=step)
     target = Path(out)
@@ -417,7 +412,7 @@ def _kept_config(run_dir: str, cfg) -> str | None:
         except UserError:  # gone since: the config is built instead
             pass
     for place in places:
-        path = place / HF_CONFIG
+        path = place / HF_CONFIG / "config.json"
         if not path.is_file():
             continue
         text = path.read_text()
@@ -434,32 +429,36 @@ def _write_safetensors(params: dict, layout: list[Tensor], dtype, target: Path, 
     """The tensors in Hugging Face's order, a file at a time: host memory holds the model and one file's
     tensors. One file (model.safetensors) when all fit in `shard_bytes`, else model-0000K-of-0000N.safetensors
     and the index. Returns the number of files."""
-    from safetensors.numpy import save_file
-
     host = jax.tree.map(np.asarray, params)  # on the CPU device: views, not copies
     itemsize = np.dtype(dtype).itemsize
-    shards: list[list[Tensor]] = [[]]
-    size = 0
-    for t in layout:
-        nbytes = math.prod(t.hf_shape) * itemsize
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(t)
-        size += nbytes
+    shards = _shards(layout, itemsize, shard_bytes)
     names = ([SINGLE_FILE] if len(shards) == 1 else
              [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
     for name, shard in zip(names, shards):
         arrays = {}
         for t in shard:
             x = _leaf(host, t.path)
-            arrays[t.name] = np.ascontiguousarray(t.to_hf(x if t.layer is None else x[t.layer]).astype(dtype))
+            arrays[t.name] = np.ascontiguousarray(t.to_hf(x if t.layer is None else x[t.layer]), dtype)
         save_file(arrays, target / name, metadata={"format": "pt"})
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(math.prod(t.hf_shape) * itemsize for t in layout)},
                  "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard}}
         (target / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return len(shards)
+
+
+def _shards(layout: list[Tensor], itemsize: int, limit: int) -> list[list[Tensor]]:
+    """Consecutive tensors grouped into files of at most `limit` bytes (a larger tensor alone in its file)."""
+    shards: list[list[Tensor]] = [[]]
+    size = 0
+    for t in layout:
+        nbytes = math.prod(t.hf_shape) * itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += nbytes
+    return shards
 
 
 def _copy_tokenizer(run_dir: str, tokenizer: str, target: Path) -> list[str]:
@@ -475,6 +474,13 @@ def _copy_tokenizer(run_dir: str, tokenizer: str, target: Path) -> list[str]:
         if tokenizer != "bytes":
             print(f"warning: data.tokenizer {tokenizer} not found: no tokenizer files written", file=sys.stderr)
         return []
-    for name, path in found.items():
-        (target / name).write_bytes(path.read_bytes())
+    _copy(found, target)
     return list(found)
+
+
+def _copy(files: dict[str, Path | epath.Path], folder: Path | epath.Path) -> None:
+    """Each file to `folder` / its name there, local or gs://."""
+    if files:
+        folder.mkdir(parents=True, exist_ok=True)
+    for name, path in files.items():
+        (folder / name).write_bytes(path.read_bytes())

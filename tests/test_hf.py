@@ -1,0 +1,268 @@
+"""Hugging Face checkpoints in and out (scaletrain/hf.py), against transformers: tiny random Llama (untied, GQA),
+Llama 3 (llama3 RoPE scaling, tied, head_dim != hidden / heads), Mistral and Qwen3 (QK norms) models, converted
+through the command line. scaletrain's logits equal transformers' (float32); HF -> scaletrain -> HF is bit-exact
+and loads back into transformers; sharded files in and out; bad input is one `error:` line.
+
+Each model is converted once (module-scoped fixtures) and its logits computed once: the module compiles four
+forward passes."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file, save_file
+
+from scaletrain import hf, storage
+from scaletrain.__main__ import main
+from scaletrain.checkpoint import check_resumable
+from scaletrain.errors import CheckpointError
+
+VOCAB = 320  # at least the byte tokenizer's 259 ids, which config.yaml names where a model comes without a tokenizer
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+MODELS = {
+    "llama": (transformers.LlamaConfig, dict(tie_word_embeddings=False, rope_theta=10000.0)),
+    # Wavelengths from 2 pi to far beyond original_max_position: every band of the llama3 scaling is used.
+    "llama3": (transformers.LlamaConfig, dict(
+        head_dim=32, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=None)),
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=16, rms_norm_eps=1e-5)),
+}
+TOKENS = np.random.RandomState(0).randint(0, VOCAB, (2, 16))
+
+
+def _random_model(name: str) -> transformers.PreTrainedModel:
+    """Weights far from their initialisation, norm gains included, so that a swapped or transposed tensor shows."""
+    config_class, extra = MODELS[name]
+    torch.manual_seed(len(name))
+    model = transformers.AutoModelForCausalLM.from_config(config_class(**SMALL, **extra), dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if p.ndim == 1 else 0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def _logits(model: transformers.PreTrainedModel) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits.float().numpy()
+
+
+def _write_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}))
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hf")
+
+
+@pytest.fixture(scope="module")
+def source(workdir):
+    """name -> (Hugging Face folder, transformers' float32 logits of TOKENS), made on first use."""
+    made = {}
+
+    def get(name: str) -> tuple[Path, np.ndarray]:
+        if name not in made:
+            model, folder = _random_model(name), workdir / f"hf_{name}"
+            model.save_pretrained(folder)
+            if name == "llama":
+                _write_tokenizer(folder)
+            made[name] = folder, _logits(model)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def converted(source, workdir):
+    """name -> its run directory, converted through the command line on first use."""
+    made = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            run = workdir / f"run_{name}"
+            assert main(["convert", "from-hf", "--hf-dir", str(source(name)[0]), "--out", str(run)]) == 0
+            made[name] = run
+        return made[name]
+
+    return get
+
+
+def _scaletrain_logits(run: Path, tmp_path: Path) -> np.ndarray:
+    np.save(tmp_path / "tokens.npy", TOKENS)
+    assert main(["logits", "--run-dir", str(run), "--tokens", str(tmp_path / "tokens.npy"), "--out",
+                 str(tmp_path / "logits.npy"), "--set", "model.dtype=float32"]) == 0
+    return np.load(tmp_path / "logits.npy")
+
+
+def _assert_close(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), np.abs(got - want).max()
+
+
+def _assert_same_tensors(got: Path, want: Path) -> None:
+    """The same tensor names, dtypes, shapes and bytes, whatever files they are spread over."""
+    def tensors(folder: Path) -> dict[str, np.ndarray]:
+        return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    a, b = tensors(got), tensors(want)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert a[name].tobytes() == b[name].tobytes(), name
+
+
+def _loaded_logits(folder: Path) -> np.ndarray:
+    return _logits(transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_equal_transformers(name, converted, source, tmp_path):
+    _assert_close(_scaletrain_logits(converted(name), tmp_path), source(name)[1])
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_round_trip_is_bit_exact_and_loads_in_transformers(name, converted, source, tmp_path):
+    folder, logits = source(name)
+    out = tmp_path / "out"
+    assert main(["convert", "to-hf", "--run-dir", str(converted(name)), "--out", str(out)]) == 0
+    _assert_same_tensors(out, folder)
+    assert (out / "config.json").read_bytes() == (folder / "config.json").read_bytes()
+    np.testing.assert_array_equal(_loaded_logits(out), logits)
+
+
+def test_tokenizer_files_go_with_the_run(converted, source, tmp_path):
+    run, folder = converted("llama"), source("llama")[0]
+    copied = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+    for name in copied:
+        assert (run / "tokenizer" / name).read_bytes() == (folder / name).read_bytes()
+    assert f"tokenizer: {run / 'tokenizer'}\n" in (run / "config.yaml").read_text()
+    assert hf.to_hf(str(run), str(tmp_path / "out")) == 0
+    for name in copied:
+        assert (tmp_path / "out" / name).read_bytes() == (folder / name).read_bytes()
+
+
+@pytest.mark.parametrize("name, architecture", [("llama3", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
+def test_config_built_from_the_run(name, architecture, converted, source, tmp_path):
+    """A run with no kept config.json (trained in scaletrain) gets one built from its config.yaml."""
+    run = tmp_path / "run"
+    shutil.copytree(converted(name), run, ignore=shutil.ignore_patterns("hf"))
+    assert hf.to_hf(str(run), str(tmp_path / "out")) == 0
+    built = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert built["architectures"] == [architecture]
+    _assert_same_tensors(tmp_path / "out", source(name)[0])
+    _assert_close(_loaded_logits(tmp_path / "out"), source(name)[1])
+
+
+def test_sharded_in_and_out(source, tmp_path):
+    """A checkpoint sharded by transformers, converted in; exported in several files with an index."""
+    folder = tmp_path / "sharded"
+    transformers.AutoModelForCausalLM.from_pretrained(source("llama")[0]).save_pretrained(folder,
+                                                                                          max_shard_size="100KB")
+    assert len(list(folder.glob("*.safetensors"))) > 1 and (folder / hf.INDEX_FILE).is_file()
+    assert main(["convert", "from-hf", "--hf-dir", str(folder), "--out", str(tmp_path / "run")]) == 0
+    assert hf.to_hf(str(tmp_path / "run"), str(tmp_path / "out"), shard_bytes=60_000) == 0
+    files = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((tmp_path / "out" / hf.INDEX_FILE).read_text())
+    assert set(index["weight_map"].values()) == set(files)
+    _assert_same_tensors(tmp_path / "out", source("llama")[0])
+    np.testing.assert_array_equal(_loaded_logits(tmp_path / "out"), source("llama")[1])
+
+
+def test_bfloat16_round_trip_is_bit_exact(tmp_path):
+    folder = tmp_path / "bf16"
+    _random_model("qwen3").to(torch.bfloat16).save_pretrained(folder)
+    assert main(["convert", "from-hf", "--hf-dir", str(folder), "--out", str(tmp_path / "run")]) == 0
+    assert main(["convert", "to-hf", "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+    _assert_same_tensors(tmp_path / "out", folder)
+    assert load_file(tmp_path / "out" / "model.safetensors")["model.norm.weight"].dtype.name == "bfloat16"
+
+
+def test_a_converted_run_is_not_resumed(converted):
+    """Its checkpoint has parameters only: training in its directory is refused, pointing at init_from."""
+    run = converted("llama")
+    with pytest.raises(CheckpointError, match="parameters-only checkpoint .* checkpoint.init_from="):
+        check_resumable(storage.path(run) / "checkpoints", {}, str(run))
+
+
+def _without(name: str):
+    def change(folder: Path) -> None:
+        tensors = load_file(folder / "model.safetensors")
+        del tensors[name]
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return change
+
+
+def _reshaped(name: str):
+    def change(folder: Path) -> None:
+        tensors = load_file(folder / "model.safetensors")
+        tensors[name] = tensors[name][:-1]
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return change
+
+
+def _configured(**keys):
+    def change(folder: Path) -> None:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **keys}))
+    return change
+
+
+def _garbled(folder: Path) -> None:
+    (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+
+
+@pytest.mark.parametrize("base, change, message", [
+    ("llama", _without("model.layers.1.mlp.up_proj.weight"),
+     "no tensor model.layers.1.mlp.up_proj.weight (expected [128, 64])"),
+    ("llama", _reshaped("model.layers.0.self_attn.k_proj.weight"),
+     "tensor model.layers.0.self_attn.k_proj.weight is F32 [31, 64]; expected [32, 64]"),
+    ("llama", _garbled, "model.safetensors: cannot read it as safetensors"),
+    ("llama", _configured(architectures=["GPT2LMHeadModel"]), "architecture GPT2LMHeadModel is not supported"),
+    ("llama", _configured(attention_bias=True), "LlamaForCausalLM with attention_bias=true is not supported"),
+    ("mistral", _configured(sliding_window=4096), "MistralForCausalLM with sliding_window=4096"),
+    ("qwen3", _configured(use_sliding_window=True), "Qwen3ForCausalLM with use_sliding_window=true"),
+    ("llama", _configured(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "with rope_type yarn"),
+])
+def test_bad_checkpoints_are_one_error_line(base, change, message, source, tmp_path, capsys):
+    folder = tmp_path / "bad"
+    shutil.copytree(source(base)[0], folder)
+    change(folder)
+    capsys.readouterr()
+    assert main(["convert", "from-hf", "--hf-dir", str(folder), "--out", str(tmp_path / "run")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert not (tmp_path / "run").exists()
+
+
+def test_folded_norms_are_refused(converted, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(converted("llama"), run)
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("norm_weights: standard", "norm_weights: folded"))
+    capsys.readouterr()
+    assert main(["convert", "to-hf", "--run-dir", str(run), "--out", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: model.norm_weights=folded"), lines
+
+
+def test_in_and_out_of_a_bucket(source, bucket, tmp_path):
+    run = f"{bucket}/hf_llama"
+    assert main(["convert", "from-hf", "--hf-dir", str(source("llama")[0]), "--out", run]) == 0
+    assert main(["convert", "to-hf", "--run-dir", run, "--out", str(tmp_path / "out")]) == 0
+    _assert_same_tensors(tmp_path / "out", source("llama")[0])
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (source("llama")[0] / "tokenizer.json").read_bytes()
