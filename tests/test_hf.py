@@ -258,6 +258,7 @@ def test_folded_norms_are_refused(converted, tmp_path, capsys):
     assert main(["convert", "to-hf", "--run-dir", str(run), "--out", str(tmp_path / "out")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: model.norm_weights=folded"), lines
+    assert not (tmp_path / "out").exists()
 
 
 def test_in_and_out_of_a_bucket(source, bucket, tmp_path):
