@@ -335,16 +335,32 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                           f"{m.qk_norm_eps}): RMSNorm(c q) = RMSNorm(q) needs eps = 0")
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
-    if m.vocab_size < _min_vocab(cfg):
-        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's {_min_vocab(cfg)} ids")
     if cfg.train.global_batch % cfg.train.grad_accum_steps:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch} must be divisible by "
                           f"train.grad_accum_steps={cfg.train.grad_accum_steps}")
     if cfg.train.profile_steps and cfg.train.profile_start < 1:
         raise ConfigError(f"train.profile_steps={cfg.train.profile_steps} needs train.profile_start >= 1, the first "
                           f"step to trace (steps count from 1; leave the first few out: they compile)")
-    if cfg.data.source == "files" and not cfg.data.path:
-        raise ConfigError("data.source=files needs data.path (a .txt/.jsonl file, a directory or a glob)")
+    _check_data(cfg)
+
+
+def _check_data(cfg: ml_collections.ConfigDict) -> None:
+    data = cfg.data
+    if data.source == "files" and not data.path:
+        raise ConfigError("data.source=files needs data.path (a .txt/.jsonl/.parquet file, a folder or a glob)")
+    if data.source == "prepared" and not data.path:
+        raise ConfigError("data.source=prepared needs data.path (a folder written by `python -m scaletrain data "
+                          "prepare`)")
+    if cfg.train.eval_every_steps and not (data.eval_path or data.source == "prepared"):
+        raise ConfigError(f"train.eval_every_steps={cfg.train.eval_every_steps} needs evaluation data: data.eval_path "
+                          f"(a prepared dataset) or data.source=prepared (its eval split)")
+    # Synthetic tokens are drawn from [0, model.vocab_size). A tokenizer that is not there yet (a config written
+    # ahead of `convert from-hf`) is reported when the data is opened: planning and compiling need none.
+    if data.source != "synthetic" and tokenizer.exists(data.tokenizer):
+        tok = tokenizer.load(data.tokenizer)
+        if cfg.model.vocab_size < tok.vocab_size:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {tok.name}'s "
+                              f"{tok.vocab_size} ids")
 
 
 def _check_bounds(cfg: ml_collections.ConfigDict) -> None:
@@ -386,10 +402,6 @@ def _largest_arrays(cfg: ml_collections.ConfigDict) -> dict[str, tuple[str, ...]
         "the MLP activations of every layer": ("model.num_layers", *batch, "model.d_ff"),
         "the logits": ("train.global_batch", logits, "model.vocab_size"),
     }
-
-
-def _min_vocab(cfg: ml_collections.ConfigDict) -> int:
-    return 1 if cfg.data.source == "synthetic" else tokenizer.VOCAB_SIZE
 
 
 def to_yaml(cfg: ml_collections.ConfigDict) -> str:

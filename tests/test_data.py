@@ -8,9 +8,9 @@ from scaletrain.errors import DataError
 
 
 def test_packing_separators_positions_and_mask():
-    docs = [b"abc", b"de", b"fghij"]
-    stream = np.concatenate([tokenizer.encode(d) for d in docs])  # 5 + 4 + 7 = 16 tokens
-    src = data.PackedSource(stream, seq_len=8)
+    tok = tokenizer.load("bytes")
+    stream = np.concatenate([tok.document(d) for d in ("abc", "de", "fghij")])  # 5 + 4 + 7 = 16 tokens
+    src = data.PackedSource(stream, 8, tok.eos_id)
     assert len(src) == 1
     ex = src[0]
     np.testing.assert_array_equal(ex["tokens"], stream[:8])
@@ -20,7 +20,7 @@ def test_packing_separators_positions_and_mask():
     np.testing.assert_array_equal(ex["positions"], [0, 1, 2, 3, 4, 0, 1, 2])
     # the EOS -> next BOS target is masked
     np.testing.assert_array_equal(ex["loss_mask"], [1, 1, 1, 1, 0, 1, 1, 1])
-    assert tokenizer.decode(ex["tokens"]) == "abcde"
+    assert tok.decode(ex["tokens"]) == "abcde"
 
 
 def test_order_is_a_pure_function_of_seed_and_index():
@@ -88,7 +88,7 @@ def test_text_and_jsonl_files(tmp_path):
     (tmp_path / "a.txt").write_text("hello world " * 10)
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": f"doc {i} " * 5}) for i in range(5)))
     docs = data.file_documents(str(tmp_path), "text")
-    assert len(docs) == 6 and docs[0].startswith(b"hello")
+    assert len(docs) == 6 and docs[0].startswith("hello")
     cfg = config.load(None, ["data.source=files", f"data.path={tmp_path}", "data.seq_len=16"])
     assert len(data.make_source(cfg)) > 5
 
@@ -100,10 +100,10 @@ def test_recursive_globs_match_any_number_of_folders(tmp_path):
 
     def found(pattern):
         return data.file_documents(f"{tmp_path}/{pattern}", "text")
-    assert found("**/*.txt") == [b"a/b/deep.txt", b"a/mid.txt", b"top.txt"]
-    assert found("a/**/deep.*") == [b"a/b/deep.md", b"a/b/deep.txt"]
-    assert found("**/b/*.txt") == [b"a/b/deep.txt"]
-    assert found("a/**") == [b"a/b/deep.md", b"a/b/deep.txt", b"a/mid.txt"]
+    assert found("**/*.txt") == ["a/b/deep.txt", "a/mid.txt", "top.txt"]
+    assert found("a/**/deep.*") == ["a/b/deep.md", "a/b/deep.txt"]
+    assert found("**/b/*.txt") == ["a/b/deep.txt"]
+    assert found("a/**") == ["a/b/deep.md", "a/b/deep.txt", "a/mid.txt"]
     with pytest.raises(DataError, match="matches no files"):
         found("missing/**/*.txt")
 
@@ -119,8 +119,8 @@ def test_files_in_a_bucket_read_as_local_ones(tmp_path, bucket):
     local, remote = data.file_documents(str(tmp_path), "text"), data.file_documents(f"{bucket}/corpus", "text")
     assert remote == local and len(local) == 2
     assert data.file_documents(f"{bucket}/corpus/*.txt", "text") == data.file_documents(f"{tmp_path}/*.txt", "text")
-    assert data.file_documents(f"{bucket}/corpus/sub/b.jsonl", "text") == [b"doc"]
-    assert data.file_documents(f"{bucket}/corpus/**/*.jsonl", "text") == [b"doc"]
+    assert data.file_documents(f"{bucket}/corpus/sub/b.jsonl", "text") == ["doc"]
+    assert data.file_documents(f"{bucket}/corpus/**/*.jsonl", "text") == ["doc"]
     with pytest.raises(DataError, match="matches no files"):
         data.file_documents(f"{bucket}/corpus/*.parquet", "text")
 
