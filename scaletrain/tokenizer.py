@@ -58,7 +58,8 @@ class Tokenizer:
 
 class ByteTokenizer(Tokenizer):
     def __init__(self):
-        self.spec, self.name, self.vocab_size, self.bos_id, self.eos_id = "bytes", "the byte tokenizer", VOCAB_SIZE, BOS, EOS
+        self.spec, self.name, self.vocab_size = "bytes", "the byte tokenizer", VOCAB_SIZE
+        self.bos_id, self.eos_id = BOS, EOS
         self.digest = hashlib.sha256(b"scaletrain bytes: ids 0-255 bytes, BOS 256, EOS 257, PAD 258").hexdigest()
         self.files = ()
 
