@@ -135,8 +135,11 @@ def model_keys(hf: dict, source: str) -> dict[str, Any]:
             raise refuse(f"{key}=true")
     if arch == "MistralForCausalLM" and hf.get("sliding_window") is not None:
         raise refuse(f"sliding_window={hf['sliding_window']} (sliding-window attention)")
-    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or ()):
+    if hf.get("use_sliding_window"):
         raise refuse("use_sliding_window=true (sliding-window attention)")
+    other_layers = sorted({t for t in hf.get("layer_types") or () if t != "full_attention"})
+    if other_layers:
+        raise refuse(f"layer_types {', '.join(map(str, other_layers))}")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if hf.get(key) is None:
             raise UserError(f"{source}: config.json has no {key}")

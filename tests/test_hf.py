@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+import yaml
 from safetensors.numpy import load_file, save_file
 
 from scaletrain import hf, storage
@@ -165,6 +166,20 @@ def test_config_built_from_the_run(name, architecture, converted, source, tmp_pa
     assert built["architectures"] == [architecture]
     _assert_same_tensors(tmp_path / "out", source(name)[0])
     _assert_close(_loaded_logits(tmp_path / "out"), source(name)[1])
+
+
+def test_rope_settings_of_earlier_transformers(converted, source, tmp_path):
+    """transformers 4 wrote rope_theta and rope_scaling where transformers 5 writes rope_parameters."""
+    folder = tmp_path / "legacy"
+    shutil.copytree(source("llama3")[0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config |= {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["convert", "from-hf", "--hf-dir", str(folder), "--out", str(tmp_path / "run")]) == 0
+    model = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]
+    assert model == yaml.safe_load((converted("llama3") / "config.yaml").read_text())["model"]
+    assert model["rope_scaling"] == "llama3" and model["rope_theta"] == 500000.0
 
 
 def test_sharded_in_and_out(source, tmp_path):
