@@ -209,15 +209,17 @@ def _initial_state(cfg, setup: Setup) -> tuple[TrainState, str]:
 def _run(cfg, preemption: Preemption) -> int:
     setup = build(cfg)
     iterator = data_lib.make_iterator(cfg, setup.batch_sharding)  # bad data fails here, before any write
+    evaluator = Evaluator(cfg, setup) if cfg.train.eval_every_steps else None
     lock = _lock_run_dir(cfg)
     try:
-        return _run_locked(cfg, preemption, lock, setup, iterator)
+        return _run_locked(cfg, preemption, lock, setup, iterator, evaluator)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup, iterator) -> int:
+def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup, iterator,
+                evaluator: Evaluator | None) -> int:
     main = jax.process_index() == 0
     run_dir = storage.path(cfg.run_dir)
     meta = checkpoint_metadata(setup)
@@ -231,7 +233,6 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
         print(f"compiled the train step in {time.perf_counter() - t0:.1f} s; {memory.describe(compiled_memory)}",
               flush=True)
     memory.check_fits(compiled_memory, jax.local_devices())
-    evaluator = Evaluator(cfg, setup) if cfg.train.eval_every_steps else None
 
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.max_to_keep, cfg.checkpoint.async_save)
     try:

@@ -63,3 +63,77 @@ def test_sampling_follows_the_seed_and_top_p():
     nucleus = {int(pick(logits, jax.random.PRNGKey(s), 1.0, 0.8)) for s in range(200)}
     assert nucleus == {1, 3}
     assert {int(pick(logits, jax.random.PRNGKey(s), 5.0, 1e-6)) for s in range(50)} == {1}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A tiny random Hugging Face Llama (no tokenizer files: the run gets the byte tokenizer) and its run
+    directory made by `convert from-hf`."""
+    import torch
+    import transformers
+
+    from scaletrain.__main__ import main
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf_model.parameters():  # far from the initialisation: decisive logits
+            p.copy_(1 + 0.2 * torch.randn_like(p) if p.ndim == 1 else 0.3 * torch.randn_like(p))
+    root = tmp_path_factory.mktemp("generate")
+    hf_model.save_pretrained(root / "hf")
+    assert main(["convert", "from-hf", "--hf-dir", str(root / "hf"), "--out", str(root / "run")]) == 0
+    return hf_model, root / "run"
+
+
+def test_greedy_equals_transformers_generate(converted):
+    import torch
+
+    from scaletrain import inference
+    from scaletrain.checkpoint import restore_params
+
+    hf_model, run = converted
+    cfg = inference.load_config(run, ["model.dtype=float32"])
+    setup = inference.one_device_setup(cfg)
+    _, params = restore_params(str(run), setup.abstract_state.params)
+    tokens, n = generate_tokens(model_lib.abstract(setup.model_cfg)[0], params, jnp.asarray(PROMPT),
+                                jax.random.PRNGKey(0), -1, NEW, 0.0, 1.0)
+    with torch.no_grad():
+        expected = hf_model.generate(torch.tensor(PROMPT[None], dtype=torch.long), max_new_tokens=NEW,
+                                     do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].numpy()
+    assert int(n) == NEW
+    np.testing.assert_array_equal(np.asarray(tokens), expected)
+
+
+def test_the_command_continues_a_prompt(converted, capsys):
+    from scaletrain.__main__ import main
+
+    _, run = converted
+    assert main(["generate", "--run-dir", str(run), "--prompt", "Hello", "--max-new-tokens", "5"]) == 0
+    greedy = capsys.readouterr().out
+    assert greedy.startswith("Hello")
+    assert main(["generate", "--run-dir", str(run), "--prompt", "Hello", "--max-new-tokens", "5",
+                 "--temperature", "1", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.startswith("Hello")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+])
+def test_bad_flags_are_one_error_line(converted, capsys, args, says):
+    from scaletrain.__main__ import main
+
+    _, run = converted
+    assert main(["generate", "--run-dir", str(run), "--prompt", "x", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and says in err and err.count("\n") == 1
+
+
+def test_a_folder_that_is_no_run_is_one_error_line(tmp_path, capsys):
+    from scaletrain.__main__ import main
+
+    assert main(["generate", "--run-dir", str(tmp_path), "--prompt", "x"]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
