@@ -46,8 +46,8 @@ class _DropAbandoned(logging.Filter):
 
 def _silence_abandoned_reads() -> None:
     """A failed restore leaves Tensorstore reads in flight; their callbacks later find Orbax's event loop closed
-    and each would print a traceback - as an unraisable exception, from a thread, or logged by a future's
-    callback - and asyncio logs the reads' own failures when their tasks are collected: the aftermath of an
+    and each would print a traceback - as an unraisable exception, from a Python or a native thread, or logged by
+    a future's callback - and asyncio logs the reads' own failures when their tasks are collected: the aftermath of an
     error already reported in one line. Only those are dropped."""
     previous = sys.unraisablehook
     if getattr(previous, "scaletrain", False):
@@ -63,8 +63,14 @@ def _silence_abandoned_reads() -> None:
         if not _loop_closed(args.exc_value):
             previous_thread_hook(args)
 
+    previous_excepthook = sys.excepthook
+
+    def excepthook(kind, value, traceback):  # a callback run from a native thread, printed with PyErr_Print
+        if not _loop_closed(value):
+            previous_excepthook(kind, value, traceback)
+
     unraisable_hook.scaletrain = True
-    sys.unraisablehook, threading.excepthook = unraisable_hook, thread_hook
+    sys.unraisablehook, threading.excepthook, sys.excepthook = unraisable_hook, thread_hook, excepthook
     logging.getLogger("concurrent.futures").addFilter(_DropAbandoned())
     logging.getLogger("asyncio").addFilter(_DropAbandoned())
 
