@@ -55,11 +55,11 @@ def test_for_this_machines_cpu_devices():
     assert result["xla_roofline_seconds"] > 0
 
 
-@pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x2"])
-def test_llama_1b_fits(topology):
-    """A ~1B model (Llama 3.2 1B shapes, 2 x 4096 tokens per chip on v5e, 1 x 4096 on v5p) fits; its state
-    alone is 1.24e9 x 12 bytes (fp32 parameters, two moments) over the chips."""
-    result = _result(_compile("--config", "configs/llama3_1b.yaml", "--topology", topology, "--no-loop-correction"))
+def test_llama_1b_fits():
+    """A ~1B model (Llama 3.2 1B shapes, 1 x 4096 tokens per chip on a v5p:2x2x2) fits; its state alone is
+    1.24e9 x 12 bytes (fp32 parameters, two moments) over the chips. (On a v5e:2x2 it is compiled by the next
+    test, with a batch that does not fit.)"""
+    result = _result(_compile("--config", "configs/llama3_1b.yaml", "--topology", "v5p:2x2x2", "--no-loop-correction"))
     chips = result["chips"]
     assert result["fits"] and result["hbm_per_device_bytes"] <= result["hbm_capacity_bytes"]
     assert result["memory"]["device_arguments"] >= 1.2e9 * 12 / chips
