@@ -130,8 +130,9 @@ def _tokenized(chunks: Iterator[list[str]], spec: str, workers: int) -> Iterator
     if workers == 1:
         yield from (_tokenize(spec, chunk) for chunk in chunks)
         return
-    # fork: the workers inherit the loaded tokenizer; they only tokenize (no JAX, no files).
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
+    # forkserver, not fork: the calling process may run threads (JAX's, the tokenizer library's), and a child forked
+    # from it could wait forever on a lock one of them held. Each worker loads the tokenizer once.
+    with multiprocessing.get_context("forkserver").Pool(workers) as pool:
         pending = collections.deque()
         for chunk in chunks:
             pending.append(pool.apply_async(_tokenize, (spec, chunk)))
