@@ -47,8 +47,8 @@ class _DropAbandoned(logging.Filter):
 def _silence_abandoned_reads() -> None:
     """A failed restore leaves Tensorstore reads in flight; their callbacks later find Orbax's event loop closed
     and each would print a traceback - as an unraisable exception, from a Python or a native thread, or logged by
-    a future's callback - and asyncio logs the reads' own failures when their tasks are collected: the aftermath of an
-    error already reported in one line. Only those are dropped."""
+    a future's callback - and asyncio logs the reads' own failures when their tasks are collected: the aftermath
+    of an error already reported in one line. Only those are dropped."""
     previous = sys.unraisablehook
     if getattr(previous, "scaletrain", False):
         return
@@ -295,8 +295,8 @@ def check_resumable(directory: epath.Path, meta: dict, run_dir: str) -> bool:
 def params_source(path: str | os.PathLike, abstract_params: Any, what: str = "checkpoint.init_from",
                   step: int | None = None) -> tuple[ocp.CheckpointManager, epath.Path, int, dict, dict]:
     """(read-only manager, checkpoints folder, step, metadata, saved parameter arrays) of the checkpoint
-    `restore_params` would read, its parameter shapes checked against `abstract_params` from the saved metadata alone, so a mismatched model is
-    one clear error (starting with `what`), found before anything is compiled."""
+    `restore_params` would read, its parameter shapes checked against `abstract_params` from the saved metadata
+    alone, so a mismatched model is one clear error (starting with `what`), found before anything is compiled."""
     directory, found = locate(path)
     step = found if step is None else step
     manager = _read_only(directory)

@@ -138,12 +138,14 @@ CHOICES = {
 _POSITIVE = (
     "steps", "model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads", "model.num_kv_heads",
     "model.head_dim", "model.d_ff", "data.seq_len", "train.global_batch", "train.grad_accum_steps",
-    "train.log_every_steps", "train.eval_batches", "checkpoint.every_steps", "checkpoint.max_to_keep", "model.rope_original_max_position",
+    "train.log_every_steps", "train.eval_batches", "checkpoint.every_steps", "checkpoint.max_to_keep",
+    "model.rope_original_max_position",
     "model.rope_theta", "model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
 )
-_NON_NEGATIVE = ("seed", "train.profile_start", "train.profile_steps", "train.eval_every_steps", "data.workers", "checkpoint.every_minutes",
-                 "model.attention_block", "model.logits_block", "optim.learning_rate", "optim.warmup_steps",
-                 "optim.weight_decay", "optim.eps", "optim.grad_clip_norm", "model.norm_eps", "model.init_std", "model.qk_norm_eps")
+_NON_NEGATIVE = ("seed", "train.profile_start", "train.profile_steps", "train.eval_every_steps", "data.workers",
+                 "checkpoint.every_minutes", "model.attention_block", "model.logits_block", "optim.learning_rate",
+                 "optim.warmup_steps", "optim.weight_decay", "optim.eps", "optim.grad_clip_norm", "model.norm_eps",
+                 "model.init_std", "model.qk_norm_eps")
 _UNIT_INTERVAL = ("optim.min_lr_ratio", "optim.b1", "optim.b2")
 
 # Upper bounds, so that nothing computed from a config overflows into a traceback. Token ids, positions and the

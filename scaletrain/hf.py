@@ -214,14 +214,14 @@ def from_hf(hf_dir: str, out: str) -> int:
     """`convert from-hf`: a run directory at OUT (new or empty: the command line checks) with config.yaml, a
     parameters-only checkpoint at step 0 that `logits`, `to-hf` and `checkpoint.init_from` read, the tokenizer
     files and the original config.json. Everything is checked before anything is written."""
-    from scaletrain import trainer
+    from scaletrain import inference
 
     source = Path(hf_dir)
     config_json = _read_json(source / "config.json", f"--hf-dir {hf_dir}")
     keys = model_keys(config_json, f"{source / 'config.json'}")
     # Validated against the source's tokenizer (nothing is written yet), then written naming the copy.
     cfg = _run_config(keys, out, _tokenizer(source))
-    setup = trainer.build(cfg, jax.devices()[:1])
+    setup = inference.one_device_setup(cfg)
     with ExitStack() as stack:
         reader = _Reader(source, stack)
         layout = tensors(setup.abstract_state.params)
@@ -381,7 +381,7 @@ def to_hf(run_dir: str, out: str, step: int | None = None, shard_bytes: int = SH
     several) and the run's tokenizer files. The config is the one the run was converted from where there is one
     (kept in RUN_DIR/hf/, or in the run checkpoint.init_from names) and it describes this model; else it is built
     from the run's config."""
-    from scaletrain import inference, trainer
+    from scaletrain import inference
     from scaletrain.checkpoint import restore_params
 
     if storage.is_remote(out):
@@ -390,7 +390,7 @@ def to_hf(run_dir: str, out: str, step: int | None = None, shard_bytes: int = SH
     built = hf_config(cfg.model)  # refuses what Hugging Face's models cannot represent
     kept = _kept_config(run_dir, cfg)
     dtype = _dtype(json.loads(kept) if kept else built, cfg.model.param_dtype)
-    setup = trainer.build(cfg, jax.devices()[:1])
+    setup = inference.one_device_setup(cfg)
     step, params = restore_params(run_dir, setup.abstract_state.params, what="convert to-hf", step=step)
     target = Path(out)
     target.mkdir(exist_ok=True)

@@ -141,7 +141,8 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
         step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0),
         eval_step=jax.jit(make_eval_step(graphdef, update.fetch_params, mesh, rules),
-                          in_shardings=(state_shardings.params, batch_sharding), out_shardings=sharding.replicated(mesh)),
+                          in_shardings=(state_shardings.params, batch_sharding),
+                          out_shardings=sharding.replicated(mesh)),
     )
 
 
