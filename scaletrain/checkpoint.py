@@ -48,7 +48,8 @@ def _silence_abandoned_reads() -> None:
     """A failed restore leaves Tensorstore reads in flight; their callbacks later find Orbax's event loop closed
     and each would print a traceback - as an unraisable exception, from a Python or a native thread, or logged by
     a future's callback - and asyncio logs the reads' own failures when their tasks are collected: the aftermath
-    of an error already reported in one line. Only those are dropped."""
+    of an error already reported in one line. Only those are dropped. Installed before a restore starts: a read
+    can finish after Orbax closes its loop but before the restore's exception reaches the caller."""
     previous = sys.unraisablehook
     if getattr(previous, "scaletrain", False):
         return
@@ -136,6 +137,7 @@ class Checkpointer:
     def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
         """(step, state, data_state) from the newest readable and verified checkpoint, or None if there is none."""
         steps = sorted(self.manager.all_steps(), reverse=True)
+        _silence_abandoned_reads()
         for step in steps:
             try:
                 self._check_committed(step)
@@ -148,7 +150,6 @@ class Checkpointer:
                     meta=ocp.args.JsonRestore()))
                 problem = self._verify(restored)
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped, and said so
-                _silence_abandoned_reads()
                 problem = f"unreadable ({first_line(e)})"
             if problem:
                 self._skip(step, problem, self.damaged)
@@ -260,11 +261,11 @@ def check_resumable(directory: epath.Path, meta: dict, run_dir: str) -> bool:
         return False
     manager = _read_only(directory)
     steps = manager.all_steps()
+    _silence_abandoned_reads()
     for step in sorted(steps, reverse=True):
         try:
             saved = dict(manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
         except Exception:  # noqa: BLE001 - an unreadable step is the restore's to report; look at an older one
-            _silence_abandoned_reads()
             continue
         break
     else:
@@ -323,11 +324,11 @@ def restore_params(path: str | os.PathLike, abstract_params: Any, what: str = "c
                                 jax.tree_util.tree_map_with_path(lambda p, _: jax.tree_util.keystr(p), abstract_params))
     restore_args = jax.tree.map(lambda x, dt: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=dt), abstract_params,
                                 saved_dtypes)
+    _silence_abandoned_reads()
     try:
         restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
             item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True)))
     except Exception as e:  # noqa: BLE001 - reported as one line
-        _silence_abandoned_reads()
         raise CheckpointError(f"{what}: cannot read the parameters at {directory / str(step)} "
                               f"({first_line(e)})") from None
     params = restored.state["params"]
