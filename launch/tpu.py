@@ -214,7 +214,7 @@ def _check_training(launch: Launch, what: str, sets: list[str], must_fit: bool) 
     """train.py's config checks, the planner's mesh and the trainer's parallelism checks for the launch file's
     slices, and with `must_fit` the planner's memory per chip against its HBM: each failure one ConfigError line
     naming `what` is wrong."""
-    from scaletrain import config, trainer
+    from scaletrain import config, parallelism
     from scaletrain.planner import roofline
 
     machine = launch.tpu.accelerator if launch.slices == 1 else f"{launch.slices} x {launch.tpu.accelerator}"
@@ -224,7 +224,7 @@ def _check_training(launch: Launch, what: str, sets: list[str], must_fit: bool) 
         cfg = config.load(ROOT / launch.train_config, sets)
         plan = roofline.plan(cfg, hardware)  # raises for mesh degrees that do not fill the slices
         # The trainer's checks read a mesh's axis sizes only: the planned mesh's stand in for the slice's devices.
-        trainer.check_parallelism(cfg, plan["mesh"]["sizes"])
+        parallelism.check(cfg, plan["mesh"]["sizes"])
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     if must_fit and not plan["fits"]:

@@ -90,6 +90,12 @@ def parser() -> argparse.ArgumentParser:
     _add_config_args(plan)
     plan.add_argument("--hardware", required=True, help="chip and slice, e.g. v5p:16x16x16 or v5e:16x16")
     plan.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    plan.add_argument("--tokens", type=float, default=None, metavar="N",
+                      help="training tokens (e.g. 15e12): adds the run's FLOPs, days and chip-hours, and the fewest "
+                           "chips it fits on")
+    plan.add_argument("--mfu", type=float, default=None, metavar="M",
+                      help="with --tokens: the model FLOPs utilisation to assume (0 < M <= 1); default: the "
+                           "predicted step time's")
     comp = sub.add_parser("compile", help="compile the train step ahead of time for a TPU topology")
     _add_config_args(comp)
     comp.add_argument("--topology", required=True, help="a TPU topology, e.g. v5e:4x4, v5p:4x4x4, v6e:8x8")
@@ -143,12 +149,25 @@ def plan(args: argparse.Namespace) -> int:
 
     from scaletrain import config, runtime
 
+    if args.tokens is not None and not (0 < args.tokens < float("inf")):
+        raise UserError(f"--tokens must be a positive number of training tokens, e.g. 15e12; got {args.tokens}")
+    if args.mfu is not None and not (args.tokens is not None and 0 < args.mfu <= 1):
+        raise UserError(f"--mfu must be in (0, 1] and comes with --tokens; got {args.mfu}")
     cfg = config.load(args.config, args.set)
     runtime.configure(None)  # `cpu:N` measures this machine's CPU
-    from scaletrain.planner import roofline
+    from scaletrain.planner import budget, roofline
 
     result = roofline.plan(cfg, args.hardware)
-    print(json.dumps(result, indent=1) if args.json else roofline.format_table(result))
+    training = chips = None
+    if args.tokens is not None:
+        training = result["training"] = budget.training(cfg, result, args.tokens, args.mfu)
+        chips = None if result["chip"] == "cpu" else budget.min_chips(cfg, args.hardware)
+        result["min_chips"] = chips and chips["min_chips"]
+        result["min_chips_detail"] = chips
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print("\n".join([roofline.format_table(result), "", *budget.describe(training, chips, result)]).rstrip())
     return 0
 
 

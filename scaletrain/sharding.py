@@ -83,7 +83,7 @@ def rules_for(preset_name: str, sequence_parallel: bool, shard_kv_heads: bool) -
                  activations=activations)
 
 
-def _mesh_axes(entry: Any) -> tuple[str, ...]:
+def mesh_axes(entry: Any) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
@@ -93,7 +93,7 @@ def spec(logical: tuple[str | None, ...], table: RuleTable, mesh: Mesh) -> P:
     """Logical names -> PartitionSpec; mesh axes of size 1 are dropped so specs stay readable."""
     out = []
     for name in logical:
-        axes = tuple(a for a in _mesh_axes(table.get(name)) if mesh.shape[a] > 1)
+        axes = tuple(a for a in mesh_axes(table.get(name)) if mesh.shape[a] > 1)
         out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return P(*out)
 
@@ -101,7 +101,7 @@ def spec(logical: tuple[str | None, ...], table: RuleTable, mesh: Mesh) -> P:
 def check_divisible(what: str, shape: tuple[int, ...], logical: tuple[str | None, ...], table: RuleTable,
                     mesh: Mesh) -> None:
     for dim, name in zip(shape, logical):
-        axes = [a for a in _mesh_axes(table.get(name)) if mesh.shape[a] > 1]
+        axes = [a for a in mesh_axes(table.get(name)) if mesh.shape[a] > 1]
         ways = math.prod(mesh.shape[a] for a in axes)
         if dim % ways:
             degrees = " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in axes)
@@ -171,7 +171,7 @@ def ways(logical: str) -> int:
     if not _ACTIVE:
         return 1
     mesh, rules, _ = _ACTIVE[-1]
-    return math.prod(mesh.shape[a] for a in _mesh_axes(rules.activations.get(logical)))
+    return math.prod(mesh.shape[a] for a in mesh_axes(rules.activations.get(logical)))
 
 
 def active_device() -> jax.Device:

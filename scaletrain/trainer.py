@@ -23,7 +23,7 @@ from scaletrain import config as config_lib
 from scaletrain import data as data_lib
 from scaletrain import mesh as mesh_lib
 from scaletrain import model as model_lib
-from scaletrain import offload, optim, sharding, storage
+from scaletrain import layout, offload, optim, parallelism, sharding, storage
 from scaletrain.checkpoint import Checkpointer, check_resumable, params_source, restore_params
 from scaletrain.control import Control, Preemption
 from scaletrain.errors import ConfigError, UserError, first_line
@@ -46,6 +46,7 @@ class Setup:
     mesh: Mesh
     model_cfg: model_lib.ModelConfig
     state_shardings: TrainState
+    grad_shardings: Any  # where the step places the gradients (ZeRO-2 and FSDP: scattered)
     logical_state: TrainState  # the logical axis names of every array
     abstract_state: TrainState  # ShapeDtypeStructs carrying their shardings
     batch_sharding: NamedSharding
@@ -62,64 +63,17 @@ class Setup:
         return {k: jax.ShapeDtypeStruct(shape, dt, sharding=self.batch_sharding) for k, dt in BATCH_KEYS.items()}
 
 
-def check_parallelism(cfg, axis_sizes: Mapping[str, int]) -> None:
-    """The divisibility users trip over most, said plainly, for a mesh of these axis sizes (a real mesh's, or a
-    planned slice's: the launcher checks a run before renting it); sharding.tree_shardings checks every array
-    too."""
-    tensor = axis_sizes["tensor"]
-    for key in ("num_heads", "d_ff", "vocab_size"):
-        if cfg.model[key] % tensor:
-            raise ConfigError(f"model.{key}={cfg.model[key]} is not divisible by mesh.tensor={tensor}")
-    kv = cfg.model.num_kv_heads
-    if kv % tensor and tensor % kv:
-        raise ConfigError(f"model.num_kv_heads={kv} and mesh.tensor={tensor}: key/value heads are sharded over "
-                          f"tensor when it divides them and replicated when they divide it; neither holds")
-    if cfg.sharding.sequence_parallel and tensor > 1 and cfg.data.seq_len % tensor:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by mesh.tensor={tensor}, which "
-                          f"splits the sequence with sharding.sequence_parallel=true")
-    if cfg.model.num_layers % axis_sizes["pipeline"]:
-        raise ConfigError(f"model.num_layers={cfg.model.num_layers} is not divisible by "
-                          f"mesh.pipeline={axis_sizes['pipeline']}")
-    for axis in ("pipeline", "expert"):
-        if axis_sizes[axis] > 1:
-            raise ConfigError(f"mesh.{axis}={axis_sizes[axis]}: {axis} parallelism is not implemented yet; "
-                              f"use the data, fsdp and tensor axes")
-    if cfg.params.offload and cfg.train.grad_accum_steps > 1:
-        raise ConfigError("params.offload=true needs train.grad_accum_steps=1: the gradients of offloaded "
-                          "parameters land in host memory, where microbatches cannot be summed")
-    micro = cfg.train.global_batch // cfg.train.grad_accum_steps
-    ways = axis_sizes["data"] * axis_sizes["fsdp"]
-    if micro % ways:
-        raise ConfigError(f"the microbatch train.global_batch / train.grad_accum_steps = {micro} is not divisible "
-                          f"by mesh.data x mesh.fsdp = {ways} (with DCN degrees), which shard the batch")
-
-
 def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool = False) -> Setup:
     """Everything a run needs, from shapes only: no array is allocated here. Raises ConfigError.
     `unroll_loops` builds a step for XLA's cost estimate only (planner/aot.py)."""
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
-    check_parallelism(cfg, mesh.shape)
-    shard_kv_heads = cfg.model.num_kv_heads % mesh.shape["tensor"] == 0
-    rules = sharding.rules_for(cfg.sharding.preset, cfg.sharding.sequence_parallel, shard_kv_heads)
-    model_cfg = model_lib.ModelConfig.from_config(
-        cfg.model, fuse_qkv=shard_kv_heads, remat=cfg.remat.policy, remat_custom=tuple(cfg.remat.custom.items()),
-        unroll_loops=unroll_loops)
-    graphdef, abstract_params, logical = model_lib.abstract(model_cfg)
-
-    tx, lr = optim.make(cfg.optim, cfg.steps, logical)
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    # Optimizer leaves shaped like a parameter (Adam's moments) carry that parameter's logical axes.
-    opt_logical = optax.tree_utils.tree_map_params(
-        tx, lambda _, names: names, abstract_opt, logical,
-        transform_non_params=lambda x: (None,) * x.ndim, is_leaf=sharding.is_logical)
-    logical_state = TrainState(params=logical, opt_state=opt_logical, step=(), rng=(None,))
-    grad_shardings = sharding.tree_shardings(abstract_params, logical, rules.grads, mesh)
-    params_home = "pinned_host" if cfg.params.offload else None
-    opt_home = "pinned_host" if cfg.optim.offload or cfg.params.offload else None
-    state_shardings = TrainState(
-        params=sharding.tree_shardings(abstract_params, logical, rules.params, mesh, params_home),
-        opt_state=sharding.tree_shardings(abstract_opt, opt_logical, rules.opt_state, mesh, opt_home),
-        step=sharding.replicated(mesh), rng=sharding.replicated(mesh))
+    parallelism.check(cfg, mesh.shape)
+    lay = layout.of(cfg, mesh.shape, unroll_loops)
+    model_cfg, tx, lr, rules = lay.model_cfg, lay.tx, lay.lr, lay.rules
+    params_shardings, opt_shardings, grad_shardings = lay.shardings(mesh)
+    logical_state = TrainState(params=lay.logical, opt_state=lay.opt_logical, step=(), rng=(None,))
+    state_shardings = TrainState(params=params_shardings, opt_state=opt_shardings, step=sharding.replicated(mesh),
+                                 rng=sharding.replicated(mesh))
 
     def init(key: jax.Array) -> TrainState:
         params_key, rng = jax.random.split(key)
@@ -129,18 +83,19 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
     abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                   jax.eval_shape(init, jax.random.PRNGKey(0)), state_shardings)
     batch_sharding = NamedSharding(mesh, sharding.spec(("batch", "seq"), rules.activations, mesh))
-    update = optim.on_device(tx) if opt_home is None else offload.streamed(tx, logical, abstract_opt,
-                                                                           cfg.params.offload)
-    step = make_train_step(graphdef, update, lr, cfg.optim.grad_clip_norm, cfg.train.grad_accum_steps, mesh, rules,
-                           grad_shardings)
+    update = optim.on_device(tx) if lay.opt_home is None else offload.streamed(tx, lay.logical, lay.opt_state,
+                                                                               cfg.params.offload)
+    step = make_train_step(lay.graphdef, update, lr, cfg.optim.grad_clip_norm, cfg.train.grad_accum_steps, mesh,
+                           rules, grad_shardings)
     return Setup(
-        cfg=cfg, mesh=mesh, model_cfg=model_cfg, state_shardings=state_shardings, logical_state=logical_state,
+        cfg=cfg, mesh=mesh, model_cfg=model_cfg, state_shardings=state_shardings, grad_shardings=grad_shardings,
+        logical_state=logical_state,
         abstract_state=abstract_state,
         batch_sharding=batch_sharding,
         init=jax.jit(init, out_shardings=state_shardings),
         step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0),
-        eval_step=jax.jit(make_eval_step(graphdef, update.fetch_params, mesh, rules),
+        eval_step=jax.jit(make_eval_step(lay.graphdef, update.fetch_params, mesh, rules),
                           in_shardings=(state_shardings.params, batch_sharding),
                           out_shardings=sharding.replicated(mesh)),
     )

@@ -17,7 +17,7 @@ def tiny(**overrides):
     # A large init scale makes the logits decisive, so no near-tie can flip an argmax between the two paths.
     fields = dict(vocab_size=259, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, d_ff=128,
                   init_std=0.3, dtype=jnp.float32, qk_norm=True, rope_scaling="llama3", rope_theta=500000.0)
-    return model_lib.ModelConfig(**(fields | overrides))
+    return model_lib.ModelConfig.from_config(None, **(fields | overrides))
 
 
 @pytest.fixture(scope="module")

@@ -44,8 +44,8 @@ def test_stable_for_large_logits():
 
 @pytest.mark.parametrize("variant", [{}, {"tie_embeddings": True}, {"norm": "deferred"}, {"norm": "fused"}])
 def test_logits_blocks_give_the_whole_sequences_loss_and_gradient(variant):
-    cfg = ModelConfig(vocab_size=96, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64,
-                      dtype=jnp.float32, **variant)
+    cfg = ModelConfig.from_config(None, vocab_size=96, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                  head_dim=8, d_ff=64, dtype=jnp.float32, **variant)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 96, (2, 16))
     batch = {"tokens": jnp.asarray(tokens, jnp.int32), "targets": jnp.asarray(np.roll(tokens, -1, 1), jnp.int32),

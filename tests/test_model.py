@@ -14,8 +14,8 @@ from scaletrain.model.attention import Attention
 from scaletrain.model.layers import project
 from scaletrain.sharding import LOGICAL_AXES
 
-CFG = ModelConfig(vocab_size=300, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64,
-                  dtype=jnp.float32)
+CFG = ModelConfig.from_config(None, vocab_size=300, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                              head_dim=8, d_ff=64, dtype=jnp.float32)
 
 
 def np_rope(x_btnh, positions_bt, inv_freq):

@@ -10,7 +10,8 @@ import pytest
 
 from scaletrain import config
 from scaletrain.errors import ConfigError
-from scaletrain.planner import comms, flops, hardware, memory, roofline
+from scaletrain.model import ModelConfig
+from scaletrain.planner import budget, comms, flops, hardware, memory, roofline
 from tests.conftest import ROOT
 
 # A model small enough to count by hand: per layer attention 2*64*(4+2)*16 = 12288 (Q and O 8192, K and V 4096),
@@ -104,19 +105,53 @@ def test_critical_intensities_of_the_chip_table():
 def test_ring_collectives_with_and_without_wraparound():
     v = 1e9
     wrapped, open_ring = _ring(4, True), _ring(4, False)
-    # All-gather over a wrapped ring of 4: 3/4 of V sent, at W_bidi = 1.8e11: 0.75e9 / 1.8e11 = 4.17 ms.
+    # All-gather over a wrapped ring of 4: 3/4 of V sent, in V / W_bidi = 1e9 / 1.8e11 = 5.6 ms (the book's).
     assert wrapped.bytes_sent("all-gather", v) == 0.75e9
-    assert wrapped.seconds("all-gather", v) == pytest.approx(0.75e9 / 1.8e11)
-    # Without wraparound one direction only, W_oneway = 9e10: twice as long.
-    assert open_ring.seconds("all-gather", v) == pytest.approx(2 * wrapped.seconds("all-gather", v))
-    # Reduce-scatter costs what an all-gather does; an all-reduce is both: 2 x 0.75e9 bytes.
+    assert wrapped.seconds("all-gather", v) == pytest.approx(1e9 / 1.8e11)
+    # Without wraparound one direction only, W_oneway = 9e10, over X - 1 of the X shards: 0.75e9 / 9e10.
+    assert open_ring.seconds("all-gather", v) == pytest.approx(0.75e9 / 9e10)
+    # Reduce-scatter costs what an all-gather does; an all-reduce is both: 2 x 0.75e9 bytes, 2 V / W.
     assert wrapped.seconds("reduce-scatter", v) == wrapped.seconds("all-gather", v)
     assert wrapped.bytes_sent("all-reduce", v) == 1.5e9
-    assert wrapped.seconds("all-reduce", v) == pytest.approx(1.5e9 / 1.8e11)
-    # Over M_X = 2 wrapped torus axes (4x4 = 16 chips) the time divides by 2: (15/16) 1e9 / 3.6e11.
+    assert wrapped.seconds("all-reduce", v) == pytest.approx(2e9 / 1.8e11)
+    # Over M_X = 2 wrapped torus axes (4x4 = 16 chips) the time divides by 2: 1e9 / 3.6e11.
     plane = _ring(16, True, (4, 4))
     assert plane.bandwidth == 3.6e11
-    assert plane.seconds("all-gather", v) == pytest.approx(0.9375e9 / 3.6e11)
+    assert plane.seconds("all-gather", v) == pytest.approx(1e9 / 3.6e11)
+
+
+def _book_link(hardware_text: str, axis: str, **ici) -> comms.Link:
+    """The ICI level of mesh axis `axis` on a slice, laid out as the planner lays out a mesh of these degrees."""
+    sizes = {a: ici.get(a, 1) for a in ("data", "fsdp", "expert", "pipeline", "tensor")}
+    return comms.links(hardware.topology(hardware_text), sizes, dict.fromkeys(sizes, 1))[axis][0]
+
+
+def test_the_books_collective_times_on_v4():
+    """The scaling book's sharding chapter, worked problem 2 and 3: a v4 4x4x4 cube (wraparound everywhere,
+    9e10 B/s bidirectional per axis), Mesh X=4 x Y=4 x Z=4, bf16[B=1024, D=4096] sharded [B_X, D_Y]."""
+    b, d = 1024, 4096
+    x = _book_link("v4:4x4x4", "fsdp", data=4, fsdp=4, tensor=4)
+    z = _book_link("v4:4x4x4", "data", data=4, fsdp=4, tensor=4)
+    xy = _book_link("v4:4x4x4", "fsdp", fsdp=16, tensor=4)
+    # AllGather_X([B_X, D_Y]): 2BD/Y bytes over one axis: 2 * 1024 * 4096 / (9e10 * 4) = 23 us.
+    assert x.seconds("all-gather", 2 * b * d / 4) == pytest.approx(2 * b * d / (9e10 * 4))
+    assert int(x.seconds("all-gather", 2 * b * d / 4) * 1e6) == 23
+    # AllGather_XY([B_X, D_Y]): twice the bandwidth, the whole array: 2BD / (2 * 9e10) = 46 us.
+    assert xy.parts == (4, 4) and int(xy.seconds("all-gather", 2 * b * d) * 1e6) == 46  # 46.6, truncated
+    # AllReduce_Z([B_X, D_Y]{U_Z}): shards of 2BD / (XY), twice an all-gather: 4BD / (XYW) = 11.6 us.
+    assert z.seconds("all-reduce", 2 * b * d / 16) == pytest.approx(4 * b * d / (16 * 9e10))  # 11.65 us
+    # AllGather_X([B_X]) of B = 128 bf16: 256 bytes, latency-bound: 2 hops around the wrapped ring, 2 us.
+    assert x.seconds("all-gather", 2 * 128) == pytest.approx(2e-6)
+
+
+def test_the_books_collective_times_on_v5e():
+    """Pop quiz 2 of the same chapter: AllGather_Y([E_Y, F]) on a v5e {X: 8, Y: 4} (no wraparound: no axis of
+    16), 4.5e10 B/s one way. E = 2048, F = 8192 bf16: 3 hops of an 8.4 MB shard, 3 * 8.4e6 / 4.5e10 = 560 us;
+    E = F = 256: latency-bound, 3 hops = 3 us."""
+    y = _book_link("v5e:8x4", "tensor", fsdp=8, tensor=4)
+    assert (y.parts, y.wraps) == ((4,), (False,))
+    assert y.seconds("all-gather", 2 * 2048 * 8192) * 1e6 == pytest.approx(560, abs=1)
+    assert y.seconds("all-gather", 2 * 256 * 256) == pytest.approx(3e-6)
 
 
 def test_latency_floor():
@@ -159,26 +194,43 @@ def _sent(transfers) -> dict[str, float]:
     return out
 
 
+# SMALL's float32 weights: two layers of 36992 parameters, 2 x 24576 + 64 outside them.
+WEIGHT_BYTES = 4 * (2 * 36992 + 2 * 24576 + 64)
+
+
+def _data_parallel(preset: str, microbatches: int, **sizes) -> list[comms.Transfer]:
+    """The collectives data parallelism issues for SMALL, read off the preset's rule tables, each mesh axis a
+    wrapped v5p ring of its size."""
+    axes = _axes(**sizes)
+    cfg = _cfg(**{"sharding.preset": preset, "train.grad_accum_steps": microbatches, "train.global_batch": 24})
+    state = memory.state(cfg, axes)
+    return roofline.data_parallel_transfers(state, 2, microbatches,
+                                            lambda names: [_ring(axes[n], True) for n in names])
+
+
 def test_fsdp_gathers_twice_and_scatters_once_per_microbatch():
-    # Layers of 100 bytes (2 of them), 10 bytes outside, 3 microbatches, fsdp = 4: per microbatch an all-gather
-    # forward and backward and a reduce-scatter of (2 x 100 + 10) bytes, each sending 3/4 of it.
-    out = comms.fsdp(100.0, 2, 10.0, 3, [_ring(4, True)])
-    assert _sent(out) == {"all-gather": 2 * 3 * 210 * 0.75, "reduce-scatter": 3 * 210 * 0.75}
+    # fsdp = 4, 3 microbatches: per microbatch an all-gather forward and backward and a reduce-scatter of the
+    # whole weights, each sending 3/4 of them; once per layer and once for the rest.
+    out = _data_parallel("fsdp", 3, fsdp=4)
+    assert _sent(out) == pytest.approx({"all-gather": 2 * 3 * WEIGHT_BYTES * 0.75,
+                                        "reduce-scatter": 3 * WEIGHT_BYTES * 0.75})
     assert sum(t.count for t in out) == 3 * 3 * (2 + 1)
+    # With a replica axis (data = 2) the scattered gradients are all-reduced over it too: a quarter of them.
+    hybrid = _sent(_data_parallel("fsdp", 3, data=2, fsdp=4))
+    assert hybrid["all-reduce"] == pytest.approx(3 * 2 * 0.5 * WEIGHT_BYTES / 4)
 
 
 def test_data_parallel_and_zero():
-    link = [_ring(4, True)]
-    # Replicated gradients: an all-reduce of every microbatch's 210 bytes: 2 x 3/4 x 210 x 3.
-    assert _sent(comms.all_reduce_gradients(100.0, 2, 10.0, 3, link)) == {"all-reduce": 2 * 0.75 * 210 * 3}
+    # Replicated gradients: an all-reduce of every microbatch's: 2 x 3/4 x W x 3.
+    assert _sent(_data_parallel("dp", 3, data=4)) == pytest.approx({"all-reduce": 2 * 0.75 * WEIGHT_BYTES * 3})
     # ZeRO-1, one microbatch: a reduce-scatter of the gradients and an all-gather of the updated weights: the same
     # bytes as the all-reduce (docs/benchmarks.md's zero1 meshes). Three microbatches: two all-reduces first.
-    assert _sent(comms.zero(1, 100.0, 2, 10.0, 1, link)) == {"reduce-scatter": 0.75 * 210, "all-gather": 0.75 * 210}
-    assert _sent(comms.zero(1, 100.0, 2, 10.0, 3, link)) == {"all-reduce": 2 * 2 * 0.75 * 210,
-                                                             "reduce-scatter": 0.75 * 210, "all-gather": 0.75 * 210}
+    w = 0.75 * WEIGHT_BYTES
+    assert _sent(_data_parallel("zero1", 1, data=4)) == pytest.approx({"reduce-scatter": w, "all-gather": w})
+    assert _sent(_data_parallel("zero1", 3, data=4)) == pytest.approx({"all-reduce": 2 * 2 * w,
+                                                                       "reduce-scatter": w, "all-gather": w})
     # ZeRO-2 scatters every microbatch's gradients.
-    assert _sent(comms.zero(2, 100.0, 2, 10.0, 3, link)) == {"reduce-scatter": 3 * 0.75 * 210,
-                                                             "all-gather": 0.75 * 210}
+    assert _sent(_data_parallel("zero2", 3, data=4)) == pytest.approx({"reduce-scatter": 3 * w, "all-gather": w})
 
 
 def test_tensor_parallel_collectives():
@@ -244,7 +296,8 @@ def test_forward_flops_are_flops_py_split_by_matmul(path):
     cfg = _cfg(path)
     m, seq = cfg.model, cfg.data.seq_len
     forward = sum(roofline.forward_flops(m, seq).values())
-    assert 3 * m.num_layers * forward + 6 * m.d_model * m.vocab_size == pytest.approx(flops.flops_per_token(m, seq))
+    per_token = flops.flops_per_token(ModelConfig.from_config(m), seq)
+    assert 3 * m.num_layers * forward + 6 * m.d_model * m.vocab_size == pytest.approx(per_token)
 
 
 @pytest.mark.parametrize("policy, block, groups", [
@@ -264,28 +317,30 @@ def test_what_remat_recomputes(policy, block, groups):
 # --- memory -----------------------------------------------------------------------------------------------------
 
 
+# The optimizer state holds two int32 step counts besides the moments (Adam's and the schedule's): 8 bytes.
 @pytest.mark.parametrize("overrides, axes, params, optimizer, gradients", [
     # fsdp = 8: 123200 float32 parameters / 8 = 61600 bytes; Adam's two moments 123200; gradients 61600.
-    ({}, _axes(fsdp=8), 61600, 123200, 61600),
+    ({}, _axes(fsdp=8), 61600, 123208, 61600),
     # data = 2 x fsdp = 4: data is a replica axis of the fsdp preset: / 4.
-    ({"mesh.data": 2}, _axes(data=2, fsdp=4), 123200, 246400, 123200),
+    ({"mesh.data": 2}, _axes(data=2, fsdp=4), 123200, 246408, 123200),
     # dp: everything replicated, 123200 x 4 bytes.
-    ({"sharding.preset": "dp"}, _axes(data=8), 492800, 985600, 492800),
+    ({"sharding.preset": "dp"}, _axes(data=8), 492800, 985608, 492800),
     # ZeRO-1: moments over data x fsdp (2 x 492800 / 8); ZeRO-2: gradients too.
-    ({"sharding.preset": "zero1"}, _axes(data=2, fsdp=4), 492800, 123200, 492800),
-    ({"sharding.preset": "zero2"}, _axes(data=2, fsdp=4), 492800, 123200, 61600),
+    ({"sharding.preset": "zero1"}, _axes(data=2, fsdp=4), 492800, 123208, 492800),
+    ({"sharding.preset": "zero2"}, _axes(data=2, fsdp=4), 492800, 123208, 61600),
     # tensor = 2 (divides the 2 kv heads): per layer ((8192 + 24576) / 2 + 4096 / 2 + 128) / 4 = 4640, outside
     # (49152 / 2 + 64) / 4 = 6160: 2 x 4640 + 6160 = 15440 parameters, x 4 bytes.
-    ({}, _axes(fsdp=4, tensor=2), 61760, 123520, 61760),
+    ({}, _axes(fsdp=4, tensor=2), 61760, 123528, 61760),
     # tensor = 4 replicates the 2 kv heads: ((8192 + 24576) / 4 + 4096 + 128) / 2 = 6208 per layer, outside
     # (49152 / 4 + 64) / 2 = 6176: 18592 parameters.
-    ({}, _axes(fsdp=2, tensor=4), 74368, 148736, 74368),
-    # pipeline = 2: one layer per stage (36992 / 4 = 9248), everything outside the layers on each: 49216 / 4.
-    ({}, _axes(fsdp=4, pipeline=2), 86208, 172416, 86208),
-    # bfloat16 parameters: 2 bytes, and so are Adam's moments (optax keeps the parameters' dtype).
-    ({"model.param_dtype": "bfloat16"}, _axes(fsdp=8), 30800, 61600, 30800),
+    ({}, _axes(fsdp=2, tensor=4), 74368, 148744, 74368),
+    # pipeline = 2: the trainer does not split the state over stages (yet), so neither does the plan.
+    ({}, _axes(fsdp=4, pipeline=2), 123200, 246408, 123200),
+    # bfloat16 parameters: 2 bytes; Adam's moments stay float32 (optim.moment_dtype): the book's 2 + 8 bytes.
+    ({"model.param_dtype": "bfloat16"}, _axes(fsdp=8), 30800, 123208, 30800),
+    ({"optim.moment_dtype": "bfloat16"}, _axes(fsdp=8), 61600, 61608, 61600),
     # gradient accumulation holds the running sum and one microbatch's gradients.
-    ({"train.grad_accum_steps": 2}, _axes(fsdp=8), 61600, 123200, 123200),
+    ({"train.grad_accum_steps": 2}, _axes(fsdp=8), 61600, 123208, 123200),
     ({"optim.offload": True}, _axes(fsdp=8), 61600, 0, 61600),
     ({"params.offload": True}, _axes(fsdp=8), 0, 0, 0),
 ])
@@ -296,8 +351,8 @@ def test_state_memory(overrides, axes, params, optimizer, gradients):
 
 def test_offloaded_state_is_counted_in_host_memory():
     mem = memory.predict(_cfg(**{"params.offload": True}), _axes(fsdp=8))
-    assert (mem.host_params, mem.host_optimizer, mem.host_gradients) == (61600, 123200, 61600)
-    assert memory.predict(_cfg(**{"optim.offload": True}), _axes(fsdp=8)).host_optimizer == 123200
+    assert (mem.host_params, mem.host_optimizer, mem.host_gradients) == (61600, 123208, 61600)
+    assert memory.predict(_cfg(**{"optim.offload": True}), _axes(fsdp=8)).host_optimizer == 123208
 
 
 # fsdp = 8: 8 x 32 / 8 = 32 tokens per device, bfloat16 activations (2 bytes). Elements per token: the layer input
@@ -372,11 +427,15 @@ def test_hbm_traffic():
     # 2 (32 in + in out + 32 out): 28672 + 16384 + 53248 + 28672 = 126976, three passes: 380928. Attention reads
     # Q, K, V and writes its output: 3 x 2 x 32 x (64 + 32 + 32 + 64) = 36864. Per layer 417792, 2 layers.
     # Output projection: 3 x (2 (32 x 64 + 64 x 384) + 4 x 32 x 384) + loss 2 x 4 x 32 x 384 = 405504.
-    # Update: 7 x 4 bytes x 123200 / 8 parameters = 431200. That is all with the flash kernels; XLA's attention
-    # also moves its scores: 32 tokens x 4 heads x 32 keys x 73 bytes = 299008 per layer.
-    assert roofline.hbm_bytes(_cfg(**{"model.attention": "flash"}), _axes(fsdp=8), frozenset()) == (
-        2 * 417792 + 405504 + 431200)
-    assert roofline.hbm_bytes(_cfg(), _axes(fsdp=8), frozenset()) == 2 * (417792 + 299008) + 405504 + 431200
+    # Update: parameters read and written and gradients read, 3 x 4 bytes x 123200 / 8 = 184800, and the optimizer
+    # state read and written, 2 x 123208 (two float32 moments and two int32 counts): 431216. That is all with the
+    # flash kernels; XLA's attention also moves its scores: 32 tokens x 4 heads x 32 keys x 73 bytes = 299008 per
+    # layer.
+    flash, xla = _cfg(**{"model.attention": "flash"}), _cfg()
+    assert roofline.hbm_bytes(flash, _axes(fsdp=8), frozenset(), memory.state(flash, _axes(fsdp=8))) == (
+        2 * 417792 + 405504 + 431216)
+    assert roofline.hbm_bytes(xla, _axes(fsdp=8), frozenset(), memory.state(xla, _axes(fsdp=8))) == (
+        2 * (417792 + 299008) + 405504 + 431216)
 
 
 def test_small_model_on_v5e_fsdp_collectives_are_latency_bound():
@@ -421,7 +480,7 @@ def test_dcn_data_parallel_across_two_slices():
     # Llama-3-8B, fsdp = 64 in each of 2 v5p slices, data parallel across them: each device all-reduces its
     # fsdp shard of the gradients over DCN, 2 x (32.1e9 / 64) x 1/2 = 501,891,328 bytes, at 6.25e9 B/s.
     r = roofline.plan(_cfg("llama3_8b.yaml", **{"mesh.dcn_data": 2}), "2xv5p:4x4x4")
-    params = flops.param_count(_cfg("llama3_8b.yaml").model).total
+    params = flops.param_count(ModelConfig.from_config(_cfg("llama3_8b.yaml").model)).total
     assert r["comm_bytes_per_device"]["dcn_data"] == pytest.approx(params * 4 / 64)
     assert r["time_s"]["dcn"] == pytest.approx(params * 4 / 64 / 6.25e9)
     # scaling.md: across slices the batch per slice must exceed C / W_dcn = 73,440 tokens (here 524,288).
@@ -542,3 +601,75 @@ def test_flash_attention_executes_the_causal_half_and_moves_no_scores():
     # No query block's scores in memory with flash.
     xla_layer, flash_layer = (p["memory_detail_bytes"]["layer_working_set"] for p in (plans["xla"], plans["flash"]))
     assert xla_layer - flash_layer == 4 * 32 * 512 * 8192 * 18
+
+
+# --- budgets: the run's FLOPs, days and chip-hours, and the fewest chips -----------------------------------------
+
+# Four activation checkpoints per layer of [tokens, d_model] bf16: the layer input (always kept), Q (64 x 128 =
+# d_model wide), the attention output projection and the MLP's. bfloat16 parameters, float32 Adam moments.
+FOUR_CHECKPOINTS = {"model.param_dtype": "bfloat16", "remat.policy": "custom", "remat.custom.query_proj": "device",
+                    "remat.custom.out_proj": "device", "remat.custom.mlp_out": "device"}
+
+
+def test_llama3_70b_training_time_as_the_book_counts_it():
+    cfg = _cfg("llama3_70b.yaml", **BOOK, **FOUR_CHECKPOINTS)
+    r = roofline.plan(cfg, "v5p:16x20x28")
+    t = budget.training(cfg, r, 15e12, mfu=0.4)
+    # Book: 6 * 70e9 * 15e12 = 6.3e24 FLOPs, attention left out ("reasonable for shorter-context training"), and
+    # 6.3e24 / (8960 * 4.59e14 * 0.4) = 3.8e6 s, "about 44 days".
+    assert round(t["matmul_flops"] / 1e24, 1) == 6.3
+    assert round(t["days"] * t["matmul_flops"] / t["total_flops"]) == 44
+    # The plan counts causal attention as well (6 T N H L per token: 3.9% more here), as MFU does: 45.7 days.
+    assert t["attention_flops"] == pytest.approx(15e12 * 6 * 4096 * 64 * 128 * 80)
+    assert t["total_flops"] == pytest.approx(15e12 * r["flops_per_token"])
+    assert t["days"] == pytest.approx(t["total_flops"] / (8960 * 4.59e14 * 0.4) / 86400)
+    assert t["chip_hours"] == pytest.approx(t["days"] * 24 * 8960)
+    # Without --mfu: at the predicted step time.
+    predicted = budget.training(cfg, r, 15e12)
+    assert predicted["days"] == pytest.approx(15e12 / r["tokens_per_second"] / 86400)
+
+
+def test_llama3_70b_fewest_chips():
+    # Book (the chapter's edition with four checkpoints per layer): with 4e6 tokens, 140 GB of bf16 parameters,
+    # 560 GB of float32 Adam state and 2 * 8192 * 4e6 * 4 * 80 = 20.9 TB of checkpoints, 21.6e12 / 96e9 = 225
+    # chips at least. The planner counts the gradients too (bf16, 141 GB): a chip and a half more.
+    book = _cfg("llama3_70b.yaml", **FOUR_CHECKPOINTS, **{"data.seq_len": 4000, "train.global_batch": 1000,
+                                                           "model.attention_block": 0, "model.logits_block": 0})
+    chips = budget.capacity_chips(book, hardware.spec("v5p"))
+    assert 225 <= chips < 228
+    # The fewest chips of a slice that exists, on which the plan fits and the trainer would run: the book's
+    # 1024 x 4096 batch needs 238 chips' HBM by that count; v5p's slices of 256 hold 16384 tokens per chip, whose
+    # checkpoints (85.9 GB), working layer and logits exceed 96 GB; 320, 384 and 448 chips do not divide the batch
+    # (or d_model); 512 (8x8x8) fits.
+    cfg = _cfg("llama3_70b.yaml", **{**BOOK, **FOUR_CHECKPOINTS, "model.logits_block": 1024})
+    found = budget.min_chips(cfg, "v5p:16x20x28")
+    assert (found["min_chips"], found["hardware"], found["mesh"]["fsdp"]) == (512, "v5p:8x8x8", 512)
+    assert found["memory_per_device_bytes"] <= 96e9 < memory.predict(cfg, _axes(fsdp=256)).total
+    assert math.ceil(found["capacity_chips"]) == 238
+
+
+def test_llama2_13b_memory_as_the_book_counts_it():
+    # The book's training chapter, problem 2: LLaMA-2-13B, bf16 parameters, float32 Adam, 16M tokens, three
+    # checkpoints per layer after the MLP's matmuls: two [B, F] (gate, up) and one [B, D] - the layer input here.
+    llama2_13b = {"model.vocab_size": 32000, "model.d_model": 5120, "model.num_layers": 40, "model.num_heads": 40,
+                  "model.num_kv_heads": 40, "model.head_dim": 128, "model.d_ff": 13824,
+                  "model.param_dtype": "bfloat16", "data.seq_len": 4000, "train.global_batch": 4000,
+                  "remat.policy": "custom", "remat.custom.mlp_gate": "device", "remat.custom.mlp_up": "device"}
+    whole = memory.predict(_cfg(**llama2_13b), _axes())
+    # (2 + 4 + 4) x 13e9 = 130 GB of parameters and Adam.
+    assert round((whole.params + whole.optimizer) / 1e9, -1) == 130
+    # 2 L B (D + 2F) = 2 x 40 x 16e6 x (5120 + 2 x 13824) = 4.2e13: 42 TB.
+    assert round(whole.saved_activations / 1e12) == 42
+
+
+def test_plan_cli_answers_the_budget_questions():
+    from tests.conftest import run_cli
+
+    command = ["plan", "--config", "configs/llama_tiny.yaml", "--hardware", "v5e:2x4", "--tokens", "1e9"]
+    r = json.loads(run_cli([*command, "--mfu", "0.5", "--json"], module=True).stdout)
+    assert set(r["training"]) >= {"tokens", "total_flops", "days", "chip_hours"} and r["training"]["mfu"] == 0.5
+    assert r["min_chips"] == r["min_chips_detail"]["min_chips"] == 1  # the tiny model fits one v5e
+    text = run_cli(command, module=True).stdout
+    assert "training on 1e+09 tokens" in text and "fewest chips that fit: 1 (v5e:1x1" in text
+    refused = run_cli([*command[:-2], "--mfu", "0.5"], module=True)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: --mfu must be in (0, 1] and comes with")

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from scaletrain import remat
+from scaletrain import config, remat
 from scaletrain.model import rope
 from scaletrain.model.attention import Attention
 from scaletrain.model.layers import Embed, RMSNorm, param, project
@@ -21,6 +22,9 @@ from scaletrain.sharding import constrain, constrain_param
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    """The `model` config section as the model reads it (its defaults are config.defaults()'s, nowhere else),
+    plus what the trainer derives from other sections."""
+
     vocab_size: int
     d_model: int
     num_layers: int
@@ -28,38 +32,41 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     d_ff: int
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: str = "none"
-    rope_scaling_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_position: int = 8192
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    param_dtype: Any = jnp.float32
-    dtype: Any = jnp.bfloat16
+    norm_eps: float
+    rope_theta: float
+    rope_scaling: str
+    rope_scaling_factor: float
+    rope_low_freq_factor: float
+    rope_high_freq_factor: float
+    rope_original_max_position: int
+    tie_embeddings: bool
+    init_std: float
+    param_dtype: Any
+    dtype: Any
+    attention: str  # config.ATTENTIONS: blocked attention in XLA, or a flash kernel
+    attention_block: int
+    logits_block: int  # sequence positions per block of the output projection + loss; 0: all at once
+    norm: str  # how RMSNorm meets the following matmul: config.NORMS
+    norm_weights: str  # config.NORM_WEIGHTS
+    qk_norm: bool  # per-head RMSNorm of Q and K before RoPE (Qwen3, Gemma 3)
+    qk_norm_eps: float
+    norm_cancellation: bool  # drop the input norm's 1/rms for Q and K (their norms undo it)
+    # Derived by the trainer from other sections.
     remat: str = "none"  # a remat.POLICIES name
     remat_custom: tuple[tuple[str, str], ...] = ()  # (checkpoint name, remat|device|offload) for "custom"
-    attention: str = "xla"  # config.ATTENTIONS: blocked attention in XLA, or a flash kernel
-    attention_block: int = 0
-    logits_block: int = 0  # sequence positions per block of the output projection + loss; 0: all at once
-    fuse_qkv: bool = True  # False where kv heads are replicated over `tensor` (set by the trainer)
-    norm: str = "standard"  # how RMSNorm meets the following matmul: config.NORMS
-    norm_weights: str = "standard"  # config.NORM_WEIGHTS
-    qk_norm: bool = False  # per-head RMSNorm of Q and K before RoPE (Qwen3, Gemma 3)
-    qk_norm_eps: float = 1e-6
-    norm_cancellation: bool = False  # drop the input norm's 1/rms for Q and K (their norms undo it)
+    fuse_qkv: bool = True  # False where kv heads are replicated over `tensor`
     # Unroll the layer scan and the attention block loop. Only for XLA's cost estimate, which counts a loop's
     # body once (planner/aot.py); never for training (compile time and code size grow with the depth).
     unroll_loops: bool = False
 
     @classmethod
-    def from_config(cls, model_cfg, **derived) -> "ModelConfig":
-        """From the `model` config section; `derived` sets the fields that come from elsewhere (the remat
-        section, fuse_qkv from the mesh); fields in neither keep their defaults."""
-        values = {f.name: model_cfg[f.name] for f in dataclasses.fields(cls)
-                  if f.name not in derived and f.name in model_cfg} | derived
+    def from_config(cls, model_cfg: Mapping[str, Any] | None = None, **derived) -> "ModelConfig":
+        """From the `model` config section (or a mapping of some of its keys: the rest take the schema's
+        defaults); `derived` sets the fields that come from elsewhere (the remat section, fuse_qkv from the mesh)
+        or overrides section keys."""
+        section = config.defaults().model.to_dict() | dict(model_cfg or {})
+        values = {f.name: section[f.name] for f in dataclasses.fields(cls)
+                  if f.name not in derived and f.name in section} | derived
         values["param_dtype"] = jnp.dtype(values["param_dtype"])
         values["dtype"] = jnp.dtype(values["dtype"])
         return cls(**values)
@@ -186,8 +193,10 @@ class Llama(nnx.Module):
         return constrain(logits, ("batch", "seq", "vocab"))
 
 
+@functools.cache
 def abstract(cfg: ModelConfig) -> tuple[nnx.GraphDef, dict, dict]:
-    """(graphdef, parameter shapes, logical axes), as plain nested dicts, without allocating anything."""
+    """(graphdef, parameter shapes, logical axes), as plain nested dicts, without allocating anything. Cached:
+    the planner asks for the same model on every slice it tries; the dicts are shared, never to be changed."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0))))
     logical = jax.tree.map(lambda v: tuple(v.out_sharding), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(logical)

@@ -6,9 +6,11 @@ Conventions (the scaling book, "Collectives on a torus"; docs/planner.md):
 - Bytes per device are those each device sends on a ring: V (X-1)/X for an all-gather or a reduce-scatter,
   2 V (X-1)/X for an all-reduce (= reduce-scatter + all-gather), V (X-1)/X^2 for an all-to-all, V for a send;
   the same convention as the compiled inventory (planner/hlo.py, `Collective.moved_bytes`).
-- Time on a TPU torus: an all-gather or reduce-scatter takes V (X-1)/X / W, W the sum over the physical axes the
-  mesh axis spans (M_X of them) of W_ici bidirectional per axis with wraparound, W_ici one-way without (twice as
-  long); an all-reduce twice that; an all-to-all V max(parts) / (4 X W / M_X). A pipeline send crosses one link
+- Time on a TPU torus: an all-gather or reduce-scatter takes V / W where every physical axis the mesh axis spans
+  wraps (the book's convention, whose worked answers for v4 reproduce: a bidirectional ring's exact (X-1)/X is
+  left out), W the sum over those axes (M_X of them) of W_ici bidirectional; V (X-1)/X / W otherwise, an open
+  axis counting W_ici one-way (twice as long: the v5e answers). An all-reduce takes twice either; an all-to-all
+  V max(parts) / (4 X W / M_X). A pipeline send crosses one link
   one way: V / W_oneway. On a GPU node (a switch) W is the NVLink egress per GPU, and an all-to-all
   V (X-1) / (X^2 W) (the book's GPU chapter); across slices (DCN, or GPU nodes) W is the DCN bandwidth per chip.
 - Latency floor: each execution takes at least hops x 1 us: X/2 hops per wrapped axis, X-1 per open axis or
@@ -66,11 +68,15 @@ class Link:
                 "send": full_bytes}[kind]
 
     def seconds(self, kind: str, full_bytes: float) -> float:
-        """One execution: the bandwidth time, or the latency floor when that is longer."""
+        """One execution: the bandwidth time, or the latency floor when that is longer. On a level whose every
+        physical axis wraps, as the book computes it: V / W for an all-gather or a reduce-scatter, 2 V / W for an
+        all-reduce (a bidirectional ring's exact (X-1)/X left out, as the book's worked answers leave it)."""
         if kind == "send":
             return max(full_bytes / self.oneway, self.hop_latency)
         if kind == "all-to-all" and not self.switch:
             moving = full_bytes * max(self.parts) / (4 * self.size * self.bandwidth / len(self.parts))
+        elif not self.switch and all(self.wraps) and kind != "all-to-all":
+            moving = (2 if kind == "all-reduce" else 1) * full_bytes / self.bandwidth
         else:
             moving = self.bytes_sent(kind, full_bytes) / self.bandwidth
         return max(moving, self.hops * self.hop_latency)
@@ -99,52 +105,6 @@ def collective(kind: str, what: str, full_bytes: float, count: int, levels: Sequ
                                 bytes_per_device=count * link.bytes_sent(kind, full_bytes),
                                 seconds=count * link.seconds(kind, full_bytes)))
             full_bytes /= link.size
-    return out
-
-
-def _weights(layer_bytes: float, layers: int, other_bytes: float) -> list[tuple[str, float, int]]:
-    """The units weights move in: one layer at a time inside the scanned stack, the rest (embedding, output
-    projection, final norm) once."""
-    return [("layer", layer_bytes, layers), ("embedding and output", other_bytes, 1)]
-
-
-def fsdp(layer_bytes: float, layers: int, other_bytes: float, microbatches: int,
-         levels: Sequence[Link]) -> list[Transfer]:
-    """FSDP / ZeRO-3 per microbatch: each layer's weights all-gathered for the forward pass and again for the
-    backward pass (which also serves a remat recomputation; the compiled fsdp=8 step re-gathers in the backward
-    even without remat, docs/parallelism.md), and its gradient reduce-scattered. Bytes are one device's tensor
-    and pipeline shard of the weights, unsharded over fsdp."""
-    out = []
-    for what, v, n in _weights(layer_bytes, layers, other_bytes):
-        out += collective("all-gather", f"{what} weights, forward", v, n * microbatches, levels)
-        out += collective("all-gather", f"{what} weights, backward", v, n * microbatches, levels)
-        out += collective("reduce-scatter", f"{what} gradients", v, n * microbatches, levels)
-    return out
-
-
-def all_reduce_gradients(layer_bytes: float, layers: int, other_bytes: float, microbatches: int,
-                         levels: Sequence[Link]) -> list[Transfer]:
-    """Data parallelism with replicated gradients: every microbatch's gradients all-reduced (the accumulation
-    keeps them replicated, train_step.py), layer by layer."""
-    out = []
-    for what, v, n in _weights(layer_bytes, layers, other_bytes):
-        out += collective("all-reduce", f"{what} gradients", v, n * microbatches, levels)
-    return out
-
-
-def zero(stage: int, layer_bytes: float, layers: int, other_bytes: float, microbatches: int,
-         levels: Sequence[Link]) -> list[Transfer]:
-    """ZeRO-1 / ZeRO-2 over the data-parallel levels: the optimizer updates 1/X of the state, so the gradients
-    are reduce-scattered into its layout and the updated parameters all-gathered back to every device.
-    ZeRO-2 keeps gradients scattered, so each microbatch reduce-scatters; ZeRO-1 keeps them replicated, so all
-    microbatches but the last all-reduce (its compiled step turns the last all-reduce into a reduce-scatter:
-    docs/benchmarks.md's zero1 meshes move 2x the weights, all-gather and reduce-scatter)."""
-    out = []
-    for what, v, n in _weights(layer_bytes, layers, other_bytes):
-        scatters = microbatches if stage == 2 else 1
-        out += collective("all-reduce", f"{what} gradients", v, n * (microbatches - scatters), levels)
-        out += collective("reduce-scatter", f"{what} gradients", v, n * scatters, levels)
-        out += collective("all-gather", f"{what} updated weights", v, n, levels)
     return out
 
 

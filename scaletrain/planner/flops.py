@@ -10,13 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
+
+from scaletrain import model as model_lib
+from scaletrain.sharding import is_logical
+
 
 @dataclass(frozen=True)
 class ParamCount:
     embedding: int  # the input table, vocab x d_model
     attention: int  # per layer: Q, K, V, O
     mlp: int  # per layer: gate, up, down
-    norms: int  # per layer: two RMSNorm gains
+    norms: int  # per layer: the RMSNorm gains (QK norms' too)
     num_layers: int
     final_norm: int
     lm_head: int  # 0 when tied to the embedding
@@ -36,14 +41,24 @@ class ParamCount:
         return self.num_layers * (self.attention + self.mlp) + (self.lm_head or self.embedding)
 
 
-def param_count(m) -> ParamCount:
-    """`m` has the fields of model.ModelConfig (d_model, d_ff, num_layers, num_heads, num_kv_heads, head_dim,
-    vocab_size, tie_embeddings)."""
-    d = m.d_model
-    table = m.vocab_size * d
-    return ParamCount(embedding=table, attention=2 * d * (m.num_heads + m.num_kv_heads) * m.head_dim,
-                      mlp=3 * d * m.d_ff, norms=2 * d, num_layers=m.num_layers, final_norm=d,
-                      lm_head=0 if m.tie_embeddings else table)
+def param_count(model_cfg) -> ParamCount:
+    """Counted from the model's own abstract parameters (model.abstract), so that any array the model has - QK
+    norms, weightless norms' absence - is counted as built. Under `layers` (stacked, one row per layer): a
+    parameter with one dim besides `layers` is a norm gain, the rest are the MLP's (under `mlp`) or attention's."""
+    _, params, logical = model_lib.abstract(model_cfg)
+    sizes = {"attention": 0, "mlp": 0, "norms": 0}
+    layers = params.get("layers", {})
+    flat = jax.tree_util.tree_flatten_with_path(layers)[0]
+    for (path, x), names in zip(flat, jax.tree.leaves(logical.get("layers", {}), is_leaf=is_logical)):
+        kind = ("norms" if len(names) == 2 else
+                "mlp" if any(getattr(k, "key", None) == "mlp" for k in path) else "attention")
+        sizes[kind] += x.size // x.shape[0]
+
+    def size(name: str) -> int:
+        return sum(x.size for x in jax.tree.leaves(params.get(name, {})))
+
+    return ParamCount(embedding=size("embed"), **sizes, num_layers=model_cfg.num_layers,
+                      final_norm=size("final_norm"), lm_head=size("lm_head"))
 
 
 def attention_flops_per_token(m, seq_len: int) -> float:

@@ -1,19 +1,22 @@
 """Memory per device: what XLA's compiled step says it needs, and what the planner predicts from the config.
 
-The prediction (`predict`) counts the training state by how the sharding preset divides it (sharding.PRESETS),
-the gradients, and the activations the remat policy keeps for the backward pass (remat.py), plus the float32
-logits and their gradient, which dominate small models. docs/planner.md states every rule.
+The prediction (`predict`) counts the training state - parameters, gradients, optimizer state - as the bytes of
+the trainer's own arrays placed by its own rule tables on an abstract mesh of the planned shape (layout.py), the
+activations the remat policy keeps for the backward pass (remat.py), and the float32 logits and their gradient,
+which dominate small models. docs/planner.md states every rule.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
 
+from jax.sharding import AbstractMesh
+
+from scaletrain import layout as layout_lib
 from scaletrain import remat, sharding
 from scaletrain.errors import ConfigError
-from scaletrain.planner import flops
+from scaletrain.parallelism import shards_kv_heads
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -74,28 +77,40 @@ def describe(memory: dict[str, int]) -> str:
     return line
 
 
-def embed_axes(preset: str, role: str) -> tuple[str, ...]:
-    """Mesh axes the `embed` dim of `role` arrays (params, grads, opt_state) is sharded over in a preset."""
-    entry = getattr(sharding.PRESETS[preset], role).get("embed")
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+@dataclass(frozen=True)
+class State:
+    """The training state on a planned mesh, as the trainer lays it out (layout.py): per-device bytes of one
+    copy of each kind of array, wherever it lives."""
+
+    layout: layout_lib.StateLayout
+    mesh: AbstractMesh
+    params: int
+    optimizer: int
+    gradients: int
+
+    def weights(self, table: sharding.RuleTable, gathered: Sequence[str] = ()) -> tuple[float, float]:
+        """Bytes one device holds of the parameters placed by `table`, gathered over the mesh axes `gathered`
+        (sharded over none of them): (one layer's, those outside the layers)."""
+        table = {k: tuple(a for a in sharding.mesh_axes(v) if a not in gathered) for k, v in table.items()}
+        lay = self.layout
+
+        def part(inside: bool) -> int:
+            keep = [k for k in lay.params if (k == "layers") == inside]
+            return layout_lib.device_bytes({k: lay.params[k] for k in keep}, {k: lay.logical[k] for k in keep},
+                                           table, self.mesh)
+
+        return part(True) / lay.model_cfg.num_layers, part(False)
 
 
-def kv_ways(m, tensor: int) -> int:
-    """The ways kv heads are split: over `tensor` where it divides them, replicated otherwise (sharding.rules_for)."""
-    return tensor if m.num_kv_heads % tensor == 0 else 1
-
-
-def param_split(m, axes: Mapping[str, int], embed: Sequence[str]) -> tuple[float, float]:
-    """Parameters one device holds (one layer's, those outside the layers) when `embed` names the mesh axes the
-    embed dim is sharded over; heads, mlp and vocab are split over `tensor` in every preset, kv heads `kv_ways`.
-    `m` has flops.param_count's fields."""
-    count = flops.param_count(m)
-    t = axes["tensor"]
-    e = math.prod(axes[a] for a in embed)
-    q_and_o = 2 * m.d_model * m.num_heads * m.head_dim
-    layer = ((q_and_o + count.mlp) / t + (count.attention - q_and_o) / kv_ways(m, t) + count.norms) / e
-    outside = ((count.embedding + count.lm_head) / t + count.final_norm) / e
-    return layer, outside
+def state(cfg, axes: Mapping[str, int]) -> State:
+    """The trainer's own layout of the state (its model's parameters, its optimizer's state, their rule tables)
+    applied on an abstract mesh of these axis sizes."""
+    lay = layout_lib.of(cfg, axes)
+    mesh = layout_lib.abstract_mesh(axes)
+    return State(layout=lay, mesh=mesh,
+                 params=layout_lib.device_bytes(lay.params, lay.logical, lay.rules.params, mesh),
+                 optimizer=layout_lib.device_bytes(lay.opt_state, lay.opt_logical, lay.rules.opt_state, mesh),
+                 gradients=layout_lib.device_bytes(lay.params, lay.logical, lay.rules.grads, mesh))
 
 
 def kept(policy: str, custom: Mapping[str, str]) -> dict[str, str]:
@@ -114,7 +129,8 @@ def tensor_elements(m, tensor: int, sequence_parallel: bool) -> dict[str, float]
     sharding.py splits it: residual-stream tensors over `tensor` with sequence parallelism, heads and mlp
     always, kv heads where `tensor` divides them."""
     residual = m.d_model / (tensor if sequence_parallel else 1)
-    heads, kv = m.num_heads * m.head_dim / tensor, m.num_kv_heads * m.head_dim / kv_ways(m, tensor)
+    kv_ways = tensor if shards_kv_heads(m.num_kv_heads, tensor) else 1
+    heads, kv = m.num_heads * m.head_dim / tensor, m.num_kv_heads * m.head_dim / kv_ways
     return {"decoder_layer_input": residual, "query_proj": heads, "key_proj": kv, "value_proj": kv,
             "attention_out": heads, "out_proj": residual, "mlp_gate": m.d_ff / tensor, "mlp_up": m.d_ff / tensor,
             "mlp_out": residual}
@@ -202,27 +218,23 @@ def activation_tokens(cfg, axes: Mapping[str, int]) -> float:
     return replica_tokens(cfg, axes) * (cfg.train.grad_accum_steps if axes["pipeline"] > 1 else 1)
 
 
-def predict(cfg, axes: Mapping[str, int]) -> Prediction:
+def predict(cfg, axes: Mapping[str, int], state_: State | None = None) -> Prediction:
     """Bytes per device of a train step for config `cfg` on a mesh whose axis sizes (ICI x DCN) are `axes`.
 
-    State: parameters in model.param_dtype (the master copy: no other is kept), Adam's two moments in the same
-    dtype (optax's default), gradients in it too - twice over with gradient accumulation (the running sum and
-    a microbatch's) - each divided as sharding.PRESETS divides it; layer parameters over `pipeline` as well.
-    optim.offload moves the moments to host memory, params.offload parameters, moments and gradients.
+    State: the bytes of the trainer's own arrays on that mesh (`state`): parameters in model.param_dtype (the
+    master copy: no other is kept), Adam's two moments in optim.moment_dtype, gradients in the parameters'
+    dtype - twice over with gradient accumulation (the running sum and a microbatch's). optim.offload moves the
+    moments to host memory, params.offload parameters, moments and gradients.
     Activations: the remat policy's saved tensors for every layer of the device's stage (policy none:
     scaling.md's 20 [tokens, d_model] tensors per layer), one layer's full set while the backward pass
     rematerialises it (every other policy), and the float32 logits and their gradient - of one block of
     model.logits_block positions per sequence when that is set."""
     m = cfg.model
-    preset, t, stage_layers = cfg.sharding.preset, axes["tensor"], m.num_layers / axes["pipeline"]
-    pb, ab = DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[m.dtype]
-
-    def state(role: str) -> float:
-        layer, outside = param_split(m, axes, embed_axes(preset, role))
-        return (layer * stage_layers + outside) * pb
-
-    params, moments = state("params"), 2 * state("opt_state")
-    grads = state("grads") * (2 if cfg.train.grad_accum_steps > 1 else 1)
+    t, stage_layers = axes["tensor"], m.num_layers / axes["pipeline"]
+    ab = DTYPE_BYTES[m.dtype]
+    s = state_ or state(cfg, axes)
+    params, moments = s.params, s.optimizer
+    grads = s.gradients * (2 if cfg.train.grad_accum_steps > 1 else 1)
     tokens = activation_tokens(cfg, axes)
     elements = tensor_elements(m, t, cfg.sharding.sequence_parallel)
     policy = cfg.remat.policy
@@ -236,10 +248,11 @@ def predict(cfg, axes: Mapping[str, int]) -> Prediction:
         saved, offloaded = device * ab * tokens * stage_layers, host * ab * tokens * stage_layers
         working = _unremat_layer(cfg, t, ab) * tokens + _attention_block_working(cfg, tokens, t, ab)
     logits = 2 * tokens * logits_block(cfg) / cfg.data.seq_len * m.vocab_size / t * 4
-    on_host = cfg.params.offload
+    on_host = s.layout.params_home is not None
+    moments_on_host = s.layout.opt_home is not None
     return Prediction(
-        params=0.0 if on_host else params, optimizer=0.0 if on_host or cfg.optim.offload else moments,
+        params=0.0 if on_host else params, optimizer=0.0 if moments_on_host else moments,
         gradients=0.0 if on_host else grads, activations=saved + working + logits, saved_activations=saved,
         layer_working_set=working, logits=logits, host_params=params if on_host else 0.0,
-        host_optimizer=moments if on_host or cfg.optim.offload else 0.0, host_gradients=grads if on_host else 0.0,
+        host_optimizer=moments if moments_on_host else 0.0, host_gradients=grads if on_host else 0.0,
         host_activations=offloaded)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
 from scaletrain import mesh as mesh_lib
+from scaletrain import parallelism, sharding
 from scaletrain.config import MESH_AXES
 from scaletrain.kernels import flash_attention
 from scaletrain.planner import comms, flops, memory
@@ -124,16 +125,16 @@ def recomputed_logits(cfg) -> bool:
 XLA_SCORE_BYTES = 73
 
 
-def hbm_bytes(cfg, axes: Mapping[str, int], recompute: frozenset[str]) -> float:
+def hbm_bytes(cfg, axes: Mapping[str, int], recompute: frozenset[str], state: memory.State) -> float:
     """HBM traffic of one device per step. Each projection reads its input and weights and writes its output
     (scaling.md: 2BD + 2DF + 2BF bytes in bf16) once forward, twice backward (input and weight gradients) and
     once more when recomputed; attention reads Q, K, V and writes its output per pass, and XLA's attention moves
     its scores (XLA_SCORE_BYTES each); the output projection writes float32 logits (twice when model.logits_block
-    recomputes them), the loss reads them and writes their gradient; the optimizer reads parameters, gradients and
-    both moments and writes parameters and moments, on its shard of the state."""
+    recomputes them), the loss reads them and writes their gradient; the optimizer reads parameters and gradients
+    and writes parameters, on its shard of the state, and reads and writes both moments (`state`'s bytes)."""
     m = cfg.model
     t, stages = axes["tensor"], axes["pipeline"]
-    ab, pb = memory.DTYPE_BYTES[m.dtype], memory.DTYPE_BYTES[m.param_dtype]
+    ab = memory.DTYPE_BYTES[m.dtype]
     tokens = memory.replica_tokens(cfg, axes)
     layer = sum((3 + (g in recompute)) * ab * (tokens * i + i * o + tokens * o)
                 for g, (i, o) in matmul_shapes(m, t).items())
@@ -145,8 +146,8 @@ def hbm_bytes(cfg, axes: Mapping[str, int], recompute: frozenset[str]) -> float:
     vocab = m.vocab_size / t
     passes = 3 + recomputed_logits(cfg)
     head = passes * (ab * (tokens * m.d_model + m.d_model * vocab) + 4 * tokens * vocab) + 2 * 4 * tokens * vocab
-    layer_params, outside = memory.param_split(m, axes, memory.embed_axes(cfg.sharding.preset, "opt_state"))
-    update = 7 * pb * (layer_params * m.num_layers / stages + outside)
+    layer_params, outside = state.weights(state.layout.rules.opt_state)
+    update = 3 * (layer_params * m.num_layers / stages + outside) + 2 * state.optimizer
     return cfg.train.grad_accum_steps * (layer * m.num_layers + head) / stages + update
 
 
@@ -157,35 +158,67 @@ def _moe(m) -> tuple[int, int]:
     return (m.num_layers if experts else 0), m.get("experts_per_token", 0)
 
 
-def step_transfers(cfg, axes: Mapping[str, int], links: Mapping[str, list[comms.Link]],
-                   recompute: frozenset[str]) -> list[comms.Transfer]:
-    """Every collective of one train step: the preset's data parallelism (FSDP with a replica `data` axis
-    all-reducing the scattered gradients; plain data parallelism; ZeRO-1/2 over data x fsdp), tensor, pipeline
-    and expert parallelism (comms.py)."""
-    m = cfg.model
-    pb, ab = memory.DTYPE_BYTES[m.param_dtype], memory.DTYPE_BYTES[m.dtype]
-    accum, f, t = cfg.train.grad_accum_steps, axes["fsdp"], axes["tensor"]
-    layers = math.ceil(m.num_layers / axes["pipeline"])
-    layer_params, outside = memory.param_split(m, axes, ())
-    weights, rest = layer_params * pb, outside * pb
+def _innermost_first(names) -> list[str]:
+    return sorted(names, key=MESH_AXES.index, reverse=True)
 
-    def levels(*names: str) -> list[comms.Link]:
+
+def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
+                            levels: Callable[[Sequence[str]], list[comms.Link]]) -> list[comms.Transfer]:
+    """The collectives of data parallelism in all its forms, read off the rule tables (sharding.py) rather than
+    preset names. With P, G and O the batch axes that shard the parameters, the gradients and the optimizer
+    state: per microbatch, each layer's weights all-gathered over P for the forward pass and again for the
+    backward (which also serves a remat recomputation; the compiled fsdp=8 step re-gathers in the backward even
+    without remat, docs/parallelism.md); the gradients reduce-scattered over G, and all-reduced over the batch
+    axes that shard no state - over those that shard only the optimizer state (O - G), all but the last
+    microbatch all-reduce and the last reduce-scatters into its layout (the compiled ZeRO-1 step's choice:
+    docs/benchmarks.md); after the update, the new weights all-gathered over O - P. So FSDP (P = G = O = fsdp)
+    gathers and scatters over fsdp and all-reduces its scattered gradients over data; dp all-reduces over both;
+    ZeRO-1 (O = data x fsdp) and ZeRO-2 (G = O = data x fsdp) scatter the gradients and gather the updated
+    weights. Weights move one layer at a time inside the scanned stack, the rest (embedding, output projection,
+    final norm) once; bytes are one device's tensor shard of each, whole over the axes the collective spans."""
+    rules = state.layout.rules
+    batch = set(sharding.mesh_axes(rules.activations["batch"]))
+
+    def over(table: sharding.RuleTable) -> set[str]:
+        return {a for entry in table.values() for a in sharding.mesh_axes(entry)} & batch
+
+    def moves(table, axes_: set[str], kind: str, what: str, count: int) -> list[comms.Transfer]:
+        if not axes_:
+            return []
+        names = _innermost_first(axes_)
+        layer, rest = state.weights(table, names)
+        return (comms.collective(kind, f"layer {what}", layer, layers * count, levels(names))
+                + comms.collective(kind, f"embedding and output {what}", rest, count, levels(names)))
+
+    p, g, o = over(rules.params), over(rules.grads), over(rules.opt_state)
+    return (moves(rules.params, p, "all-gather", "weights, forward", microbatches)
+            + moves(rules.params, p, "all-gather", "weights, backward", microbatches)
+            + moves(rules.grads, g, "reduce-scatter", "gradients", microbatches)
+            + moves(rules.grads, batch - g - o, "all-reduce", "gradients", microbatches)
+            + moves(rules.grads, o - g, "all-reduce", "gradients", microbatches - 1)
+            + moves(rules.grads, o - g, "reduce-scatter", "gradients", 1)
+            + moves(rules.params, o - p, "all-gather", "updated weights", 1))
+
+
+def step_transfers(cfg, axes: Mapping[str, int], links: Mapping[str, list[comms.Link]],
+                   recompute: frozenset[str], state: memory.State) -> list[comms.Transfer]:
+    """Every collective of one train step: data parallelism as the rule tables shard the state
+    (`data_parallel_transfers`), then tensor, pipeline and expert parallelism (comms.py)."""
+    m = cfg.model
+    ab = memory.DTYPE_BYTES[m.dtype]
+    accum, t = cfg.train.grad_accum_steps, axes["tensor"]
+    layers = math.ceil(m.num_layers / axes["pipeline"])
+
+    def levels(names: Sequence[str]) -> list[comms.Link]:
         return [links[a][0] for a in names] + [links[a][1] for a in names]
 
-    preset = cfg.sharding.preset
-    if preset == "fsdp":
-        out = (comms.fsdp(weights, layers, rest, accum, levels("fsdp"))
-               + comms.all_reduce_gradients(weights / f, layers, rest / f, accum, levels("data")))
-    elif preset == "dp":
-        out = comms.all_reduce_gradients(weights, layers, rest, accum, levels("fsdp", "data"))
-    else:
-        out = comms.zero(int(preset[-1]), weights, layers, rest, accum, levels("fsdp", "data"))
     activations = memory.replica_tokens(cfg, axes) * m.d_model * ab
     sp = cfg.sharding.sequence_parallel
     moe_layers, top_k = _moe(m)
-    return (out + comms.tensor(activations, layers, accum, sp, recompute, levels("tensor"))
-            + comms.pipeline(activations / (t if sp else 1), accum, levels("pipeline"))
-            + comms.expert(activations * top_k, moe_layers, accum, levels("expert")))
+    return (data_parallel_transfers(state, layers, accum, levels)
+            + comms.tensor(activations, layers, accum, sp, recompute, levels(["tensor"]))
+            + comms.pipeline(activations / (t if sp else 1), accum, levels(["pipeline"]))
+            + comms.expert(activations * top_k, moe_layers, accum, levels(["expert"])))
 
 
 def _criterion(rule: str, threshold: float, value: float, below: bool = False) -> dict:
@@ -234,24 +267,17 @@ def fsdp_tensor_split(cfg, topo: hw.Topology) -> dict:
 
 
 def _warnings(cfg, axes: Mapping[str, int], mem: memory.Prediction, chip: hw.Chip) -> list[str]:
-    """What the trainer would refuse or what makes the plan less than it seems; the plan is made regardless."""
-    m, out = cfg.model, []
+    """What the trainer would refuse (its own checks: parallelism.problems) and what makes the plan less than it
+    seems; the plan is made regardless."""
+    out = [f"the trainer refuses this mesh: {problem}" for problem in parallelism.problems(cfg, axes)]
     micro = cfg.train.global_batch // cfg.train.grad_accum_steps
-    ways = axes["data"] * axes["fsdp"]
-    if micro % ways:
-        out.append(f"{micro} sequences per microbatch over {ways} data-parallel ways: the plan assumes the "
-                   f"book's sequence sharding (token-level data parallelism); the trainer shards whole sequences "
-                   f"and refuses this mesh")
-    for key in ("num_heads", "d_ff", "vocab_size"):
-        if m[key] % axes["tensor"]:
-            out.append(f"model.{key}={m[key]} is not divisible by tensor={axes['tensor']}: the trainer refuses it")
-    if m.num_layers % axes["pipeline"]:
-        out.append(f"model.num_layers={m.num_layers} is not divisible by pipeline={axes['pipeline']}")
-    for axis in ("pipeline", "expert"):
+    if micro % (axes["data"] * axes["fsdp"]):
+        out.append("planned with the book's sequence sharding (token-level data parallelism)")
+    for axis, how in (("pipeline", "a GPipe schedule"), ("expert", "all-to-all dispatch")):
         if axes[axis] > 1:
-            out.append(f"{axis}={axes[axis]}: not implemented in the trainer yet (it refuses the mesh); planned here "
-                       f"as {'a GPipe schedule' if axis == 'pipeline' else 'all-to-all dispatch'}")
-    if axes["expert"] > 1 and not _moe(m)[0]:
+            out.append(f"{axis}={axes[axis]} planned as {how}, with the state as the trainer lays it out today "
+                       f"(not split over {axis})")
+    if axes["expert"] > 1 and not _moe(cfg.model)[0]:
         out.append(f"expert={axes['expert']} with no MoE layers: its devices repeat each other's work")
     if mem.total > chip.hbm_bytes:
         out.append(f"does not fit: {mem.total / GB:.1f} GB per device of {chip.hbm_bytes / GB:.0f} GB HBM")
@@ -269,9 +295,11 @@ def plan(cfg, hardware: str) -> dict:
     axes = {a: shape.ici[a] * shape.dcn[a] for a in MESH_AXES}
     links = comms.links(topo, shape.ici, shape.dcn)
     recompute = recomputed(cfg)
+    state = memory.state(cfg, axes)
+    count = flops.param_count(state.layout.model_cfg)
 
     tokens = cfg.train.global_batch * cfg.data.seq_len
-    per_token = flops.flops_per_token(m, cfg.data.seq_len)
+    per_token = flops.flops_per_token(state.layout.model_cfg, cfg.data.seq_len)
     step_flops = per_token * tokens
     forward = forward_flops(m, cfg.data.seq_len)
     forward["attention"] *= attention_pass(cfg, chip.name)  # as executed
@@ -281,9 +309,9 @@ def plan(cfg, hardware: str) -> dict:
     bubble = comms.bubble(axes["pipeline"], cfg.train.grad_accum_steps)
     # The expert axis splits nothing of a dense model (the batch is not sharded over it): its devices repeat work.
     working_devices = axes["data"] * axes["fsdp"] * axes["tensor"] * axes["pipeline"]
-    transfers = step_transfers(cfg, axes, links, recompute)
+    transfers = step_transfers(cfg, axes, links, recompute, state)
     sent, seconds = comms.by_axis(transfers)
-    hbm = hbm_bytes(cfg, axes, recompute)
+    hbm = hbm_bytes(cfg, axes, recompute, state)
     times = {"compute": (step_flops + recompute_flops + extra_flops) / working_devices / chip.bf16_flops
              / (1 - bubble),
              "hbm": hbm / chip.hbm_bandwidth,
@@ -291,7 +319,7 @@ def plan(cfg, hardware: str) -> dict:
              "dcn": max(seconds[f"dcn_{a}"] for a in MESH_AXES)}
     bound = max(times, key=times.get)
     step_time = times[bound]
-    mem = memory.predict(cfg, axes)
+    mem = memory.predict(cfg, axes, state)
     detail = mem.as_dict()
     return {
         "hardware": str(topo), "chip": chip.name, "chips": topo.num_chips, "slices": topo.slices,
@@ -300,7 +328,7 @@ def plan(cfg, hardware: str) -> dict:
         "layout": {a: {"physical_axes": list(links[a][0].parts), "wraparound": list(links[a][0].wraps),
                        "switch": links[a][0].switch, "bandwidth": links[a][0].bandwidth}
                    for a in MESH_AXES if links[a][0].size > 1},
-        "params": flops.param_count(m).total,
+        "params": count.total,
         "flops_per_token": per_token,
         "tokens_per_step": tokens,
         "tokens_per_chip": tokens / topo.num_chips,

@@ -1,0 +1,116 @@
+"""The questions asked before renting a pod: how long (and how many chip-hours) a run of N tokens takes, and the
+fewest chips it fits on (`plan --tokens N [--mfu M]`; docs/planner.md).
+
+Both rest on the plan itself: the FLOPs are flops.py's, the step time the roofline's, and "fits" means the
+planner's per-chip memory (the trainer's own state layout, layout.py) within the chip's HBM on a mesh the trainer
+accepts (parallelism.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+from scaletrain import parallelism
+from scaletrain.config import MESH_AXES
+from scaletrain.errors import ConfigError
+from scaletrain.planner import flops, memory, roofline
+from scaletrain.planner import hardware as hw
+
+DAY_S = 86400.0
+# GPU clusters planned by min_chips: up to one node, then whole nodes, up to this many.
+MAX_GPU_NODES = 4096
+
+
+def training(cfg, result: dict, tokens: float, mfu: float | None = None) -> dict:
+    """A run of `tokens` tokens on the plan's machine: its model FLOPs (flops.py: 6 per multiplied weight and
+    token - the book's 6ND - plus causal attention, which the book leaves out), and its days and chip-hours at
+    model FLOPs utilisation `mfu`, or at the plan's predicted step time when None."""
+    state = memory.state(cfg, result["mesh"]["sizes"])
+    count = flops.param_count(state.layout.model_cfg)
+    matmul = 6.0 * count.matmul * tokens
+    total = result["flops_per_token"] * tokens
+    used = result["mfu_upper_bound"] if mfu is None else mfu
+    seconds = total / (result["chips"] * hw.spec(result["chip"]).bf16_flops * used) if result["chip"] != "cpu" \
+        else tokens / result["tokens_per_second"]
+    return {"tokens": tokens, "total_flops": total, "matmul_flops": matmul, "attention_flops": total - matmul,
+            "steps": tokens / result["tokens_per_step"], "mfu": used,
+            "mfu_source": "given" if mfu is not None else "predicted step time",
+            "days": seconds / DAY_S, "chip_hours": seconds / 3600.0 * result["chips"]}
+
+
+def _candidates(topo: hw.Topology) -> Iterator[str]:
+    """Slices of the topology's chip that exist, smallest first, as `hardware` strings with its slice count:
+    Cloud TPU's accelerator types; GPUs up to a node, then whole nodes."""
+    chip = topo.chip
+    if chip.is_gpu:
+        per_node = chip.chips_per_host
+        counts = [n for n in (1, 2, 4) if n < per_node] + [per_node * k for k in range(1, MAX_GPU_NODES + 1)]
+        yield from (f"{chip.name}:{n}" for n in counts)
+        return
+    if chip.name not in hw.cloud_tpus():
+        raise ConfigError(f"no list of the slices {chip.name} comes in (scaletrain/planner/hardware.yaml): "
+                          f"min_chips cannot be found")
+    yield from (s.hardware(topo.slices) for s in hw.cloud_slices(chip.name))
+
+
+def _filling(cfg, gpu: bool) -> dict:
+    """The config's mesh with one ICI degree left to fill each candidate slice: the one set to -1, else fsdp; on
+    GPUs, whose candidates vary in nodes, one DCN degree too: the one set to -1, else dcn_data."""
+    mesh = cfg.mesh.to_dict()
+    mesh[next((a for a in MESH_AXES if mesh[a] == -1), "fsdp")] = -1
+    if gpu:
+        mesh[next((f"dcn_{a}" for a in MESH_AXES if mesh[f"dcn_{a}"] == -1), "dcn_data")] = -1
+    return mesh
+
+
+def capacity_chips(cfg, chip: hw.Chip) -> float:
+    """The book's count of the chips a run needs: one copy of the parameters, gradients and optimizer state, and
+    the activations the remat policy saves for the whole batch (one microbatch), over one chip's HBM - nothing
+    replicated, no working set, no layout: a lower bound."""
+    whole = memory.predict(cfg, dict.fromkeys(MESH_AXES, 1))
+    return (whole.params + whole.gradients + whole.optimizer + whole.saved_activations) / chip.hbm_bytes
+
+
+def min_chips(cfg, hardware: str) -> dict:
+    """The fewest chips of the plan's generation, in a slice that exists (with the plan's slice count), on which
+    the config fits: the planner's memory per chip within its HBM, on a mesh the trainer accepts. The config's
+    mesh is kept but for one ICI degree, which fills the slice (`_filling`). `min_chips` is None when no slice
+    fits."""
+    topo = hw.topology(hardware)
+    mesh_cfg = _filling(cfg, topo.chip.is_gpu)
+    out = {"min_chips": None, "hardware": None, "mesh": None, "memory_per_device_bytes": None,
+           "capacity_chips": capacity_chips(cfg, topo.chip)}
+    for candidate in _candidates(topo):
+        slice_ = hw.topology(candidate)
+        try:
+            shape = roofline.resolve_mesh(mesh_cfg, slice_)
+        except ConfigError:
+            continue
+        axes = {a: shape.ici[a] * shape.dcn[a] for a in MESH_AXES}
+        if parallelism.problems(cfg, axes):
+            continue
+        need = memory.predict(cfg, axes).total
+        if need <= slice_.chip.hbm_bytes:
+            return {**out, "min_chips": slice_.num_chips, "hardware": str(slice_), "mesh": axes,
+                    "memory_per_device_bytes": need}
+    return out
+
+
+def describe(training_: dict | None, chips: dict | None, result: dict) -> list[str]:
+    """Lines for the plan's table."""
+    lines = []
+    if training_:
+        t = training_
+        lines.append(f"training on {t['tokens']:.3g} tokens ({t['steps']:,.0f} steps): {t['total_flops']:.3g} FLOP "
+                     f"(matmuls {t['matmul_flops']:.3g}, attention {t['attention_flops']:.3g}); at MFU "
+                     f"{100 * t['mfu']:.1f}% ({t['mfu_source']}): {t['days']:.3g} days on {result['chips']} chips, "
+                     f"{t['chip_hours']:.3g} chip-hours")
+    if chips:
+        where = ("no slice of this generation fits it" if chips["min_chips"] is None else
+                 f"{chips['min_chips']} ({chips['hardware']}, mesh "
+                 f"{' x '.join(f'{a}={n}' for a, n in chips['mesh'].items() if n > 1)}, "
+                 f"{chips['memory_per_device_bytes'] / 2**30:.1f} GiB per chip)")
+        lines.append(f"fewest chips that fit: {where}; the book's count (state and saved activations over HBM): "
+                     f"{math.ceil(chips['capacity_chips'])}")
+    return lines
