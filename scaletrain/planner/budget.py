@@ -31,8 +31,8 @@ def training(cfg, result: dict, tokens: float, mfu: float | None = None) -> dict
     matmul = 6.0 * count.matmul * tokens
     total = result["flops_per_token"] * tokens
     used = result["mfu_upper_bound"] if mfu is None else mfu
-    seconds = total / (result["chips"] * hw.spec(result["chip"]).bf16_flops * used) if result["chip"] != "cpu" \
-        else tokens / result["tokens_per_second"]
+    peak = result["step_flops"] / (result["step_time_s"] * result["mfu_upper_bound"])  # all chips' FLOP/s
+    seconds = total / (peak * used)
     return {"tokens": tokens, "total_flops": total, "matmul_flops": matmul, "attention_flops": total - matmul,
             "steps": tokens / result["tokens_per_step"], "mfu": used,
             "mfu_source": "given" if mfu is not None else "predicted step time",
@@ -48,10 +48,8 @@ def _candidates(topo: hw.Topology) -> Iterator[str]:
         counts = [n for n in (1, 2, 4) if n < per_node] + [per_node * k for k in range(1, MAX_GPU_NODES + 1)]
         yield from (f"{chip.name}:{n}" for n in counts)
         return
-    if chip.name not in hw.cloud_tpus():
-        raise ConfigError(f"no list of the slices {chip.name} comes in (scaletrain/planner/hardware.yaml): "
-                          f"min_chips cannot be found")
-    yield from (s.hardware(topo.slices) for s in hw.cloud_slices(chip.name))
+    if chip.name in hw.cloud_tpus():  # else hardware.yaml lists no slices of it: no candidates
+        yield from (s.hardware(topo.slices) for s in hw.cloud_slices(chip.name))
 
 
 def _filling(cfg, gpu: bool) -> dict:
@@ -76,11 +74,14 @@ def min_chips(cfg, hardware: str) -> dict:
     """The fewest chips of the plan's generation, in a slice that exists (with the plan's slice count), on which
     the config fits: the planner's memory per chip within its HBM, on a mesh the trainer accepts. The config's
     mesh is kept but for one ICI degree, which fills the slice (`_filling`). `min_chips` is None when no slice
-    fits."""
+    fits, or when hardware.yaml lists no slices of a TPU (`note` says which)."""
     topo = hw.topology(hardware)
     mesh_cfg = _filling(cfg, topo.chip.is_gpu)
+    listed = topo.chip.is_gpu or topo.chip.name in hw.cloud_tpus()
     out = {"min_chips": None, "hardware": None, "mesh": None, "memory_per_device_bytes": None,
-           "capacity_chips": capacity_chips(cfg, topo.chip)}
+           "capacity_chips": capacity_chips(cfg, topo.chip),
+           "note": "no slice of this generation fits it" if listed else
+                   f"hardware.yaml lists no slices of {topo.chip.name}"}
     for candidate in _candidates(topo):
         slice_ = hw.topology(candidate)
         try:
@@ -93,7 +94,7 @@ def min_chips(cfg, hardware: str) -> dict:
         need = memory.predict(cfg, axes).total
         if need <= slice_.chip.hbm_bytes:
             return {**out, "min_chips": slice_.num_chips, "hardware": str(slice_), "mesh": axes,
-                    "memory_per_device_bytes": need}
+                    "memory_per_device_bytes": need, "note": None}
     return out
 
 
@@ -107,7 +108,7 @@ def describe(training_: dict | None, chips: dict | None, result: dict) -> list[s
                      f"{100 * t['mfu']:.1f}% ({t['mfu_source']}): {t['days']:.3g} days on {result['chips']} chips, "
                      f"{t['chip_hours']:.3g} chip-hours")
     if chips:
-        where = ("no slice of this generation fits it" if chips["min_chips"] is None else
+        where = (chips["note"] if chips["min_chips"] is None else
                  f"{chips['min_chips']} ({chips['hardware']}, mesh "
                  f"{' x '.join(f'{a}={n}' for a, n in chips['mesh'].items() if n > 1)}, "
                  f"{chips['memory_per_device_bytes'] / 2**30:.1f} GiB per chip)")
