@@ -98,6 +98,7 @@ def defaults() -> ml_collections.ConfigDict:
                 "decay_norms": False,
                 "decay_embeddings": False,
                 "grad_clip_norm": 1.0,
+                "moment_dtype": "float32",
                 "offload": False,
             },
             "params": {"offload": False},
@@ -133,6 +134,7 @@ CHOICES = {
     "data.source": ("stdlib", "synthetic", "files", "prepared"),
     "train.on_nonfinite": ("skip", "stop"),
     "sharding.preset": ("fsdp", "dp", "zero1", "zero2"),
+    "optim.moment_dtype": ("float32", "bfloat16"),
 }
 
 _POSITIVE = (

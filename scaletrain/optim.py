@@ -4,6 +4,9 @@ Clipping is a scale the step computes from the gradient norm it reports anyway (
 the update reads the gradients, rather than a transformation in the optax chain: what `make` returns is then
 elementwise, which lets `offload.streamed_update` apply it a layer at a time, and no clipped copy of the
 gradients is ever written.
+
+Adam's moments are kept in `optim.moment_dtype` whatever the parameters' dtype (`moments_in`): bfloat16 parameters
+with float32 moments is the usual mixed-precision state (2 + 4 + 4 bytes a parameter).
 """
 
 from __future__ import annotations
@@ -42,11 +45,40 @@ def decay_mask(optim_cfg, logical: Any) -> Any:
     return jax.tree.map(decays, logical, is_leaf=is_logical)
 
 
+def moments_in(dtype: Any, tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` (elementwise, its state's floating leaves moments shaped like the parameters: Adam's) with that
+    state in `dtype`, whatever the parameters' dtype, and kept in it.
+
+    `init` gives `tx` the parameters cast to `dtype`, a leaf at a time: optax.tree_utils.tree_map_params calls it on
+    a placeholder that is a pytree without leaves, which a tree_map passes through (and which has no `.astype`).
+    `update` computes in the wider of the gradients' dtype and `dtype` (float32 moments of bfloat16 parameters:
+    float32 arithmetic), then casts every state leaf back to the dtype it had (optax's scale_by_adam keeps only
+    mu's: float32 squares added to a bfloat16 nu would promote it, and the jitted step, which donates the state
+    and fixes its out_shardings, needs the state's dtypes unchanged) and the updates to the parameters' dtype.
+    With float32 everywhere every cast is the identity: the same program as `tx` alone."""
+
+    def wide(tree: Any) -> Any:
+        return jax.tree.map(lambda x: x.astype(jnp.promote_types(x.dtype, dtype)), tree)
+
+    def init(params: Any) -> Any:
+        return tx.init(jax.tree.map(lambda p: p.astype(dtype), params))
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        new_updates, new_state = tx.update(wide(updates), state, None if params is None else wide(params))
+        like = updates if params is None else params
+        return (jax.tree.map(lambda u, p: u.astype(p.dtype), new_updates, like),
+                jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, state))
+
+    return optax.GradientTransformation(init, update)
+
+
 def make(optim_cfg, steps: int, logical: Any) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW, elementwise (see the module docstring); clipping is `clip_scale`'s."""
+    """AdamW, elementwise (see the module docstring), its moments in `optim.moment_dtype`; clipping is
+    `clip_scale`'s."""
     lr = schedule(optim_cfg, steps)
-    return optax.adamw(lr, b1=optim_cfg.b1, b2=optim_cfg.b2, eps=optim_cfg.eps,
-                       weight_decay=optim_cfg.weight_decay, mask=decay_mask(optim_cfg, logical)), lr
+    adamw = optax.adamw(lr, b1=optim_cfg.b1, b2=optim_cfg.b2, eps=optim_cfg.eps,
+                        weight_decay=optim_cfg.weight_decay, mask=decay_mask(optim_cfg, logical))
+    return moments_in(jnp.dtype(optim_cfg.moment_dtype), adamw), lr
 
 
 def clip_scale(norm: jax.Array, max_norm: float) -> jax.Array:
