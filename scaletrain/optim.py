@@ -54,7 +54,8 @@ def moments_in(dtype: Any, tx: optax.GradientTransformation) -> optax.GradientTr
     `update` computes in the wider of the gradients' dtype and `dtype` (float32 moments of bfloat16 parameters:
     float32 arithmetic), then casts every state leaf back to the dtype it had (optax's scale_by_adam keeps only
     mu's: float32 squares added to a bfloat16 nu would promote it, and the jitted step, which donates the state
-    and fixes its out_shardings, needs the state's dtypes unchanged) and the updates to the parameters' dtype.
+    and fixes its out_shardings, needs the state's dtypes unchanged). The updates stay in the wider dtype:
+    optax.apply_updates rounds parameter + update to the parameters' dtype once.
     With float32 everywhere every cast is the identity: the same program as `tx` alone."""
 
     def wide(tree: Any) -> Any:
@@ -65,9 +66,7 @@ def moments_in(dtype: Any, tx: optax.GradientTransformation) -> optax.GradientTr
 
     def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         new_updates, new_state = tx.update(wide(updates), state, None if params is None else wide(params))
-        like = updates if params is None else params
-        return (jax.tree.map(lambda u, p: u.astype(p.dtype), new_updates, like),
-                jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, state))
+        return new_updates, jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, state)
 
     return optax.GradientTransformation(init, update)
 

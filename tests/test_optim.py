@@ -43,7 +43,8 @@ def _dtypes(opt_state) -> set:
 
 def test_float32_moments_of_bfloat16_parameters_compute_in_float32():
     """moments_in(float32, adamw) on bfloat16 parameters is adamw on their float32 values (the same moments,
-    bitwise), its updates cast to bfloat16; tree_map_params still finds the moments."""
+    bitwise), its updates too (float32: apply_updates rounds parameter + update once); tree_map_params still finds
+    the moments."""
     rng = np.random.default_rng(0)
     params = {"w": jnp.asarray(rng.normal(size=(4, 8)), jnp.bfloat16),
               "b": jnp.asarray(rng.normal(size=8), jnp.bfloat16)}
@@ -55,10 +56,11 @@ def test_float32_moments_of_bfloat16_parameters_compute_in_float32():
         updates, state = tx.update(grads, state, params)  # op by op, as the reference: no fusion to differ
         wide = jax.tree.map(lambda x: x.astype(jnp.float32), (grads, params))
         ref_updates, ref_state = adamw.update(wide[0], ref_state, wide[1])
-        assert {u.dtype for u in jax.tree.leaves(updates)} == {jnp.dtype(jnp.bfloat16)}
+        assert {u.dtype for u in jax.tree.leaves(updates)} == {jnp.dtype(jnp.float32)}
         for a, b in zip(jax.tree.leaves((updates, state)), jax.tree.leaves((ref_updates, ref_state))):
             np.testing.assert_array_equal(a, b.astype(a.dtype))
         params = optax.apply_updates(params, updates)
+        assert {p.dtype for p in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
     assert _dtypes(state) == {jnp.dtype(jnp.float32)}
     names = optax.tree_utils.tree_map_params(tx, lambda _, n: n, state, {"w": "W", "b": "B"},
                                              transform_non_params=lambda _: None)
