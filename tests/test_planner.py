@@ -646,6 +646,11 @@ def test_llama3_70b_fewest_chips():
     assert (found["min_chips"], found["hardware"], found["mesh"]["fsdp"]) == (512, "v5p:8x8x8", 512)
     assert found["memory_per_device_bytes"] <= 96e9 < memory.predict(cfg, _axes(fsdp=256)).total
     assert math.ceil(found["capacity_chips"]) == 238
+    # 1280 sequences: 640 chips (4x8x20) would divide the batch, and fit, but not d_model = 8192: the trainer
+    # refuses that mesh. Of the fsdp degrees dividing both (up to 256), none fits: no slice does.
+    wider = budget.min_chips(_cfg("llama3_70b.yaml", **{**BOOK, **FOUR_CHECKPOINTS, "model.logits_block": 1024,
+                                                         "train.global_batch": 1280}), "v5p:16x20x28")
+    assert (wider["min_chips"], wider["note"]) == (None, "no slice of this generation fits it")
 
 
 def test_llama2_13b_memory_as_the_book_counts_it():

@@ -66,3 +66,11 @@ def test_a_mesh_the_trainer_refuses_is_planned_with_its_reason():
     assert f"the trainer refuses this mesh: {refused.value}" in warnings
     assert parallelism.problems(cfg, {"data": 1, "fsdp": 1, "expert": 1, "pipeline": 1, "tensor": 8})[0] == str(
         refused.value)
+
+
+def test_an_array_the_mesh_does_not_divide_is_refused_by_both():
+    cfg = config.load(None, tiny_overrides("unused") + ["model.d_model=68", "mesh.fsdp=8"])
+    with pytest.raises(ConfigError) as refused:
+        trainer.build(cfg, jax.devices()[:8])
+    assert "model.d_model=68 is not divisible by mesh.fsdp=8" in str(refused.value)
+    assert f"the trainer refuses this mesh: {refused.value}" in roofline.plan(cfg, "v5p:2x2x2")["warnings"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from typing import Iterator
 
-from scaletrain import parallelism
 from scaletrain.config import MESH_AXES
 from scaletrain.errors import ConfigError
 from scaletrain.planner import flops, memory, roofline
@@ -34,7 +33,7 @@ def training(cfg, result: dict, tokens: float, mfu: float | None = None) -> dict
     peak = result["step_flops"] / (result["step_time_s"] * result["mfu_upper_bound"])  # all chips' FLOP/s
     seconds = total / (peak * used)
     return {"tokens": tokens, "total_flops": total, "matmul_flops": matmul, "attention_flops": total - matmul,
-            "steps": tokens / result["tokens_per_step"], "mfu": used,
+            "steps": math.ceil(tokens / result["tokens_per_step"]), "mfu": used,
             "mfu_source": "given" if mfu is not None else "predicted step time",
             "days": seconds / DAY_S, "chip_hours": seconds / 3600.0 * result["chips"]}
 
@@ -89,9 +88,10 @@ def min_chips(cfg, hardware: str) -> dict:
         except ConfigError:
             continue
         axes = {a: shape.ici[a] * shape.dcn[a] for a in MESH_AXES}
-        if parallelism.problems(cfg, axes):
+        state = memory.state(cfg, axes)
+        if roofline.refusals(cfg, axes, state):
             continue
-        need = memory.predict(cfg, axes).total
+        need = memory.predict(cfg, axes, state).total
         if need <= slice_.chip.hbm_bytes:
             return {**out, "min_chips": slice_.num_chips, "hardware": str(slice_), "mesh": axes,
                     "memory_per_device_bytes": need, "note": None}
@@ -105,7 +105,7 @@ def describe(training_: dict | None, chips: dict | None, result: dict) -> list[s
         t = training_
         lines.append(f"training on {t['tokens']:.3g} tokens ({t['steps']:,.0f} steps): {t['total_flops']:.3g} FLOP "
                      f"(matmuls {t['matmul_flops']:.3g}, attention {t['attention_flops']:.3g}); at MFU "
-                     f"{100 * t['mfu']:.1f}% ({t['mfu_source']}): {t['days']:.3g} days on {result['chips']} chips, "
+                     f"{100 * t['mfu']:.1f}% ({t['mfu_source']}): {t['days']:.3g} days on {result['chips']} chip{'s' if result['chips'] > 1 else ''}, "
                      f"{t['chip_hours']:.3g} chip-hours")
     if chips:
         where = (chips["note"] if chips["min_chips"] is None else

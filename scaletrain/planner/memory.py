@@ -87,6 +87,7 @@ class State:
     params: int
     optimizer: int
     gradients: int
+    refused: str | None  # why the trainer could not place these arrays on this mesh (a dim it does not divide)
 
     def weights(self, table: sharding.RuleTable, gathered: Sequence[str] = ()) -> tuple[float, float]:
         """Bytes one device holds of the parameters placed by `table`, gathered over the mesh axes `gathered`
@@ -104,10 +105,16 @@ class State:
 
 def state(cfg, axes: Mapping[str, int]) -> State:
     """The trainer's own layout of the state (its model's parameters, its optimizer's state, their rule tables)
-    applied on an abstract mesh of these axis sizes."""
+    applied on an abstract mesh of these axis sizes. Where the mesh does not divide an array the bytes are
+    rounded up (XLA pads) and `refused` says what the trainer would."""
     lay = layout_lib.of(cfg, axes)
     mesh = layout_lib.abstract_mesh(axes)
-    return State(layout=lay, mesh=mesh,
+    try:
+        lay.shardings(mesh)  # the trainer's own placement, and its divisibility checks
+        refused = None
+    except ConfigError as e:
+        refused = str(e)
+    return State(layout=lay, mesh=mesh, refused=refused,
                  params=layout_lib.device_bytes(lay.params, lay.logical, lay.rules.params, mesh),
                  optimizer=layout_lib.device_bytes(lay.opt_state, lay.opt_logical, lay.rules.opt_state, mesh),
                  gradients=layout_lib.device_bytes(lay.params, lay.logical, lay.rules.grads, mesh))

@@ -266,10 +266,15 @@ def fsdp_tensor_split(cfg, topo: hw.Topology) -> dict:
     return {"x_opt": x_opt, "m_x": m_x, "m_y": m_y, "fsdp": n // y, "tensor": y}
 
 
-def _warnings(cfg, axes: Mapping[str, int], mem: memory.Prediction, chip: hw.Chip) -> list[str]:
-    """What the trainer would refuse (its own checks: parallelism.problems) and what makes the plan less than it
-    seems; the plan is made regardless."""
-    out = [f"the trainer refuses this mesh: {problem}" for problem in parallelism.problems(cfg, axes)]
+def refusals(cfg, axes: Mapping[str, int], state: memory.State) -> list[str]:
+    """What the trainer would refuse about this mesh: its own checks (parallelism.problems), then its placement
+    of the state (sharding.tree_shardings' divisibility)."""
+    return parallelism.problems(cfg, axes) + ([state.refused] if state.refused else [])
+
+
+def _warnings(cfg, axes: Mapping[str, int], mem: memory.Prediction, chip: hw.Chip, state: memory.State) -> list[str]:
+    """What the trainer would refuse and what makes the plan less than it seems; the plan is made regardless."""
+    out = [f"the trainer refuses this mesh: {problem}" for problem in refusals(cfg, axes, state)]
     micro = cfg.train.global_batch // cfg.train.grad_accum_steps
     if micro % (axes["data"] * axes["fsdp"]):
         out.append("planned with the book's sequence sharding (token-level data parallelism)")
@@ -356,7 +361,7 @@ def plan(cfg, hardware: str) -> dict:
         "alpha": chip.bf16_flops / chip.ici_bandwidth_bidi,
         "critical_batch": critical_batches(cfg, topo, axes, links),
         "fsdp_tensor_split": fsdp_tensor_split(cfg, topo),
-        "warnings": _warnings(cfg, axes, mem, chip),
+        "warnings": _warnings(cfg, axes, mem, chip, state),
     }
 
 
