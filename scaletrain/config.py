@@ -102,6 +102,7 @@ def defaults() -> ml_collections.ConfigDict:
                 "offload": False,
             },
             "params": {"offload": False},
+            "pipeline": {"schedule": "gpipe", "microbatches": 0, "repeats": 1},
             "mesh": {
                 **{axis: 1 for axis in MESH_AXES},
                 **{f"dcn_{axis}": 1 for axis in MESH_AXES},
@@ -134,6 +135,7 @@ CHOICES = {
     "data.source": ("stdlib", "synthetic", "files", "prepared"),
     "train.on_nonfinite": ("skip", "stop"),
     "sharding.preset": ("fsdp", "dp", "zero1", "zero2"),
+    "pipeline.schedule": ("gpipe", "circular", "1f1b"),
     "optim.moment_dtype": ("float32", "bfloat16"),
 }
 
@@ -141,10 +143,11 @@ _POSITIVE = (
     "steps", "model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads", "model.num_kv_heads",
     "model.head_dim", "model.d_ff", "data.seq_len", "train.global_batch", "train.grad_accum_steps",
     "train.log_every_steps", "train.eval_batches", "checkpoint.every_steps", "checkpoint.max_to_keep",
-    "model.rope_original_max_position",
+    "model.rope_original_max_position", "pipeline.repeats",
     "model.rope_theta", "model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
 )
-_NON_NEGATIVE = ("seed", "train.profile_start", "train.profile_steps", "train.eval_every_steps", "data.workers",
+_NON_NEGATIVE = ("seed", "pipeline.microbatches",
+                 "train.profile_start", "train.profile_steps", "train.eval_every_steps", "data.workers",
                  "checkpoint.every_minutes", "model.attention_block", "model.logits_block", "optim.learning_rate",
                  "optim.warmup_steps", "optim.weight_decay", "optim.eps", "optim.grad_clip_norm", "model.norm_eps",
                  "model.init_std", "model.qk_norm_eps")

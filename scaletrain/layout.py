@@ -21,7 +21,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from scaletrain import model as model_lib
 from scaletrain import optim, sharding
 from scaletrain.config import MESH_AXES
-from scaletrain.parallelism import shards_kv_heads
+from scaletrain.parallelism import microbatches, shards_kv_heads
 
 HOST = "pinned_host"
 
@@ -54,7 +54,8 @@ def of(cfg, axis_sizes: Mapping[str, int], unroll_loops: bool = False) -> StateL
     rules = sharding.rules_for(cfg.sharding.preset, cfg.sharding.sequence_parallel, shard_kv)
     model_cfg = model_lib.ModelConfig.from_config(
         cfg.model, fuse_qkv=shard_kv, remat=cfg.remat.policy, remat_custom=tuple(cfg.remat.custom.items()),
-        unroll_loops=unroll_loops)
+        unroll_loops=unroll_loops, pipeline_stages=axis_sizes["pipeline"],
+        pipeline_microbatches=microbatches(cfg, axis_sizes))
     graphdef, params, logical = model_lib.abstract(model_cfg)
     tx, lr = optim.make(cfg.optim, cfg.steps, logical)
     opt_state = jax.eval_shape(tx.init, params)

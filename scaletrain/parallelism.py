@@ -15,6 +15,15 @@ def shards_kv_heads(num_kv_heads: int, tensor: int) -> bool:
     return num_kv_heads % tensor == 0
 
 
+def microbatches(cfg, axis_sizes: Mapping[str, int]) -> int:
+    """Microbatches a step splits its batch into: the pipeline's where there are stages (pipeline.microbatches,
+    0: one per stage), else gradient accumulation's."""
+    stages = axis_sizes["pipeline"]
+    if stages > 1:
+        return cfg.pipeline.microbatches or stages
+    return cfg.train.grad_accum_steps
+
+
 def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
     """What the trainer would refuse about a mesh of these axis sizes (ICI x DCN), said plainly: the divisibility
     users trip over most, and the parallelisms not built yet. Empty when it would train."""
@@ -30,20 +39,32 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
     if cfg.sharding.sequence_parallel and tensor > 1 and cfg.data.seq_len % tensor:
         out.append(f"data.seq_len={cfg.data.seq_len} is not divisible by mesh.tensor={tensor}, which splits the "
                    f"sequence with sharding.sequence_parallel=true")
-    if m.num_layers % axis_sizes["pipeline"]:
-        out.append(f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline={axis_sizes['pipeline']}")
-    for axis in ("pipeline", "expert"):
-        if axis_sizes[axis] > 1:
-            out.append(f"mesh.{axis}={axis_sizes[axis]}: {axis} parallelism is not implemented yet; use the data, "
-                       f"fsdp and tensor axes")
+    stages = axis_sizes["pipeline"]
+    if m.num_layers % stages:
+        out.append(f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline={stages}")
+    if stages > 1:
+        if cfg.pipeline.schedule != "gpipe" or cfg.pipeline.repeats != 1:
+            out.append(f"pipeline.schedule={cfg.pipeline.schedule} (pipeline.repeats={cfg.pipeline.repeats}) is not "
+                       f"implemented yet; use pipeline.schedule=gpipe with pipeline.repeats=1")
+        if cfg.train.grad_accum_steps > 1:
+            out.append("with mesh.pipeline > 1 the pipeline's microbatches replace gradient accumulation: set "
+                       "pipeline.microbatches and train.grad_accum_steps=1")
+        for setting, on in (("params.offload=true", cfg.params.offload), ("optim.offload=true", cfg.optim.offload),
+                            ("model.attention=flash", cfg.model.attention == "flash")):
+            if on:
+                out.append(f"{setting} with mesh.pipeline > 1 is not supported yet")
+    if axis_sizes["expert"] > 1:
+        out.append(f"mesh.expert={axis_sizes['expert']}: expert parallelism is not implemented yet; use the data, "
+                   f"fsdp, tensor and pipeline axes")
     if cfg.params.offload and cfg.train.grad_accum_steps > 1:
         out.append("params.offload=true needs train.grad_accum_steps=1: the gradients of offloaded parameters land "
                    "in host memory, where microbatches cannot be summed")
-    micro = cfg.train.global_batch // cfg.train.grad_accum_steps
+    n = microbatches(cfg, axis_sizes)
     ways = axis_sizes["data"] * axis_sizes["fsdp"]
-    if micro % ways:
-        out.append(f"the microbatch train.global_batch / train.grad_accum_steps = {micro} is not divisible by "
-                   f"mesh.data x mesh.fsdp = {ways} (with DCN degrees), which shard the batch")
+    if cfg.train.global_batch % n or (cfg.train.global_batch // n) % ways:
+        what = "pipeline.microbatches" if stages > 1 else "train.grad_accum_steps"
+        out.append(f"the microbatch train.global_batch / {what} = {cfg.train.global_batch / n:g} is not divisible "
+                   f"by mesh.data x mesh.fsdp = {ways} (with DCN degrees), which shard the batch")
     return out
 
 

@@ -40,8 +40,10 @@ RuleTable = Mapping[str, Any]
 # Activations: batch over every data-parallel axis, Megatron-style tensor axes (a no-op at tensor=1).
 _ACTIVATIONS: RuleTable = {"batch": ("data", "fsdp"), "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
                            "vocab": "tensor", "experts": "expert", "stage": "pipeline"}
+# Stacked layers are split over the pipeline stages along `layers`, each stage's devices holding a contiguous
+# block of them (pipeline.py): one layout whatever the stage count.
 _TENSOR_ONLY: RuleTable = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor",
-                           "experts": "expert", "stage": "pipeline"}
+                           "experts": "expert", "stage": "pipeline", "layers": "pipeline"}
 _FSDP: RuleTable = {**_TENSOR_ONLY, "embed": "fsdp"}
 _ZERO: RuleTable = {**_TENSOR_ONLY, "embed": ("data", "fsdp")}
 
@@ -164,6 +166,14 @@ def local(fn, in_logical: tuple[tuple[str | None, ...], ...], out_logical: tuple
     mesh, rules, _ = _ACTIVE[-1]
     return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(n, rules.activations, mesh) for n in in_logical),
                          out_specs=spec(out_logical, rules.activations, mesh), check_vma=False)
+
+
+def active_axes(logical: str) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) the active activation rules split a logical axis over; none outside a step."""
+    if not _ACTIVE:
+        return ()
+    mesh, rules, _ = _ACTIVE[-1]
+    return tuple(a for a in mesh_axes(rules.activations.get(logical)) if mesh.shape[a] > 1)
 
 
 def ways(logical: str) -> int:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from scaletrain import config, remat
+from scaletrain import config, pipeline, remat
 from scaletrain.model import rope
 from scaletrain.model.attention import Attention
 from scaletrain.model.layers import Embed, RMSNorm, param, project
@@ -55,6 +55,8 @@ class ModelConfig:
     remat: str = "none"  # a remat.POLICIES name
     remat_custom: tuple[tuple[str, str], ...] = ()  # (checkpoint name, remat|device|offload) for "custom"
     fuse_qkv: bool = True  # False where kv heads are replicated over `tensor`
+    pipeline_stages: int = 1  # > 1: the layer stack runs as a GPipe pipeline (pipeline.py) of this many stages
+    pipeline_microbatches: int = 1
     # Unroll the layer scan and the attention block loop. Only for XLA's cost estimate, which counts a loop's
     # body once (planner/aot.py); never for training (compile time and code size grow with the depth).
     unroll_loops: bool = False
@@ -134,12 +136,16 @@ class Llama(nnx.Module):
         sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies())
         graphdef, stacked = nnx.split(self.layers)
 
-        def layer(x_btd, layer_params):
+        def layer(x_btd, layer_params, sin_bth, cos_bth, segment_ids_bt):
             x_btd = checkpoint_name(constrain(x_btd, ("batch", "residual_seq", "embed")), "decoder_layer_input")
-            return nnx.merge(graphdef, self._placed(layer_params))(x_btd, sin_bth, cos_bth, segment_ids_bt), None
+            return nnx.merge(graphdef, self._placed(layer_params))(x_btd, sin_bth, cos_bth, segment_ids_bt)
 
-        x_btd, _ = jax.lax.scan(remat.apply(layer, cfg.remat, cfg.remat_custom), x_btd, stacked,
-                                unroll=cfg.unroll_loops)
+        body, extras = remat.apply(layer, cfg.remat, cfg.remat_custom), (sin_bth, cos_bth, segment_ids_bt)
+        if cfg.pipeline_stages > 1:
+            x_btd = pipeline.gpipe(body, x_btd, stacked, extras, cfg.pipeline_stages, cfg.pipeline_microbatches,
+                                   cfg.unroll_loops)
+        else:
+            x_btd = pipeline.scan(body, x_btd, stacked, extras, cfg.unroll_loops)
         return self._final_stream(x_btd)
 
     def _placed(self, layer_params):

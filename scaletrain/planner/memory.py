@@ -16,7 +16,7 @@ from jax.sharding import AbstractMesh
 from scaletrain import layout as layout_lib
 from scaletrain import remat, sharding
 from scaletrain.errors import ConfigError
-from scaletrain.parallelism import shards_kv_heads
+from scaletrain.parallelism import microbatches, shards_kv_heads
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -216,13 +216,13 @@ class Prediction:
 def replica_tokens(cfg, axes: Mapping[str, int]) -> float:
     """Tokens of one microbatch of one data-parallel replica (data x fsdp ways): the batch its devices' matmuls
     see (tensor devices share it)."""
-    return cfg.train.global_batch * cfg.data.seq_len / (cfg.train.grad_accum_steps * axes["data"] * axes["fsdp"])
+    return cfg.train.global_batch * cfg.data.seq_len / (microbatches(cfg, axes) * axes["data"] * axes["fsdp"])
 
 
 def activation_tokens(cfg, axes: Mapping[str, int]) -> float:
     """Tokens whose activations one device holds at the peak: one microbatch of its data-parallel replica, or
     all of them with pipelining (a GPipe stage keeps every microbatch until its backward pass)."""
-    return replica_tokens(cfg, axes) * (cfg.train.grad_accum_steps if axes["pipeline"] > 1 else 1)
+    return replica_tokens(cfg, axes) * (microbatches(cfg, axes) if axes["pipeline"] > 1 else 1)
 
 
 def predict(cfg, axes: Mapping[str, int], state_: State | None = None) -> Prediction:

@@ -16,6 +16,7 @@ from typing import Callable, Mapping, Sequence
 
 from scaletrain import mesh as mesh_lib
 from scaletrain import parallelism, sharding
+from scaletrain.parallelism import microbatches
 from scaletrain.config import MESH_AXES
 from scaletrain.kernels import flash_attention
 from scaletrain.planner import comms, flops, memory
@@ -85,7 +86,7 @@ def flash_kernel_cost(cfg, axes: Mapping[str, int], chip: str) -> dict[str, floa
     forwards = 1 + ("attention" in recomputed(cfg))
     fwd, bwd = ATTENTION_PASSES["flash"]
     causal = forward_flops(m, seq, t)["attention"] * m.num_layers
-    tokens = memory.replica_tokens(cfg, axes) * cfg.train.grad_accum_steps / axes["pipeline"]
+    tokens = memory.replica_tokens(cfg, axes) * microbatches(cfg, axes) / axes["pipeline"]
     flops_ = tokens * causal * (forwards * fwd + bwd) * attention_pass(cfg, chip) / fwd
     padded, block_q, _ = flash_attention.splash_blocks(seq, flash_attention.splash_for(chip))
     q_blocks = padded / block_q
@@ -148,7 +149,7 @@ def hbm_bytes(cfg, axes: Mapping[str, int], recompute: frozenset[str], state: me
     head = passes * (ab * (tokens * m.d_model + m.d_model * vocab) + 4 * tokens * vocab) + 2 * 4 * tokens * vocab
     layer_params, outside = state.weights(state.layout.rules.opt_state)
     update = 3 * (layer_params * m.num_layers / stages + outside) + 2 * state.optimizer
-    return cfg.train.grad_accum_steps * (layer * m.num_layers + head) / stages + update
+    return microbatches(cfg, axes) * (layer * m.num_layers + head) / stages + update
 
 
 def _moe(m) -> tuple[int, int]:
@@ -206,7 +207,7 @@ def step_transfers(cfg, axes: Mapping[str, int], links: Mapping[str, list[comms.
     (`data_parallel_transfers`), then tensor, pipeline and expert parallelism (comms.py)."""
     m = cfg.model
     ab = memory.DTYPE_BYTES[m.dtype]
-    accum, t = cfg.train.grad_accum_steps, axes["tensor"]
+    accum, t = microbatches(cfg, axes), axes["tensor"]
     layers = math.ceil(m.num_layers / axes["pipeline"])
 
     def levels(names: Sequence[str]) -> list[comms.Link]:
@@ -275,13 +276,12 @@ def refusals(cfg, axes: Mapping[str, int], state: memory.State) -> list[str]:
 def _warnings(cfg, axes: Mapping[str, int], mem: memory.Prediction, chip: hw.Chip, state: memory.State) -> list[str]:
     """What the trainer would refuse and what makes the plan less than it seems; the plan is made regardless."""
     out = [f"the trainer refuses this mesh: {problem}" for problem in refusals(cfg, axes, state)]
-    micro = cfg.train.global_batch // cfg.train.grad_accum_steps
+    micro = cfg.train.global_batch / microbatches(cfg, axes)
     if micro % (axes["data"] * axes["fsdp"]):
         out.append("planned with the book's sequence sharding (token-level data parallelism)")
-    for axis, how in (("pipeline", "a GPipe schedule"), ("expert", "all-to-all dispatch")):
-        if axes[axis] > 1:
-            out.append(f"{axis}={axes[axis]} planned as {how}, with the state as the trainer lays it out today "
-                       f"(not split over {axis})")
+    if axes["expert"] > 1:
+        out.append(f"expert={axes['expert']} planned as all-to-all dispatch, with the state as the trainer lays it out "
+                   f"today (not split over expert)")
     if axes["expert"] > 1 and not _moe(cfg.model)[0]:
         out.append(f"expert={axes['expert']} with no MoE layers: its devices repeat each other's work")
     if mem.total > chip.hbm_bytes:
@@ -311,7 +311,7 @@ def plan(cfg, hardware: str) -> dict:
     recompute_flops = tokens * (m.num_layers * sum(forward[g] for g in recompute)
                                 + recomputed_logits(cfg) * 2 * m.d_model * m.vocab_size)
     extra_flops = tokens * attention_extra_flops(cfg, chip.name)
-    bubble = comms.bubble(axes["pipeline"], cfg.train.grad_accum_steps)
+    bubble = comms.bubble(axes["pipeline"], microbatches(cfg, axes))
     # The expert axis splits nothing of a dense model (the batch is not sharded over it): its devices repeat work.
     working_devices = axes["data"] * axes["fsdp"] * axes["tensor"] * axes["pipeline"]
     transfers = step_transfers(cfg, axes, links, recompute, state)

@@ -1,0 +1,75 @@
+"""The GPipe pipeline (pipeline.py) trains exactly like one device: alone and with data, fsdp and tensor
+parallelism, with as many microbatches as stages and with more; nothing in a bubble reaches the loss."""
+
+import jax
+import numpy as np
+import pytest
+
+from scaletrain import config, pipeline, trainer
+from scaletrain.checkpoint import Checkpointer
+from tests.conftest import tiny_overrides
+from tests.test_parallel import assert_params_close, train
+
+STEPS = 3
+LAYERS = ["model.num_layers=4"]  # four stages of one layer each, or two of two
+
+
+@pytest.fixture(scope="module")
+def reference(batches):
+    return train(batches, jax.devices()[:1], *LAYERS)
+
+
+CASES = {
+    "pipeline=2": ["mesh.pipeline=2"],
+    "pipeline=4": ["mesh.pipeline=4"],
+    "pipeline=2 microbatches=4": ["mesh.pipeline=2", "pipeline.microbatches=4"],
+    "pipeline=2 data=2 fsdp=2": ["mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2"],
+    "pipeline=2 fsdp=2 tensor=2": ["mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2"],
+    "pipeline=4 fsdp=2 microbatches=4": ["mesh.pipeline=4", "mesh.fsdp=2", "pipeline.microbatches=4"],
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pipeline_equals_one_device(batches, reference, case):
+    overrides = CASES[case]
+    devices = int(np.prod([int(o.split("=")[1]) for o in overrides if o.startswith("mesh.")]))
+    losses, state = train(batches, jax.devices()[:devices], *LAYERS, *overrides)
+    ref_losses, ref_state = reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(state.params, ref_state.params)
+
+
+def test_nothing_in_a_bubble_reaches_the_loss_or_a_gradient(batches, reference, monkeypatch):
+    """The shift buffer starts full of NaN: stages idle in the bubble would compute on it, and its NaN would reach
+    every weight's gradient through them (0 x NaN) were their inputs not masked."""
+    monkeypatch.setattr(pipeline, "BUBBLE_FILL", float("nan"))
+    losses, state = train(batches, jax.devices()[:2], *LAYERS, "mesh.pipeline=2")
+    np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
+    assert_params_close(state.params, reference[1].params)
+
+
+def _setup(*overrides):
+    cfg = config.load(None, tiny_overrides("unused", steps=STEPS) + LAYERS + list(overrides))
+    return trainer.build(cfg, jax.devices()[:cfg.mesh.pipeline * cfg.mesh.fsdp])
+
+
+def test_a_checkpoint_restores_across_stage_counts(tmp_path):
+    """One layout on disk, [layers, ...], whatever the stage count: saved with 4 stages, restored with 1, saved
+    again, restored with 2, and back with 4 - each stage's devices holding their contiguous block of layers."""
+    setup = _setup("mesh.pipeline=4")
+    state = setup.init(jax.random.PRNGKey(0))
+    want = jax.device_get(state)
+    for i, overrides in enumerate(([], ["mesh.pipeline=2", "mesh.fsdp=2"], ["mesh.pipeline=4"])):
+        ckpt = Checkpointer(tmp_path / str(i), max_to_keep=1, async_save=False)
+        ckpt.save(1, state, {"next_sample": 8}, trainer.checkpoint_metadata(setup))
+        ckpt.wait()
+        ckpt.close()
+        setup = _setup(*overrides)
+        ckpt = Checkpointer(tmp_path / str(i), max_to_keep=1, async_save=False)
+        _, state, _ = ckpt.restore_latest(setup.abstract_state)
+        ckpt.close()
+        for got, expected in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(got, expected)
+        stages = setup.mesh.shape["pipeline"]
+        w_up = state.params["layers"]["mlp"]["w_up"]
+        assert w_up.sharding.shard_shape(w_up.shape)[0] == 4 // stages
