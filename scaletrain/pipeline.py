@@ -16,9 +16,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from scaletrain import remat
 from scaletrain.sharding import active_axes, constrain
 
+STAGE_INPUT = "pipeline_stage_input"  # the checkpoint name of an iteration's inputs, kept for its recomputation
 # What the shift buffer holds before a stage's first microbatch arrives. Never read: bubble iterations are masked
 # (tests set it to NaN to prove it).
 BUBBLE_FILL = 0.0
@@ -42,12 +45,32 @@ def _join(a: jax.Array) -> jax.Array:
     return a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:])
 
 
+def microbatch_at(iteration, stage, microbatches: int):
+    """GPipe's schedule: the microbatch stage `stage` works on at forward iteration `iteration` (Python ints or
+    arrays); outside [0, microbatches) the stage idles in the bubble."""
+    return iteration - stage
+
+
+def gpipe_timeline(stages: int, microbatches: int) -> list[list[str]]:
+    """The whole step as ticks x stages: `F3` the forward pass of microbatch 3, `B3` its backward pass, `.` the
+    bubble - the forward iterations, then the backward ones (jax.grad of the scan: the last first)."""
+    ticks = microbatches + stages - 1
+
+    def cell(i: int, p: int, kind: str) -> str:
+        mb = microbatch_at(i, p, microbatches)
+        return f"{kind}{mb}" if 0 <= mb < microbatches else "."
+
+    return ([[cell(i, p, "F") for p in range(stages)] for i in range(ticks)]
+            + [[cell(i, p, "B") for p in range(stages)] for i in reversed(range(ticks))])
+
+
 def gpipe(body: Callable, x: jax.Array, stacked: Any, extras: tuple, stages: int, microbatches: int,
-          unroll: bool = False) -> jax.Array:
+          unroll: bool = False, remat_policy: str = "none", remat_custom: tuple = ()) -> jax.Array:
     """The layer stack as a GPipe pipeline of `stages` stages over `microbatches` microbatches of the batch rows
     of `x` [B, T, D] (and of each of `extras`, per-row arrays such as RoPE's tables and the segment ids): the
     forward pass takes microbatches + stages - 1 iterations, stage p working on microbatch i - p at iteration i;
-    jax.grad runs them backwards. Returns `x` after every layer, rows in their order."""
+    jax.grad runs them backwards. Returns `x` after every layer, rows in their order. Under a remat policy other
+    than none each iteration is rematerialised from its stage inputs (remat.around_stages)."""
     layers = jax.tree.leaves(stacked)[0].shape[0]
     per_stage = jax.tree.map(lambda a: a.reshape(stages, layers // stages, *a.shape[1:]), stacked)
     xs, extras_m = _split(x, microbatches), tuple(_split(e, microbatches) for e in extras)
@@ -56,19 +79,24 @@ def gpipe(body: Callable, x: jax.Array, stacked: Any, extras: tuple, stages: int
     def stage(params, x, *extras):
         return scan(body, x, params, extras, unroll)
 
-    run_stages = jax.vmap(stage, spmd_axis_name=stage_axis or None)
     where = ("stage", "batch", "residual_seq", "embed")
+
+    def run_stages(params, inputs, *extras):
+        inputs = checkpoint_name(inputs, STAGE_INPUT)
+        return constrain(jax.vmap(stage, spmd_axis_name=stage_axis or None)(params, inputs, *extras), where)
+
+    run_stages = remat.around_stages(run_stages, remat_policy, remat_custom, STAGE_INPUT)
 
     def iteration(carry, i):
         state, outputs = carry
-        mb = i - jnp.arange(stages)
+        mb = microbatch_at(i, jnp.arange(stages), microbatches)
         valid = (mb >= 0) & (mb < microbatches)
         # Stage 0 takes microbatch i; stage p > 0 what stage p - 1 made in the iteration before.
         inputs = jnp.roll(state, 1, axis=0).at[0].set(xs[jnp.clip(i, 0, microbatches - 1)])
         inputs = constrain(jnp.where(valid[:, None, None, None], inputs, 0), where)
         current = jnp.clip(mb, 0, microbatches - 1)
         stage_extras = tuple(e[current] for e in extras_m)
-        state = constrain(run_stages(per_stage, inputs, *stage_extras), where)
+        state = run_stages(per_stage, inputs, *stage_extras)
         # The last stage finishes microbatch i - (stages - 1); before the first one, slot 0 takes a bubble's zeros,
         # overwritten when microbatch 0 finishes.
         done = jnp.maximum(i - (stages - 1), 0)

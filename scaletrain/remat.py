@@ -44,3 +44,16 @@ def apply(fn: Callable, name: str, custom: tuple[tuple[str, str], ...] = ()) -> 
     if name == "none":
         return fn
     return jax.checkpoint(fn, policy=policy(name, dict(custom)), prevent_cse=False)
+
+
+def around_stages(fn: Callable, name: str, custom: tuple[tuple[str, str], ...], input_name: str) -> Callable:
+    """Wrap one pipeline iteration (every stage's block of layers) in jax.checkpoint: its input, tagged
+    `input_name`, is kept, and within it what the policy keeps - so the backward pass recomputes each iteration's
+    layers from its input instead of keeping every layer's input for every microbatch, and a policy's saved (or
+    offloaded) activations stay saved. 'none' keeps every activation: no wrap."""
+    if name == "none":
+        return fn
+    keep = jax.checkpoint_policies.save_only_these_names(input_name)
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_from_both_policies(policy(name, dict(custom)), keep),
+                          prevent_cse=False)
+

@@ -1,4 +1,4 @@
-"""docs/planner.md's example outputs are what the planner prints today: each marked block is regenerated in this
+"""The docs' example outputs (docs/planner.md's, docs/pipeline.md's) are what the planner prints today: each marked block is regenerated in this
 process (docs/examples.py) and compared. A planner change that moves a number fails here until
 `python docs/examples.py` has rewritten the docs."""
 
@@ -27,11 +27,12 @@ def _examples():
 examples = _examples()
 
 
-def test_planner_md_shows_the_live_output_of_every_marked_command():
-    stale, errors, markers = examples.check_text(PLANNER_MD.read_text(), "docs/planner.md")
+@pytest.mark.parametrize("page, floor", [("planner.md", MIN_MARKERS), ("pipeline.md", 1)])
+def test_docs_show_the_live_output_of_every_marked_command(page, floor):
+    stale, errors, markers = examples.check_text((ROOT / "docs" / page).read_text(), f"docs/{page}")
     assert not errors, "\n".join(errors)
     assert not stale, "\n".join(stale) + "\nrun: python docs/examples.py"
-    assert markers >= MIN_MARKERS
+    assert markers >= floor
 
 
 def test_a_changed_number_is_named_and_rewritten():

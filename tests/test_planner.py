@@ -413,9 +413,14 @@ def test_activations_over_tensor_with_and_without_sequence_parallelism():
 
 
 def test_pipeline_stages_hold_every_microbatch():
-    # pipeline = 2 x fsdp = 4, 2 microbatches: a GPipe stage keeps both: 8 x 32 / 4 = 64 tokens, 1 layer each.
-    mem = memory.predict(_cfg(**{"train.grad_accum_steps": 2, "remat.policy": "full"}), _axes(fsdp=4, pipeline=2))
-    assert mem.saved_activations == 1 * 64 * 64 * 2
+    # pipeline = 2 x fsdp = 4, 4 microbatches of 2 layers a stage: a GPipe stage keeps every microbatch's stage
+    # input (8 x 32 / 4 = 64 tokens of d_model 64, bf16), not each layer's: pipeline.py rematerialises an
+    # iteration from it. Recomputing one (16 tokens) holds its 2 layers' inputs besides one layer's working set.
+    cfg = _cfg(**{"model.num_layers": 4, "pipeline.microbatches": 4, "remat.policy": "full"})
+    mem = memory.predict(cfg, _axes(fsdp=4, pipeline=2))
+    assert mem.saved_activations == 64 * 64 * 2
+    unpipelined = memory.predict(_cfg(**{"model.num_layers": 4, "remat.policy": "full"}), _axes(fsdp=4))
+    assert mem.layer_working_set == unpipelined.layer_working_set / 4 + 2 * 16 * 64 * 2
 
 
 # --- the roofline -----------------------------------------------------------------------------------------------
@@ -678,3 +683,13 @@ def test_plan_cli_answers_the_budget_questions():
     assert "training on 1e+09 tokens" in text and "fewest chips that fit: 1 (v5e:1x1" in text
     refused = run_cli([*command[:-2], "--mfu", "0.5"], module=True)
     assert refused.returncode == 2 and refused.stderr.startswith("error: --mfu must be in (0, 1] and comes with")
+
+
+def test_plan_shows_the_pipeline_schedule():
+    # 2 stages x 4 microbatches: GPipe's bubble (2 - 1) / (4 + 2 - 1) = 20% and the runner's own timeline.
+    r = roofline.plan(_cfg(**{"mesh.pipeline": 2, "pipeline.microbatches": 4}), "v5p:2x2x2")
+    assert r["pipeline_bubble"] == r["pipeline"]["bubble"] == pytest.approx(0.2)
+    assert r["pipeline"]["timeline"] == [["F0", "F1", "F2", "F3", ".", ".", "B3", "B2", "B1", "B0"],
+                                         [".", "F0", "F1", "F2", "F3", "B3", "B2", "B1", "B0", "."]]
+    assert "stage 1    .  F0  F1  F2  F3  B3  B2  B1  B0   ." in roofline.format_table(r)
+    assert roofline.plan(_cfg(), "v5p:2x2x2")["pipeline"] is None

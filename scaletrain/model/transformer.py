@@ -143,7 +143,7 @@ class Llama(nnx.Module):
         body, extras = remat.apply(layer, cfg.remat, cfg.remat_custom), (sin_bth, cos_bth, segment_ids_bt)
         if cfg.pipeline_stages > 1:
             x_btd = pipeline.gpipe(body, x_btd, stacked, extras, cfg.pipeline_stages, cfg.pipeline_microbatches,
-                                   cfg.unroll_loops)
+                                   cfg.unroll_loops, cfg.remat, cfg.remat_custom)
         else:
             x_btd = pipeline.scan(body, x_btd, stacked, extras, cfg.unroll_loops)
         return self._final_stream(x_btd)

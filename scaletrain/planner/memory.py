@@ -235,7 +235,9 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None) -> Predic
     Activations: the remat policy's saved tensors for every layer of the device's stage (policy none:
     scaling.md's 20 [tokens, d_model] tensors per layer), one layer's full set while the backward pass
     rematerialises it (every other policy), and the float32 logits and their gradient - of one block of
-    model.logits_block positions per sequence when that is set."""
+    model.logits_block positions per sequence when that is set. A pipeline stage keeps them for every
+    microbatch; under a remat policy it keeps each microbatch's stage input rather than every layer's input
+    (pipeline.py rematerialises an iteration from it), and recomputing one iteration holds its layers' inputs."""
     m = cfg.model
     t, stage_layers = axes["tensor"], m.num_layers / axes["pipeline"]
     ab = DTYPE_BYTES[m.dtype]
@@ -250,10 +252,15 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None) -> Predic
         working += _attention_block_working(cfg, tokens, t, ab)
     else:
         where = kept(policy, cfg.remat.custom)
-        device = elements["decoder_layer_input"] + sum(elements[n] for n, w in where.items() if w == "device")
+        named = sum(elements[n] for n, w in where.items() if w == "device")
         host = sum(elements[n] for n, w in where.items() if w == "offload")
-        saved, offloaded = device * ab * tokens * stage_layers, host * ab * tokens * stage_layers
-        working = _unremat_layer(cfg, t, ab) * tokens + _attention_block_working(cfg, tokens, t, ab)
+        pipelined = axes["pipeline"] > 1
+        micro = replica_tokens(cfg, axes)  # one microbatch: what one layer (or iteration) recomputes
+        inputs = elements["decoder_layer_input"] * (1 if pipelined else stage_layers)
+        saved, offloaded = (inputs + named * stage_layers) * ab * tokens, host * ab * tokens * stage_layers
+        working = _unremat_layer(cfg, t, ab) * micro + _attention_block_working(cfg, micro, t, ab)
+        if pipelined:
+            working += elements["decoder_layer_input"] * ab * micro * stage_layers
     logits = 2 * tokens * logits_block(cfg) / cfg.data.seq_len * m.vocab_size / t * 4
     on_host = s.layout.params_home is not None
     moments_on_host = s.layout.opt_home is not None

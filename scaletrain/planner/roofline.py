@@ -16,6 +16,7 @@ from typing import Callable, Mapping, Sequence
 
 from scaletrain import mesh as mesh_lib
 from scaletrain import parallelism, sharding
+from scaletrain import pipeline as pipeline_lib
 from scaletrain.parallelism import microbatches
 from scaletrain.config import MESH_AXES
 from scaletrain.kernels import flash_attention
@@ -23,6 +24,7 @@ from scaletrain.planner import comms, flops, memory
 from scaletrain.planner import hardware as hw
 
 GB = 1e9
+TIMELINE_TICKS = 32  # the longest pipeline timeline the table prints
 _QKV = {"query_proj", "key_proj", "value_proj"}
 
 
@@ -289,6 +291,18 @@ def _warnings(cfg, axes: Mapping[str, int], mem: memory.Prediction, chip: hw.Chi
     return out
 
 
+def _pipeline(cfg, axes: Mapping[str, int], bubble: float) -> dict | None:
+    """The pipeline's schedule where there are stages: its timeline per stage (pipeline.gpipe_timeline: ticks of
+    `F3`, `B3`, `.`), the trainer's own."""
+    stages = axes["pipeline"]
+    if stages == 1:
+        return None
+    n = microbatches(cfg, axes)
+    timeline = pipeline_lib.gpipe_timeline(stages, n)
+    return {"schedule": cfg.pipeline.schedule, "stages": stages, "microbatches": n, "bubble": bubble,
+            "timeline": [[tick[p] for tick in timeline] for p in range(stages)]}
+
+
 def plan(cfg, hardware: str) -> dict:
     """The analytic prediction for config `cfg` (scaletrain.config.load) on `hardware` (`[Sx]CHIP:DIMS`, e.g.
     v5p:4x4x4): the `plan` command's keys, the terms behind them, scaling.md's critical batch sizes and the FSDP x
@@ -347,6 +361,7 @@ def plan(cfg, hardware: str) -> dict:
         "bound": bound,
         "time_s": times,
         "pipeline_bubble": bubble,
+        "pipeline": _pipeline(cfg, axes, bubble),
         "tokens_per_second": tokens / step_time,
         "mfu_upper_bound": step_flops / (topo.num_chips * chip.bf16_flops * step_time),
         "memory_per_device_bytes": {k: detail[k] for k in ("params", "optimizer", "gradients", "activations",
@@ -403,6 +418,15 @@ def format_table(result: dict) -> str:
     lines += [f"  {k:<8}{_seconds(v):>12}" for k, v in r["time_s"].items()]
     if r["pipeline_bubble"]:
         lines.append(f"  (compute includes a pipeline bubble of {100 * r['pipeline_bubble']:.1f}%)")
+    if r["pipeline"]:
+        p = r["pipeline"]
+        lines += ["", f"pipeline: {p['schedule']}, {p['stages']} stages x {p['microbatches']} microbatches "
+                      f"(F: forward, B: backward of a microbatch; .: bubble)"]
+        ticks = len(p["timeline"][0])
+        if ticks <= TIMELINE_TICKS:
+            lines += [f"  stage {s:<3}" + " ".join(f"{c:>3}" for c in row) for s, row in enumerate(p["timeline"])]
+        else:
+            lines.append(f"  {ticks} ticks: the timeline is in the JSON (--json)")
     detail = r["memory_detail_bytes"]
     lines += ["", f"memory per device, of {_binary(r['hbm_capacity_bytes'])} HBM: "
               + ("fits" if r["fits"] else "DOES NOT FIT")]
