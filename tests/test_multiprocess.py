@@ -79,6 +79,14 @@ def test_two_processes_equal_one(one_process, two_processes):
     np.testing.assert_allclose(two_processes[1], one_process[1], rtol=1e-5)
 
 
+def test_a_pipeline_across_the_two_processes_equals_one(tmp_path, one_process):
+    """Stage 0 on process 0's devices and stage 1 on process 1's (mesh.dcn_pipeline=2: each process plays a
+    slice), FSDP over each one's 4: the activations cross between the processes, and the losses are one
+    process's without stages."""
+    _run_two(tmp_path, **{"mesh.fsdp": 4, "mesh.dcn_pipeline": 2, "pipeline.microbatches": 2})
+    np.testing.assert_allclose(_losses(tmp_path), one_process[1], rtol=1e-5)
+
+
 def test_two_process_checkpoint_resumes_in_one_and_back(tmp_path, one_process, two_processes):
     """Each process count reads exactly the batches the other would have read next."""
     for (source, losses), run_dir, command in (
