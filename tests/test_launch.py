@@ -284,3 +284,14 @@ def test_a_run_dir_in_a_missing_bucket_is_one_error_line(bucket):
     assert result.returncode == 2, result.stderr
     [line] = [x for x in result.stderr.splitlines() if x.strip()]
     assert line.startswith("error: run_dir 'gs://no-such-bucket/run': cannot write to the bucket (no such bucket)")
+
+
+def test_a_pipeline_across_slices_is_launched_as_set(tmp_path, capsys):
+    """Stages across the two slices (mesh.dcn_pipeline=2) pass the trainer's checks on the planned slices, and
+    the launcher, given a DCN degree, adds none of its own."""
+    launch = _changed(tmp_path, _train("train.global_batch=2048", "data.seq_len=4096", "mesh.dcn_pipeline=2",
+                                       "pipeline.microbatches=8", "model.attention=xla",
+                                       config="configs/llama3_70b.yaml"), "v6e-256x2.yaml")
+    assert tpu.main(["run", "--config", launch, "--dry-run"]) == 0
+    runs = capsys.readouterr().out.splitlines()[1:]
+    assert len(runs) == 2 and all("--set mesh.dcn_pipeline=2" in r and "dcn_data" not in r for r in runs)
