@@ -194,3 +194,13 @@ def test_a_missing_base_config_is_the_sweep_files_error(tmp_path, capsys):
     assert capsys.readouterr().err == (f"error: sweep file {path}: base config '{tmp_path / 'missing.yaml'}' not "
                                        "found; expected a YAML file such as configs/llama_tiny.yaml\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_sweep_varies_the_pipeline_axis(tmp_path):
+    """Pipeline variants are planned like any other: their bubble and schedule in the record, ranked with the
+    rest."""
+    spec = sweep_lib.load(_plan_sweep(tmp_path, "[{mesh.pipeline: 1}, {mesh.pipeline: 2, pipeline.microbatches: 4}]"))
+    flat, staged = sweep_lib.run(spec, tmp_path / "out", log=lambda line: None)
+    assert flat["status"] == staged["status"] == "ok"
+    assert flat["plan"]["pipeline_bubble"] == 0 and staged["plan"]["pipeline_bubble"] == pytest.approx(0.2)
+    assert "pipeline=2" in (tmp_path / "out" / "summary.md").read_text()

@@ -128,7 +128,8 @@ def _plan(cfg, sweep: Sweep) -> dict:
     p = roofline.plan(cfg, sweep.hardware)
     return {"hardware": p["hardware"], "chip": p["chip"], "step_time_s": p["step_time_s"], "bound": p["bound"],
             "memory_per_device_bytes": p["memory_per_device_bytes"]["total"], "fits": p["fits"],
-            "mfu_upper_bound": p["mfu_upper_bound"], "comm_bytes_per_device": p["comm_bytes_per_device"]}
+            "mfu_upper_bound": p["mfu_upper_bound"], "comm_bytes_per_device": p["comm_bytes_per_device"],
+            "pipeline_bubble": p["pipeline_bubble"], "warnings": p["warnings"]}
 
 
 def _compile(cfg, sweep: Sweep) -> dict:
