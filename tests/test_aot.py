@@ -75,8 +75,23 @@ def test_a_step_that_does_not_fit_exits_3():
 
 
 @pytest.mark.parametrize("topology, says", [("v5x:2x2", "libtpu does not know topology"),
-                                            ("v5e", "is not GENERATION:AxBxC")])
+                                            ("v5e", "GENERATION:AxBxC")])
 def test_bad_topology_is_one_error_line(topology, says):
     proc = _compile("--config", "configs/llama_tiny.yaml", "--topology", topology)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error:") and says in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_a_pipeline_across_two_slices():
+    """Two v5p slices (libtpu's multislice topology: each device has its slice_index), a stage on each, FSDP over
+    each slice's 4 chips: the stages' activations move by collective permutes; loop-corrected with one and two
+    layers a stage."""
+    result = _result(_compile("--config", "configs/llama_tiny.yaml", "--topology", "2xv5p:2x2x1", "--set",
+                              "mesh.dcn_pipeline=2", "--set", "mesh.fsdp=4", "--set", "pipeline.microbatches=2"))
+    assert result["fits"] and result["chips"] == 8 and result["loop_corrected"]
+    assert result["collectives"]["collective-permute"]["count"] > 0
+    cfg = config.load("configs/llama_tiny.yaml", [])
+    model_flops = flops.flops_per_token(ModelConfig.from_config(cfg.model), cfg.data.seq_len) * (
+        cfg.train.global_batch * cfg.data.seq_len) / 8
+    # Every layer counted, on one of the two stages: at least half the step's model FLOPs per chip.
+    assert result["xla_flops"] >= 0.5 * model_flops

@@ -5,7 +5,8 @@ XLA's cost analysis counts a while loop's body once, whatever its trip count (ja
 `flops` and `optimal_seconds` miss most of the scanned layer stack. The loop-corrected figures come from two
 more compiles of the same step with 1 and 2 layers, every model loop unrolled and the windowed-einsum loops
 XLA builds around sharded matmuls turned off: per layer = c(2) - c(1), outside the layers = 2 c(1) - c(2),
-the step = outside + L x per layer. With gradient accumulation those compiles take one microbatch and the
+the step = outside + L x per layer (with P pipeline stages, P and 2P layers: one and two a stage; the pipeline's
+iterations are unrolled too). With gradient accumulation those compiles take one microbatch and the
 result is multiplied by their number (which counts the optimizer update once per microbatch: an overestimate
 of a few percent). The offloaded optimizer's layer loop (optim.offload) stays counted once.
 """
@@ -26,15 +27,17 @@ _COSTS = ("flops", "bytes accessed", "optimal_seconds")
 
 
 def topology_devices(topology: str) -> list:
-    """The devices of a TPU topology such as `v5p:4x4x4` or `v5e:2x2`, described by libtpu."""
+    """The devices of a TPU topology such as `v5p:4x4x4` or `v5e:2x2`, or of several such slices joined by DCN
+    (`2xv5p:4x4x4`, as the planner writes them: each device then has its slice_index), described by libtpu."""
     from jax.experimental import topologies
 
-    name, _, shape = topology.partition(":")
-    dims = shape.split("x")
-    if not name or not all(d.isdigit() and int(d) > 0 for d in dims):
-        raise ConfigError(f"topology '{topology}' is not GENERATION:AxBxC; expected e.g. v5e:2x2, v5p:4x4x4, v6e:8x8")
+    match = re.fullmatch(r"(?:(\d+)x)?([a-z][a-z0-9]*:\d+(?:x\d+)*)", topology.strip().lower())
+    if not match or int(match.group(1) or 1) < 1 or "x0" in f"x{match.group(2).split(':')[1]}":
+        raise ConfigError(f"topology '{topology}' is not [SLICESx]GENERATION:AxBxC; expected e.g. v5e:2x2, "
+                          f"v5p:4x4x4, v6e:8x8, 2xv5p:4x4x4")
+    slices, name = int(match.group(1) or 1), match.group(2)
     try:
-        return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+        return list(topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=slices).devices)
     except Exception as e:  # noqa: BLE001 - libtpu's errors name no fix
         if "lockfile" in str(e):
             raise ConfigError("another process on this machine holds libtpu (its lockfile); wait for it, or set "
@@ -63,13 +66,15 @@ def _cost(compiled) -> dict[str, float]:
     return {k: float(cost.get(k, 0.0)) for k in _COSTS}
 
 
-def _loop_corrected(cfg, devices) -> dict[str, float]:
+def _loop_corrected(cfg, devices, stages: int = 1) -> dict[str, float]:
+    """With `stages` pipeline stages the two compiles have one and two layers a stage: per layer = (c(2P) -
+    c(P)) / P, outside = 2 c(P) - c(2P)."""
     from scaletrain import trainer
 
     accum = cfg.train.grad_accum_steps
     options = _NO_WINDOWED_EINSUM if devices[0].platform == "tpu" else None
     costs = []
-    for layers in (1, 2):
+    for layers in (stages, 2 * stages):
         variant = copy.deepcopy(cfg)
         variant.model.num_layers = layers
         variant.train.global_batch = cfg.train.global_batch // accum
@@ -79,7 +84,7 @@ def _loop_corrected(cfg, devices) -> dict[str, float]:
         costs.append(_cost(compiled))
     one, two = costs
     layers = cfg.model.num_layers
-    return {k: accum * (2 * one[k] - two[k] + layers * (two[k] - one[k])) for k in _COSTS}
+    return {k: accum * (2 * one[k] - two[k] + layers * (two[k] - one[k]) / stages) for k in _COSTS}
 
 
 def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
@@ -102,7 +107,7 @@ def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
     compile_seconds = time.perf_counter() - start
     mem = memory.compiled(compiled.memory_analysis())
     raw = _cost(compiled)
-    corrected = _loop_corrected(cfg, devices) if loop_correction else None
+    corrected = _loop_corrected(cfg, devices, setup.mesh.shape["pipeline"]) if loop_correction else None
     best = corrected or raw
     estimate = best["optimal_seconds"]
     if estimate <= 0 or raw["optimal_seconds"] <= 0:
