@@ -76,14 +76,16 @@ def gpipe(body: Callable, x: jax.Array, stacked: Any, extras: tuple, stages: int
     xs, extras_m = _split(x, microbatches), tuple(_split(e, microbatches) for e in extras)
     stage_axis = active_axes("stage")
 
-    def stage(params, x, *extras):
-        return scan(body, x, params, extras, unroll)
+    def stage(params, x, microbatch):
+        # Each stage picks its microbatch's rows of the per-row arrays itself: local to its devices, which hold
+        # every microbatch's (they are not split over stages).
+        return scan(body, x, params, tuple(e[microbatch] for e in extras_m), unroll)
 
     where = ("stage", "batch", "residual_seq", "embed")
 
-    def run_stages(params, inputs, *extras):
+    def run_stages(params, inputs, current):
         inputs = checkpoint_name(inputs, STAGE_INPUT)
-        return constrain(jax.vmap(stage, spmd_axis_name=stage_axis or None)(params, inputs, *extras), where)
+        return constrain(jax.vmap(stage, spmd_axis_name=stage_axis or None)(params, inputs, current), where)
 
     run_stages = remat.around_stages(run_stages, remat_policy, remat_custom, STAGE_INPUT)
 
@@ -91,12 +93,12 @@ def gpipe(body: Callable, x: jax.Array, stacked: Any, extras: tuple, stages: int
         state, outputs = carry
         mb = microbatch_at(i, jnp.arange(stages), microbatches)
         valid = (mb >= 0) & (mb < microbatches)
-        # Stage 0 takes microbatch i; stage p > 0 what stage p - 1 made in the iteration before.
-        inputs = jnp.roll(state, 1, axis=0).at[0].set(xs[jnp.clip(i, 0, microbatches - 1)])
+        # Stage 0 takes microbatch i; stage p > 0 what stage p - 1 made in the iteration before. Selects, not an
+        # update of row 0: elementwise on the stage-split arrays.
+        first = (jnp.arange(stages) == 0)[:, None, None, None]
+        inputs = jnp.where(first, xs[jnp.clip(i, 0, microbatches - 1)][None], jnp.roll(state, 1, axis=0))
         inputs = constrain(jnp.where(valid[:, None, None, None], inputs, 0), where)
-        current = jnp.clip(mb, 0, microbatches - 1)
-        stage_extras = tuple(e[current] for e in extras_m)
-        state = run_stages(per_stage, inputs, *stage_extras)
+        state = run_stages(per_stage, inputs, jnp.clip(mb, 0, microbatches - 1))
         # The last stage finishes microbatch i - (stages - 1); before the first one, slot 0 takes a bubble's zeros,
         # overwritten when microbatch 0 finishes.
         done = jnp.maximum(i - (stages - 1), 0)
