@@ -33,15 +33,15 @@ def scan(body: Callable, x: jax.Array, stacked: Any, extras: tuple, unroll: bool
     return x
 
 
-def _split(a: jax.Array, n: int) -> jax.Array:
+def split_microbatches(a: jax.Array, n: int) -> jax.Array:
     """[B, ...] -> [n, B/n, ...], microbatch i taking rows i, n+i, 2n+i, ...: every data shard contributes equally
-    to every microbatch, so no rows move between devices (as train_step's gradient accumulation splits)."""
+    to every microbatch, so no rows move between devices (gradient accumulation's split too)."""
     a = a.reshape(a.shape[0] // n, n, *a.shape[1:]).swapaxes(0, 1)
     return constrain(a, (None, "batch") + (None,) * (a.ndim - 2))
 
 
 def _join(a: jax.Array) -> jax.Array:
-    """_split's inverse."""
+    """split_microbatches' inverse."""
     return a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:])
 
 
@@ -73,7 +73,8 @@ def gpipe(body: Callable, x: jax.Array, stacked: Any, extras: tuple, stages: int
     than none each iteration is rematerialised from its stage inputs (remat.around_stages)."""
     layers = jax.tree.leaves(stacked)[0].shape[0]
     per_stage = jax.tree.map(lambda a: a.reshape(stages, layers // stages, *a.shape[1:]), stacked)
-    xs, extras_m = _split(x, microbatches), tuple(_split(e, microbatches) for e in extras)
+    xs = split_microbatches(x, microbatches)
+    extras_m = tuple(split_microbatches(e, microbatches) for e in extras)
     stage_axis = active_axes("stage")
 
     def stage(params, x, microbatch):

@@ -11,8 +11,9 @@ import optax
 from flax import nnx
 
 from scaletrain import optim
+from scaletrain.pipeline import split_microbatches
 from scaletrain.loss import blocked_linear_cross_entropy, cross_entropy, linear_cross_entropy, vocab_chunk
-from scaletrain.sharding import active_device, constrain, use_rules, ways
+from scaletrain.sharding import active_device, use_rules, ways
 
 # The CPU's fast path for the output projection + loss (loss.linear_cross_entropy); False: always the plain
 # path, its slow twin in tests.
@@ -79,17 +80,6 @@ def _fused_loss(model, x_btd) -> bool:
             and ways("vocab") == 1 and vocab_chunk(cfg.vocab_size) >= 128)
 
 
-def _microbatches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
-    """[B, ...] -> [n, B/n, ...], microbatch i taking rows i, n+i, 2n+i, ...: every data shard contributes
-    equally to every microbatch, so no rows move between devices."""
-
-    def split(x):
-        x = x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
-        return constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
-
-    return jax.tree.map(split, batch)
-
-
 def make_eval_step(graphdef: nnx.GraphDef, fetch_params: Callable | None, mesh, rules) -> Callable:
     """(params, batch) -> (summed loss, token count): the training loss of a batch, without its gradient.
     `fetch_params` brings parameters kept in host memory to the device (optim.Update.fetch_params)."""
@@ -123,8 +113,8 @@ def make_train_step(graphdef: nnx.GraphDef, update: optim.Update, lr: optax.Sche
                     return (total + m_total, count + m_count, place(jax.tree.map(jnp.add, grads, m_grads))), None
 
                 zeros = place(jax.tree.map(jnp.zeros_like, state.params))
-                (total, count, grads), _ = jax.lax.scan(
-                    accumulate, (jnp.zeros(()), jnp.zeros(()), zeros), _microbatches(batch, grad_accum_steps))
+                micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum_steps), batch)
+                (total, count, grads), _ = jax.lax.scan(accumulate, (jnp.zeros(()), jnp.zeros(()), zeros), micro)
         # `grads` are sums over tokens: the mean is folded into the scale the update applies, so no
         # normalised copy of the gradients is ever written.
         count = jnp.maximum(count, 1.0)

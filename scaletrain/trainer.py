@@ -10,12 +10,11 @@ import dataclasses
 import importlib.metadata
 import sys
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
