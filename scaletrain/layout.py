@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import jax
 import optax
 from flax import nnx
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from scaletrain import model as model_lib
 from scaletrain import optim, sharding

@@ -56,4 +56,3 @@ def around_stages(fn: Callable, name: str, custom: tuple[tuple[str, str], ...], 
     keep = jax.checkpoint_policies.save_only_these_names(input_name)
     return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_from_both_policies(policy(name, dict(custom)), keep),
                           prevent_cse=False)
-

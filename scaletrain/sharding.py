@@ -178,10 +178,7 @@ def active_axes(logical: str) -> tuple[str, ...]:
 
 def ways(logical: str) -> int:
     """Into how many shards the active activation rules split a logical axis (1 outside a step)."""
-    if not _ACTIVE:
-        return 1
-    mesh, rules, _ = _ACTIVE[-1]
-    return math.prod(mesh.shape[a] for a in mesh_axes(rules.activations.get(logical)))
+    return math.prod(_ACTIVE[-1][0].shape[a] for a in active_axes(logical)) if _ACTIVE else 1
 
 
 def active_device() -> jax.Device:

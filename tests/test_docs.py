@@ -1,6 +1,6 @@
-"""The docs' example outputs (docs/planner.md's, docs/pipeline.md's) are what the planner prints today: each marked block is regenerated in this
-process (docs/examples.py) and compared. A planner change that moves a number fails here until
-`python docs/examples.py` has rewritten the docs."""
+"""The docs' example outputs (docs/planner.md's, docs/pipeline.md's) are what the planner prints today: each
+marked block is regenerated in this process (docs/examples.py) and compared. A planner change that moves a number
+fails here until `python docs/examples.py` has rewritten the docs."""
 
 import importlib.util
 import re

@@ -25,10 +25,8 @@ def training(cfg, result: dict, tokens: float, mfu: float | None = None) -> dict
     """A run of `tokens` tokens on the plan's machine: its model FLOPs (flops.py: 6 per multiplied weight and
     token - the book's 6ND - plus causal attention, which the book leaves out), and its days and chip-hours at
     model FLOPs utilisation `mfu`, or at the plan's predicted step time when None."""
-    state = memory.state(cfg, result["mesh"]["sizes"])
-    count = flops.param_count(state.layout.model_cfg)
-    matmul = 6.0 * count.matmul * tokens
     total = result["flops_per_token"] * tokens
+    matmul = total - flops.attention_flops_per_token(cfg.model, cfg.data.seq_len) * tokens
     used = result["mfu_upper_bound"] if mfu is None else mfu
     peak = result["step_flops"] / (result["step_time_s"] * result["mfu_upper_bound"])  # all chips' FLOP/s
     seconds = total / (peak * used)
@@ -103,9 +101,10 @@ def describe(training_: dict | None, chips: dict | None, result: dict) -> list[s
     lines = []
     if training_:
         t = training_
+        chips_ = f"{result['chips']} chip{'s' if result['chips'] > 1 else ''}"
         lines.append(f"training on {t['tokens']:.3g} tokens ({t['steps']:,.0f} steps): {t['total_flops']:.3g} FLOP "
                      f"(matmuls {t['matmul_flops']:.3g}, attention {t['attention_flops']:.3g}); at MFU "
-                     f"{100 * t['mfu']:.1f}% ({t['mfu_source']}): {t['days']:.3g} days on {result['chips']} chip{'s' if result['chips'] > 1 else ''}, "
+                     f"{100 * t['mfu']:.1f}% ({t['mfu_source']}): {t['days']:.3g} days on {chips_}, "
                      f"{t['chip_hours']:.3g} chip-hours")
     if chips:
         where = (chips["note"] if chips["min_chips"] is None else

@@ -75,7 +75,7 @@ class Link:
             return max(full_bytes / self.oneway, self.hop_latency)
         if kind == "all-to-all" and not self.switch:
             moving = full_bytes * max(self.parts) / (4 * self.size * self.bandwidth / len(self.parts))
-        elif not self.switch and all(self.wraps) and kind != "all-to-all":
+        elif not self.switch and all(self.wraps):
             moving = (2 if kind == "all-reduce" else 1) * full_bytes / self.bandwidth
         else:
             moving = self.bytes_sent(kind, full_bytes) / self.bandwidth
