@@ -81,7 +81,9 @@ def test_garbled_bytes_in_any_file_are_caught_or_harmless(saved, tmp_path, capsy
     assert len(files) >= 10 and any(f.parts[:2] == ("state", "d") for f in files)
     rng, caught_by_fingerprint, wrong = random.Random(0), 0, []
     for i, name in enumerate(files):
-        for offset in (0.0, 0.5, 1.0):
+        # Orbax packs the arrays into its data files (d/) in an order that varies from save to save, so those are
+        # garbled at more places: one of them must land on bytes Orbax reads without complaint.
+        for offset in (0.0, 0.25, 0.5, 0.75, 1.0) if "d" in name.parts else (0.0, 0.5, 1.0):
             copy = tmp_path / f"{i}-{offset}"
             shutil.copytree(directory, copy)
             _garble(copy / "2" / name, offset, rng)
