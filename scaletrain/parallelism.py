@@ -43,9 +43,9 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
     if m.num_layers % stages:
         out.append(f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline={stages}")
     if stages > 1:
-        if cfg.pipeline.schedule != "gpipe" or cfg.pipeline.repeats != 1:
+        if cfg.pipeline.schedule == "circular" or cfg.pipeline.repeats != 1:
             out.append(f"pipeline.schedule={cfg.pipeline.schedule} (pipeline.repeats={cfg.pipeline.repeats}) is not "
-                       f"implemented yet; use pipeline.schedule=gpipe with pipeline.repeats=1")
+                       f"implemented yet; use pipeline.schedule=gpipe or 1f1b with pipeline.repeats=1")
         if cfg.train.grad_accum_steps > 1:
             out.append("with mesh.pipeline > 1 the pipeline's microbatches replace gradient accumulation: set "
                        "pipeline.microbatches and train.grad_accum_steps=1")

@@ -164,6 +164,9 @@ def local(fn, in_logical: tuple[tuple[str | None, ...], ...], out_logical: tuple
     if not _ACTIVE:
         return fn
     mesh, rules, _ = _ACTIVE[-1]
+    within = jax.sharding.get_abstract_mesh()
+    if not within.empty and within.manual_axes:  # inside a pipeline stage (pipeline_1f1b.py): its mesh's view
+        mesh = within
     return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(n, rules.activations, mesh) for n in in_logical),
                          out_specs=spec(out_logical, rules.activations, mesh), check_vma=False)
 
@@ -179,6 +182,11 @@ def active_axes(logical: str) -> tuple[str, ...]:
 def ways(logical: str) -> int:
     """Into how many shards the active activation rules split a logical axis (1 outside a step)."""
     return math.prod(_ACTIVE[-1][0].shape[a] for a in active_axes(logical)) if _ACTIVE else 1
+
+
+def active_mesh() -> Mesh:
+    """The mesh of the step being traced (use_rules')."""
+    return _ACTIVE[-1][0]
 
 
 def active_device() -> jax.Device:

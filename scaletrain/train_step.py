@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from scaletrain import optim
+from scaletrain import optim, pipeline, pipeline_1f1b
 from scaletrain.pipeline import split_microbatches
 from scaletrain.loss import blocked_linear_cross_entropy, cross_entropy, linear_cross_entropy, vocab_chunk
 from scaletrain.sharding import active_device, use_rules, ways
@@ -29,16 +29,42 @@ class TrainState:
 
 
 def loss_sum(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """Summed masked next-token cross-entropy, and the number of tokens it sums over.
+    """Summed masked next-token cross-entropy, and the number of tokens it sums over."""
+    model = nnx.merge(graphdef, params)
+    rows = (batch["targets"], batch["loss_mask"])
+    count = jnp.sum(batch["loss_mask"])
+    if model.cfg.pipeline_schedule == "1f1b":
+        return _one_f_one_b_loss(graphdef, params, model, batch, rows), count
+    x_btd = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+    return _stream_loss(graphdef, params, x_btd, *rows), count
+
+
+def _one_f_one_b_loss(graphdef, params, model, batch, rows) -> jax.Array:
+    """The layer stack as a 1F1B pipeline, which runs the head on each microbatch as it leaves the last stage."""
+    cfg = model.cfg
+    x_btd, body, stacked, extras = model.stack_inputs(batch["tokens"], batch["positions"], batch["segment_ids"])
+
+    def stage(stacked, x_btd, extras):
+        return pipeline.scan(body, x_btd, stacked, extras, cfg.unroll_loops)
+
+    def head(head_params, layers, x_btd, rows):
+        p = {**head_params, "layers": nnx.to_pure_dict(layers)}
+        return _stream_loss(graphdef, p, nnx.merge(graphdef, p).final_stream(x_btd), *rows)
+
+    head_params = {k: v for k, v in params.items() if k != "layers"}
+    return pipeline_1f1b.loss(stage, head, cfg.pipeline_stages, cfg.pipeline_microbatches, x_btd, stacked,
+                              head_params, extras, rows)
+
+
+def _stream_loss(graphdef: nnx.GraphDef, params: Any, x_btd: jax.Array, targets_bt: jax.Array,
+                 mask_bt: jax.Array) -> jax.Array:
+    """The summed loss of `hidden`'s stream through the output projection.
 
     With model.logits_block, the float32 logits - at Llama 3's vocabulary the largest activation by far - exist
     one block of positions at a time: loss.blocked_linear_cross_entropy forms each block's gradient as it goes
     (an untied output projection of the normalised stream); otherwise each block's projection and loss is a
     checkpointed step of a scan, and the backward pass recomputes that block's logits."""
     model = nnx.merge(graphdef, params)
-    x_btd = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
-    targets_bt, mask_bt = batch["targets"], batch["loss_mask"]
-    count = jnp.sum(mask_bt)
 
     def block_loss(params, x_btd, targets_bt, mask_bt):
         return jnp.sum(cross_entropy(nnx.merge(graphdef, params).logits(x_btd), targets_bt) * mask_bt)
@@ -46,13 +72,13 @@ def loss_sum(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array]) -
     block, seq = model.cfg.logits_block, x_btd.shape[1]
     if (not block or block >= seq) and _fused_loss(model, x_btd):
         return linear_cross_entropy(x_btd, model.lm_head[...], targets_bt, mask_bt.astype(jnp.float32),
-                                    vocab_chunk(model.cfg.vocab_size)), count
+                                    vocab_chunk(model.cfg.vocab_size))
     if not block or block >= seq:
-        return block_loss(params, x_btd, targets_bt, mask_bt), count
+        return block_loss(params, x_btd, targets_bt, mask_bt)
 
     if projects_the_stream(model.cfg):
         return blocked_linear_cross_entropy(x_btd, model.lm_head[...], targets_bt, mask_bt.astype(jnp.float32),
-                                            block, model.cfg.unroll_loops), count
+                                            block, model.cfg.unroll_loops)
 
     def blocks(a):  # [b, t, ...] -> [t / block, b, block, ...]: a view along the unsharded sequence
         return a.reshape(a.shape[0], seq // block, block, *a.shape[2:]).swapaxes(0, 1)
@@ -60,7 +86,7 @@ def loss_sum(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array]) -
     recomputed = jax.checkpoint(block_loss)
     total, _ = jax.lax.scan(lambda total, xs: (total + recomputed(params, *xs), None), jnp.zeros((), jnp.float32),
                             (blocks(x_btd), blocks(targets_bt), blocks(mask_bt)), unroll=model.cfg.unroll_loops)
-    return total, count
+    return total
 
 
 def projects_the_stream(cfg) -> bool:

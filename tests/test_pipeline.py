@@ -5,7 +5,8 @@ import jax
 import numpy as np
 import pytest
 
-from scaletrain import config, pipeline, remat, trainer
+from scaletrain import config, pipeline, remat, train_step, trainer
+from scaletrain.planner import memory
 from scaletrain.checkpoint import Checkpointer
 from tests.conftest import tiny_overrides
 from tests.test_parallel import assert_params_close, train
@@ -29,6 +30,11 @@ CASES = {
     # Each iteration rematerialised from its stage inputs, its layers keeping what the policy says.
     "pipeline=2 remat=save_dots microbatches=4": ["mesh.pipeline=2", "pipeline.microbatches=4",
                                                   "remat.policy=save_dots"],
+    "1f1b pipeline=2": ["mesh.pipeline=2", "pipeline.schedule=1f1b"],
+    "1f1b pipeline=4 microbatches=8": ["mesh.pipeline=4", "pipeline.schedule=1f1b", "pipeline.microbatches=8"],
+    "1f1b pipeline=4 data=2": ["mesh.pipeline=4", "mesh.data=2", "pipeline.schedule=1f1b"],
+    "1f1b pipeline=2 fsdp=2 tensor=2 microbatches=4": ["mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2",
+                                                      "pipeline.schedule=1f1b", "pipeline.microbatches=4"],
 }
 
 
@@ -42,13 +48,26 @@ def test_pipeline_equals_one_device(batches, reference, case):
     assert_params_close(state.params, ref_state.params)
 
 
-def test_nothing_in_a_bubble_reaches_the_loss_or_a_gradient(batches, reference, monkeypatch):
-    """The shift buffer starts full of NaN: stages idle in the bubble would compute on it, and its NaN would reach
-    every weight's gradient through them (0 x NaN) were their inputs not masked."""
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_nothing_in_a_bubble_reaches_the_loss_or_a_gradient(batches, reference, monkeypatch, schedule):
+    """The shift buffers (and 1F1B's kept stage inputs) start full of NaN: stages idle in the bubble would compute
+    on it, and its NaN would reach every weight's gradient through them (0 x NaN) were their inputs not masked."""
     monkeypatch.setattr(pipeline, "BUBBLE_FILL", float("nan"))
-    losses, state = train(batches, jax.devices()[:2], *LAYERS, "mesh.pipeline=2")
+    losses, state = train(batches, jax.devices()[:2], *LAYERS, "mesh.pipeline=2", f"pipeline.schedule={schedule}",
+                          "pipeline.microbatches=4")
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
     assert_params_close(state.params, reference[1].params)
+
+
+def test_1f1b_equals_gpipe(batches):
+    """The same pipeline, scheduled 1F1B by hand (pipeline_1f1b.py) or GPipe by jax.grad: the same sums, in
+    another order."""
+    mesh = ("mesh.pipeline=2", "mesh.fsdp=2", "pipeline.microbatches=4")
+    gpipe_losses, gpipe_state = train(batches, jax.devices()[:4], *LAYERS, *mesh)
+    losses, state = train(batches, jax.devices()[:4], *LAYERS, *mesh, "pipeline.schedule=1f1b")
+    np.testing.assert_allclose(losses, gpipe_losses, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(gpipe_state.params)):
+        assert np.linalg.norm(np.asarray(a) - np.asarray(b)) <= 1e-6 * np.linalg.norm(np.asarray(b))
 
 
 def _setup(*overrides):
@@ -92,3 +111,25 @@ def test_iterations_are_rematerialised_from_their_stage_inputs(monkeypatch):
     layer_input = 8 // 8 * 32 * 64 * 4  # one row of 32 tokens, d_model 64, float32
     saved = every_layer.temp_size_in_bytes - kept_inputs.temp_size_in_bytes
     assert saved >= (8 + 2 - 1) * 3 * layer_input, (kept_inputs, every_layer)
+
+
+def test_1f1b_holds_less_than_gpipe_by_about_the_predicted_ratio(monkeypatch):
+    """At 8 microbatches over 2 stages a GPipe stage keeps 8 stage inputs and the whole batch's logits, a 1F1B
+    stage 3 stage inputs (2 P - 1) and one microbatch's logits: the compiled steps' memory (arguments and
+    temporaries) falls by about the ratio the planner predicts. The plain loss path, whose logits the planner
+    counts (the CPU's fused one never writes them)."""
+    monkeypatch.setattr(train_step, "FUSED_LOSS", False)
+    shape = ("mesh.pipeline=2", "remat.policy=full", "pipeline.microbatches=8", "model.num_layers=8",
+             "train.global_batch=64", "data.seq_len=128", "model.d_model=128", "model.num_heads=8", "model.d_ff=256")
+
+    def compiled_and_predicted(schedule):
+        setup = _setup(*shape, f"pipeline.schedule={schedule}")
+        compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile().memory_analysis()
+        predicted = memory.predict(setup.cfg, dict(setup.mesh.shape)).total
+        return compiled.argument_size_in_bytes + compiled.temp_size_in_bytes, predicted
+
+    (gpipe, gpipe_predicted), (one_f_one_b, predicted) = map(compiled_and_predicted, ("gpipe", "1f1b"))
+    assert one_f_one_b < gpipe
+    assert abs(one_f_one_b / gpipe - predicted / gpipe_predicted) <= 0.15, (one_f_one_b, gpipe, predicted,
+                                                                           gpipe_predicted)
+    assert abs(gpipe_predicted / gpipe - 1) <= 0.1

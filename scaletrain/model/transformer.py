@@ -55,8 +55,9 @@ class ModelConfig:
     remat: str = "none"  # a remat.POLICIES name
     remat_custom: tuple[tuple[str, str], ...] = ()  # (checkpoint name, remat|device|offload) for "custom"
     fuse_qkv: bool = True  # False where kv heads are replicated over `tensor`
-    pipeline_stages: int = 1  # > 1: the layer stack runs as a GPipe pipeline (pipeline.py) of this many stages
+    pipeline_stages: int = 1  # > 1: the layer stack runs as a pipeline (pipeline.py) of this many stages
     pipeline_microbatches: int = 1
+    pipeline_schedule: str = "gpipe"  # config.PIPELINE_SCHEDULES
     # Unroll the layer scan and the attention block loop. Only for XLA's cost estimate, which counts a loop's
     # body once (planner/aot.py); never for training (compile time and code size grow with the depth).
     unroll_loops: bool = False
@@ -132,31 +133,31 @@ class Llama(nnx.Module):
         """The stream [b, t, d] that `logits` projects, whole along the sequence: after the final norm where
         that is a standard RMSNorm, before it where the norm is deferred or fused into the projection."""
         cfg = self.cfg
-        x_btd = self.embed(tokens_bt, cfg.dtype)
-        sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies())
-        graphdef, stacked = nnx.split(self.layers)
-
-        def layer(x_btd, layer_params, sin_bth, cos_bth, segment_ids_bt):
-            x_btd = checkpoint_name(constrain(x_btd, ("batch", "residual_seq", "embed")), "decoder_layer_input")
-            return nnx.merge(graphdef, self._placed(layer_params))(x_btd, sin_bth, cos_bth, segment_ids_bt)
-
-        body, extras = remat.apply(layer, cfg.remat, cfg.remat_custom), (sin_bth, cos_bth, segment_ids_bt)
+        x_btd, body, stacked, extras = self.stack_inputs(tokens_bt, positions_bt, segment_ids_bt)
         if cfg.pipeline_stages > 1:
             x_btd = pipeline.gpipe(body, x_btd, stacked, extras, cfg.pipeline_stages, cfg.pipeline_microbatches,
                                    cfg.unroll_loops, cfg.remat, cfg.remat_custom)
         else:
             x_btd = pipeline.scan(body, x_btd, stacked, extras, cfg.unroll_loops)
-        return self._final_stream(x_btd)
+        return self.final_stream(x_btd)
 
-    def _placed(self, layer_params):
-        """One layer's parameters, placed; matmul weights in the compute dtype from here on (norm gains stay in
-        float32: the norms compute in it)."""
-        def place(v):
-            return v.replace(constrain_param(v[...], v.out_sharding[1:], self.cfg.dtype if v[...].ndim > 1 else None))
+    def stack_inputs(self, tokens_bt: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array):
+        """What a runner of the layer stack (pipeline.py) takes: the embedded stream [b, t, d], the layer body
+        `body(x, layer_params, *extras) -> x` (remat applied), the stacked layer weights [layers, ...] and the
+        per-row arrays every layer reads (RoPE's tables, the segment ids)."""
+        cfg = self.cfg
+        x_btd = self.embed(tokens_bt, cfg.dtype)
+        sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies())
+        graphdef, stacked = nnx.split(self.layers)
+        placed = functools.partial(_placed, cfg)
 
-        return jax.tree.map(place, layer_params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        def layer(x_btd, layer_params, sin_bth, cos_bth, segment_ids_bt):
+            x_btd = checkpoint_name(constrain(x_btd, ("batch", "residual_seq", "embed")), "decoder_layer_input")
+            return nnx.merge(graphdef, placed(layer_params))(x_btd, sin_bth, cos_bth, segment_ids_bt)
 
-    def _final_stream(self, x_btd: jax.Array) -> jax.Array:
+        return x_btd, remat.apply(layer, cfg.remat, cfg.remat_custom), stacked, (sin_bth, cos_bth, segment_ids_bt)
+
+    def final_stream(self, x_btd: jax.Array) -> jax.Array:
         # Gathered along the sequence for the vocab-parallel output projection. The standard norm runs before
         # the gather, on the sequence-split stream, so that the backward pass reduce-scatters its input
         # gradient rather than all-reducing it; deferred and fused norms need whole rows, so run after it.
@@ -182,11 +183,11 @@ class Llama(nnx.Module):
 
         def layer(x_btd, xs):
             layer_params, k_cache, v_cache = xs
-            block = nnx.merge(graphdef, self._placed(layer_params))
+            block = nnx.merge(graphdef, _placed(cfg, layer_params))
             return block.decode(x_btd, sin_bth, cos_bth, start, (k_cache, v_cache))
 
         x_btd, cache = jax.lax.scan(layer, x_btd, (stacked, *cache))
-        return self.logits(self._final_stream(x_btd)), cache
+        return self.logits(self.final_stream(x_btd)), cache
 
     def logits(self, x_btd: jax.Array) -> jax.Array:
         """float32 logits [b, t, vocab] of `hidden`'s stream, or of any block of its positions."""
@@ -197,6 +198,16 @@ class Llama(nnx.Module):
         else:
             logits = project(x_btd, self.lm_head[...], out_dtype=jnp.float32)
         return constrain(logits, ("batch", "seq", "vocab"))
+
+
+def _placed(cfg: ModelConfig, layer_params):
+    """One layer's parameters, placed; matmul weights in the compute dtype from here on (norm gains stay in
+    float32: the norms compute in it). A function of the config alone: pipeline runners call the layer body
+    inside their own transformations, where it must close over no traced value."""
+    def place(v):
+        return v.replace(constrain_param(v[...], v.out_sharding[1:], cfg.dtype if v[...].ndim > 1 else None))
+
+    return jax.tree.map(place, layer_params, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
 @functools.cache

@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 from jax.sharding import AbstractMesh
 
 from scaletrain import layout as layout_lib
-from scaletrain import remat, sharding
+from scaletrain import pipeline_1f1b, remat, sharding
 from scaletrain.errors import ConfigError
 from scaletrain.parallelism import microbatches, shards_kv_heads
 
@@ -169,6 +169,10 @@ def _unremat_layer(cfg, tensor: int, dtype_bytes: int) -> float:
     return (residual + inner) * dtype_bytes + scores
 
 
+# Copies of the whole batch's residual stream a pipelined step holds beside its microbatches' (measured on the
+# CPU's compiled steps: tests/test_pipeline.py).
+PIPELINE_STREAM_COPIES = 3
+
 # Live copies of one query block's attention scores while its backward pass runs, from the compiled 8B step's
 # buffer assignment (docs/planner.md): four float32 (scores, probabilities, their gradients) and the
 # probabilities in the compute dtype for the values matmul.
@@ -219,10 +223,14 @@ def replica_tokens(cfg, axes: Mapping[str, int]) -> float:
     return cfg.train.global_batch * cfg.data.seq_len / (microbatches(cfg, axes) * axes["data"] * axes["fsdp"])
 
 
-def activation_tokens(cfg, axes: Mapping[str, int]) -> float:
-    """Tokens whose activations one device holds at the peak: one microbatch of its data-parallel replica, or
-    all of them with pipelining (a GPipe stage keeps every microbatch until its backward pass)."""
-    return replica_tokens(cfg, axes) * (microbatches(cfg, axes) if axes["pipeline"] > 1 else 1)
+def held_microbatches(cfg, axes: Mapping[str, int]) -> int:
+    """Microbatches whose activations one device holds at the peak: one without pipelining; with it, every one
+    under GPipe (a stage keeps each until its backward pass), at most 2 P - 1 under 1F1B (pipeline_1f1b.depth)."""
+    if axes["pipeline"] == 1:
+        return 1
+    if cfg.pipeline.schedule == "1f1b":
+        return pipeline_1f1b.depth(axes["pipeline"], microbatches(cfg, axes))
+    return microbatches(cfg, axes)
 
 
 def predict(cfg, axes: Mapping[str, int], state_: State | None = None) -> Prediction:
@@ -235,33 +243,47 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None) -> Predic
     Activations: the remat policy's saved tensors for every layer of the device's stage (policy none:
     scaling.md's 20 [tokens, d_model] tensors per layer), one layer's full set while the backward pass
     rematerialises it (every other policy), and the float32 logits and their gradient - of one block of
-    model.logits_block positions per sequence when that is set. A pipeline stage keeps them for every
-    microbatch; under a remat policy it keeps each microbatch's stage input rather than every layer's input
-    (pipeline.py rematerialises an iteration from it), and recomputing one iteration holds its layers' inputs."""
+    model.logits_block positions per sequence when that is set. A GPipe stage keeps them for every microbatch;
+    under a remat policy it keeps each microbatch's stage input rather than every layer's input (pipeline.py
+    rematerialises an iteration from it), and recomputing one iteration holds its layers' inputs. A 1F1B stage
+    keeps the stage inputs of `held_microbatches` microbatches whatever the policy (pipeline_1f1b.py recomputes
+    a stage in its backward slot: under policy none that recomputation holds every activation of the stage's
+    layers for one microbatch), and runs the head, logits and all, on one microbatch at a time."""
     m = cfg.model
     t, stage_layers = axes["tensor"], m.num_layers / axes["pipeline"]
     ab = DTYPE_BYTES[m.dtype]
     s = state_ or state(cfg, axes)
     params, moments = s.params, s.optimizer
     grads = s.gradients * (2 if cfg.train.grad_accum_steps > 1 else 1)
-    tokens = activation_tokens(cfg, axes)
+    pipelined = axes["pipeline"] > 1
+    one_f_one_b = pipelined and cfg.pipeline.schedule == "1f1b"
+    micro = replica_tokens(cfg, axes)  # one microbatch: what one layer (or iteration) recomputes
+    tokens = micro * held_microbatches(cfg, axes)
     elements = tensor_elements(m, t, cfg.sharding.sequence_parallel)
     policy = cfg.remat.policy
+    stage_inputs = elements["decoder_layer_input"] * ab * tokens
     if policy == "none":
-        saved, working, offloaded = _unremat_layer(cfg, t, ab) * tokens * stage_layers, 0.0, 0.0
-        working += _attention_block_working(cfg, tokens, t, ab)
+        every = _unremat_layer(cfg, t, ab) * stage_layers
+        saved, working, offloaded = (stage_inputs, every * micro, 0.0) if one_f_one_b else (every * tokens, 0.0, 0.0)
+        working += _attention_block_working(cfg, micro if one_f_one_b else tokens, t, ab)
     else:
         where = kept(policy, cfg.remat.custom)
         named = sum(elements[n] for n, w in where.items() if w == "device")
         host = sum(elements[n] for n, w in where.items() if w == "offload")
-        pipelined = axes["pipeline"] > 1
-        micro = replica_tokens(cfg, axes)  # one microbatch: what one layer (or iteration) recomputes
-        inputs = elements["decoder_layer_input"] * (1 if pipelined else stage_layers)
-        saved, offloaded = (inputs + named * stage_layers) * ab * tokens, host * ab * tokens * stage_layers
+        per_layer = (elements["decoder_layer_input"] + named) * ab * stage_layers
         working = _unremat_layer(cfg, t, ab) * micro + _attention_block_working(cfg, micro, t, ab)
-        if pipelined:
-            working += elements["decoder_layer_input"] * ab * micro * stage_layers
-    logits = 2 * tokens * logits_block(cfg) / cfg.data.seq_len * m.vocab_size / t * 4
+        if one_f_one_b:  # the stage inputs; a recomputed stage's per-layer tensors for one microbatch
+            saved, offloaded = stage_inputs, host * ab * micro * stage_layers
+            working += per_layer * micro
+        else:
+            inputs = elements["decoder_layer_input"] * (1 if pipelined else stage_layers)
+            saved, offloaded = (inputs + named * stage_layers) * ab * tokens, host * ab * tokens * stage_layers
+            if pipelined:
+                working += elements["decoder_layer_input"] * ab * micro * stage_layers
+    if pipelined:  # the whole batch's stream: embedded, leaving the stack (GPipe) or its gradient (1F1B), and that
+        # gradient's gradient through the embedding; not a microbatch at a time
+        working += PIPELINE_STREAM_COPIES * elements["decoder_layer_input"] * ab * micro * microbatches(cfg, axes)
+    logits = 2 * (micro if one_f_one_b else tokens) * logits_block(cfg) / cfg.data.seq_len * m.vocab_size / t * 4
     on_host = s.layout.params_home is not None
     moments_on_host = s.layout.opt_home is not None
     return Prediction(

@@ -17,6 +17,7 @@ from typing import Callable, Mapping, Sequence
 from scaletrain import mesh as mesh_lib
 from scaletrain import parallelism, sharding
 from scaletrain import pipeline as pipeline_lib
+from scaletrain import pipeline_1f1b
 from scaletrain.parallelism import microbatches
 from scaletrain.config import MESH_AXES
 from scaletrain.kernels import flash_attention
@@ -292,13 +293,13 @@ def _warnings(cfg, axes: Mapping[str, int], mem: memory.Prediction, chip: hw.Chi
 
 
 def _pipeline(cfg, axes: Mapping[str, int], bubble: float) -> dict | None:
-    """The pipeline's schedule where there are stages: its timeline per stage (pipeline.gpipe_timeline: ticks of
-    `F3`, `B3`, `.`), the trainer's own."""
+    """The pipeline's schedule where there are stages: its timeline per stage (ticks of `F3`, `B3`, `.`: the
+    trainer's own, pipeline.gpipe_timeline or pipeline_1f1b.timeline)."""
     stages = axes["pipeline"]
     if stages == 1:
         return None
     n = microbatches(cfg, axes)
-    timeline = pipeline_lib.gpipe_timeline(stages, n)
+    timeline = (pipeline_1f1b.timeline if cfg.pipeline.schedule == "1f1b" else pipeline_lib.gpipe_timeline)(stages, n)
     return {"schedule": cfg.pipeline.schedule, "stages": stages, "microbatches": n, "bubble": bubble,
             "timeline": [[tick[p] for tick in timeline] for p in range(stages)]}
 
@@ -424,7 +425,9 @@ def format_table(result: dict) -> str:
                       f"(F: forward, B: backward of a microbatch; .: bubble)"]
         ticks = len(p["timeline"][0])
         if ticks <= TIMELINE_TICKS:
-            lines += [f"  stage {s:<3}" + " ".join(f"{c:>3}" for c in row) for s, row in enumerate(p["timeline"])]
+            width = max(len(c) for row in p["timeline"] for c in row)
+            lines += [f"  stage {s:<3}" + " ".join(f"{c:>{width}}" for c in row)
+                      for s, row in enumerate(p["timeline"])]
         else:
             lines.append(f"  {ticks} ticks: the timeline is in the JSON (--json)")
     detail = r["memory_detail_bytes"]

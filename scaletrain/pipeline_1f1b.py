@@ -1,0 +1,199 @@
+"""The 1F1B pipeline schedule: every stage alternates one microbatch's forward pass with an earlier one's backward
+pass, so a stage keeps the inputs of a few microbatches in flight instead of all of them (GPipe's).
+
+JAX's own differentiation cannot give this order: jax.grad of a loop runs every forward iteration before the
+first backward one (GPipe). So the step is written out by hand, as one SPMD program under `shard_map` over the
+pipeline axis (the other axes stay automatic: FSDP, tensor and data parallelism inside a stage are GSPMD's, as
+everywhere else). Each tick every stage runs a forward slot and a backward slot:
+
+- forward: stage s takes microbatch f = t - s (stage 0 from the embedded batch, the others from the stage before
+  it, one collective permute on) and keeps its input; the last stage runs the head (final norm, output
+  projection, loss) on its output and its vjp at once, which gives the cotangent its backward slot starts from;
+- backward: stage s takes microbatch b = t - (2 P - 2 - s), recomputes its forward from the kept input under
+  `jax.vjp` and pulls the cotangent from the stage after it (one permute back) through it, adding its weights'
+  gradient to a running sum; stage 0's input cotangents go to the embedding.
+
+A microbatch's input is kept from its forward tick to its backward tick, 2 (P - 1 - s) ticks: at most
+min(M, 2 P - 1) of them per stage, against GPipe's M - the lockstep of one SPMD program makes each hop a tick, so
+the depth is 2 P - 1, not the P of a per-device (multi-program) 1F1B. The P - 1 ticks before the first backward
+slot and the P - 1 after the last forward one run only the slot that has work anywhere, so the step takes
+(M + P - 1) (forward + backward) - GPipe's bubble, (P - 1) / (M + P - 1). Slots without a microbatch compute on
+zeros, so nothing in them reaches the loss or a gradient.
+
+The whole computation is a custom VJP of the summed loss: its forward pass runs the schedule and keeps the
+gradients it formed; its backward pass scales them by the loss's cotangent. Without differentiation (an eval
+step) only the forward slots and the head's loss run.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from scaletrain.pipeline import BUBBLE_FILL
+from scaletrain.sharding import active_axes, active_mesh
+
+
+def depth(stages: int, microbatches: int) -> int:
+    """Microbatches whose stage input a stage keeps at once (the first stage's count; the last keeps one)."""
+    return min(microbatches, 2 * stages - 1)
+
+
+def forward_microbatch(tick, stage):
+    return tick - stage
+
+
+def backward_microbatch(tick, stage, stages: int):
+    return tick - (2 * stages - 2 - stage)
+
+
+def timeline(stages: int, microbatches: int) -> list[list[str]]:
+    """The step as ticks x stages: `F3` the forward slot of microbatch 3, `B3` a backward slot, `F3+B1` a tick that
+    runs both, `.` the bubble."""
+    def cell(t: int, s: int) -> str:
+        f, b = forward_microbatch(t, s), backward_microbatch(t, s, stages)
+        work = [f"F{f}"] * (0 <= f < microbatches) + [f"B{b}"] * (0 <= b < microbatches)
+        return "+".join(work) or "."
+
+    return [[cell(t, s) for s in range(stages)] for t in range(microbatches + 2 * stages - 2)]
+
+
+def loss(stage: Callable, head: Callable, stages: int, microbatches: int, x: jax.Array, stacked: Any,
+         head_params: Any, extras: tuple, rows: tuple) -> jax.Array:
+    """The summed loss of a batch through the layer stack as a 1F1B pipeline and the head.
+
+    `stage(stacked, x, extras) -> x` runs a stage's layers (its block of `stacked` [layers, ...]) on a microbatch
+    [b, T, D] with its rows of `extras`; `head(head_params, stacked, x, rows) -> summed loss` runs the head on a
+    stage output with its rows of `rows` (targets, mask). `x` is the embedded batch [B, T, D]; `extras` and `rows`
+    are per-row arrays [B, ...]. Differentiable in x, stacked and head_params."""
+    return _loss(stage, head, stages, microbatches, x, stacked, head_params, extras, rows)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _loss(stage, head, stages, microbatches, x, stacked, head_params, extras, rows):
+    return _program(stage, head, stages, microbatches, False, x, stacked, head_params, extras, rows)
+
+
+def _loss_forward(stage, head, stages, microbatches, x, stacked, head_params, extras, rows):
+    total, grads = _program(stage, head, stages, microbatches, True, x, stacked, head_params, extras, rows)
+    return total, grads
+
+
+def _loss_backward(stage, head, stages, microbatches, grads, g):
+    dx, dstacked, dhead = jax.tree.map(lambda a: (g * a).astype(a.dtype), grads)
+    return dx, dstacked, dhead, None, None
+
+
+_loss.defvjp(_loss_forward, _loss_backward)
+
+
+def _zeros(a: jax.Array) -> jax.Array:
+    # Not zeros_like: under shard_map that would carry the argument's sharding, on the mesh before the pipeline
+    # axis turned manual.
+    return jnp.zeros(a.shape, a.dtype)
+
+
+def _program(stage, head, stages, microbatches, with_grads, x, stacked, head_params, extras, rows):
+    axis = active_axes("stage")
+    m = microbatches
+    keep = depth(stages, m)
+    send_on = [(i, i + 1) for i in range(stages - 1)]
+    send_back = [(i + 1, i) for i in range(stages - 1)]
+
+    def per_stage(x, stacked, head_params, extras, rows):
+        s = jax.lax.axis_index(axis)
+        first, last = s == 0, s == stages - 1
+        # Microbatch i is rows i, m + i, 2m + i, ... (pipeline.split_microbatches'), read and written in place
+        # along axis 1 of a [B/m, m, ...] view: no transposed copy of the batch.
+        xs, extras_m, rows_m = (jax.tree.map(lambda a: a.reshape(a.shape[0] // m, m, *a.shape[1:]), t)
+                                for t in (x, extras, rows))
+
+        def at(tree, i):
+            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, jnp.clip(i, 0, m - 1), 1, False), tree)
+
+        def run_head(y, i):
+            return jax.vjp(lambda hp, y: head(hp, stacked, y, at(rows_m, i)), head_params, y)
+
+        def head_loss(y, i):  # the loss and its gradients at the last stage; nothing elsewhere
+            def go(y):
+                total, pull = run_head(y, i)
+                dhead, dy = pull(jnp.ones_like(total))
+                return total, dhead, dy
+
+            zeros = lambda y: (jnp.zeros((), jnp.float32), jax.tree.map(_zeros, head_params),
+                               _zeros(y))
+            return jax.lax.cond(last & (0 <= i) & (i < m), go, zeros, y)
+
+        def forward_slot(c, t):
+            f = forward_microbatch(t, s)
+            valid = (0 <= f) & (f < m)
+            inputs = jnp.where(valid, jnp.where(first, at(xs, f), c["from_before"]), 0)
+            out = stage(stacked, inputs, at(extras_m, f))
+            slot = jnp.mod(f, keep)
+            kept = c["kept"]
+            c = dict(c, kept=jax.lax.dynamic_update_index_in_dim(
+                kept, jnp.where(valid, inputs, jax.lax.dynamic_index_in_dim(kept, slot, keepdims=False)), slot, 0))
+            return c, inputs, out, f
+
+        def backward_slot(c, t, fresh, dy):
+            """`fresh`: this tick's forward input, which the last stage pulls its cotangent through at once."""
+            b = backward_microbatch(t, s, stages)
+            valid = (0 <= b) & (b < m)
+            kept = jax.lax.dynamic_index_in_dim(c["kept"], jnp.mod(b, keep), keepdims=False)
+            inputs = jnp.where(valid, jnp.where(last, fresh, kept), 0)
+            cotangent = jnp.where(valid, jnp.where(last, dy, c["from_after"]), 0)
+            _, pull = jax.vjp(lambda p, x: stage(p, x, at(extras_m, b)), stacked, inputs)
+            dstacked, dx = pull(cotangent.astype(inputs.dtype))
+            i = jnp.clip(b, 0, m - 1)
+            dxs = c["dxs"]
+            dxs = jax.lax.dynamic_update_index_in_dim(
+                dxs, jnp.where(first & valid, dx, jax.lax.dynamic_index_in_dim(dxs, i, 1, False)), i, 1)
+            return dict(c, dxs=dxs, dstacked=jax.tree.map(jnp.add, c["dstacked"], dstacked)), dx
+
+        def warmup(c, t):  # no stage has a backward slot yet
+            c, _, out, _ = forward_slot(c, t)
+            return dict(c, from_before=jax.lax.ppermute(out, axis, send_on)), None
+
+        def steady(c, t):
+            c, inputs, out, f = forward_slot(c, t)
+            total, dhead, dy = head_loss(out, f)
+            c = dict(c, total=c["total"] + total, dhead=jax.tree.map(jnp.add, c["dhead"], dhead))
+            c, dx = backward_slot(c, t, inputs, dy)
+            return dict(c, from_before=jax.lax.ppermute(out, axis, send_on),
+                        from_after=jax.lax.ppermute(dx, axis, send_back)), None
+
+        def cooldown(c, t):  # no stage has a forward slot left
+            c, dx = backward_slot(c, t, c["from_before"], _zeros(dx_like))
+            return dict(c, from_after=jax.lax.ppermute(dx, axis, send_back)), None
+
+        def forward_only(c, t):
+            c, _, out, f = forward_slot(c, t)
+            total = jax.lax.cond(last & (0 <= f) & (f < m), lambda y: run_head(y, f)[0],
+                                 lambda y: jnp.zeros((), jnp.float32), out)
+            return dict(c, total=c["total"] + total, from_before=jax.lax.ppermute(out, axis, send_on)), None
+
+        dx_like = at(xs, 0)
+        fill = jnp.full(dx_like.shape, BUBBLE_FILL, dx_like.dtype)
+        c = {"from_before": fill, "kept": jnp.full((keep, *dx_like.shape), BUBBLE_FILL, x.dtype),
+             "total": jnp.zeros((), jnp.float32)}
+        if not with_grads:
+            c, _ = jax.lax.scan(forward_only, c, jnp.arange(m + stages - 1))
+            return jax.lax.psum(c["total"], axis)
+        c |= {"from_after": fill, "dxs": _zeros(xs), "dstacked": jax.tree.map(_zeros, stacked),
+              "dhead": jax.tree.map(_zeros, head_params)}
+        c, _ = jax.lax.scan(warmup, c, jnp.arange(stages - 1))
+        c, _ = jax.lax.scan(steady, c, jnp.arange(stages - 1, m + stages - 1))
+        c, _ = jax.lax.scan(cooldown, c, jnp.arange(m + stages - 1, m + 2 * stages - 2))
+        dx = jax.lax.psum(c["dxs"].reshape(x.shape), axis)
+        return jax.lax.psum(c["total"], axis), (dx, c["dstacked"], jax.lax.psum(c["dhead"], axis))
+
+    # The per-row arrays and the head's weights are whole on every stage; the stacked layers split by stage.
+    whole = lambda tree: jax.tree.map(lambda _: P(), tree)
+    in_specs = (P(), jax.tree.map(lambda _: P(axis), stacked), whole(head_params), whole(extras), whole(rows))
+    out_specs = P() if not with_grads else (P(), (P(), in_specs[1], in_specs[2]))
+    return jax.shard_map(per_stage, mesh=active_mesh(), in_specs=in_specs, out_specs=out_specs, axis_names=set(axis),
+                         check_vma=False)(x, stacked, head_params, extras, rows)
