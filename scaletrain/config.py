@@ -102,7 +102,7 @@ def defaults() -> ml_collections.ConfigDict:
                 "offload": False,
             },
             "params": {"offload": False},
-            "pipeline": {"schedule": "gpipe", "microbatches": 0, "repeats": 1},
+            "pipeline": {"schedule": "gpipe", "microbatches": 0, "repeats": 1, "gather_weights": "per_use"},
             "mesh": {
                 **{axis: 1 for axis in MESH_AXES},
                 **{f"dcn_{axis}": 1 for axis in MESH_AXES},
@@ -136,6 +136,7 @@ CHOICES = {
     "train.on_nonfinite": ("skip", "stop"),
     "sharding.preset": ("fsdp", "dp", "zero1", "zero2"),
     "pipeline.schedule": ("gpipe", "circular", "1f1b"),
+    "pipeline.gather_weights": ("per_use", "once"),
     "optim.moment_dtype": ("float32", "bfloat16"),
 }
 

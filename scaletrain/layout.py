@@ -55,7 +55,9 @@ def of(cfg, axis_sizes: Mapping[str, int], unroll_loops: bool = False) -> StateL
     model_cfg = model_lib.ModelConfig.from_config(
         cfg.model, fuse_qkv=shard_kv, remat=cfg.remat.policy, remat_custom=tuple(cfg.remat.custom.items()),
         unroll_loops=unroll_loops, pipeline_stages=axis_sizes["pipeline"],
-        pipeline_microbatches=microbatches(cfg, axis_sizes), pipeline_schedule=cfg.pipeline.schedule)
+        pipeline_microbatches=microbatches(cfg, axis_sizes), pipeline_schedule=cfg.pipeline.schedule,
+        pipeline_repeats=cfg.pipeline.repeats if axis_sizes["pipeline"] > 1 else 1,
+        pipeline_gather_once=axis_sizes["pipeline"] > 1 and cfg.pipeline.gather_weights == "once")
     graphdef, params, logical = model_lib.abstract(model_cfg)
     tx, lr = optim.make(cfg.optim, cfg.steps, logical)
     opt_state = jax.eval_shape(tx.init, params)

@@ -39,13 +39,21 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
     if cfg.sharding.sequence_parallel and tensor > 1 and cfg.data.seq_len % tensor:
         out.append(f"data.seq_len={cfg.data.seq_len} is not divisible by mesh.tensor={tensor}, which splits the "
                    f"sequence with sharding.sequence_parallel=true")
-    stages = axis_sizes["pipeline"]
+    stages, repeats, schedule = axis_sizes["pipeline"], cfg.pipeline.repeats, cfg.pipeline.schedule
     if m.num_layers % stages:
         out.append(f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline={stages}")
     if stages > 1:
-        if cfg.pipeline.schedule == "circular" or cfg.pipeline.repeats != 1:
-            out.append(f"pipeline.schedule={cfg.pipeline.schedule} (pipeline.repeats={cfg.pipeline.repeats}) is not "
-                       f"implemented yet; use pipeline.schedule=gpipe or 1f1b with pipeline.repeats=1")
+        if repeats > 1 and schedule != "circular":
+            out.append(f"pipeline.repeats={repeats} needs pipeline.schedule=circular (got {schedule})")
+        if schedule == "circular" and m.num_layers % (stages * repeats):
+            out.append(f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline x pipeline.repeats = "
+                       f"{stages * repeats}, the circular schedule's blocks of layers")
+        if schedule == "circular" and repeats > 1 and microbatches(cfg, axis_sizes) < stages:
+            out.append(f"pipeline.microbatches={microbatches(cfg, axis_sizes)} is fewer than mesh.pipeline={stages}: "
+                       f"a circular schedule sends a microbatch round again only after the last stage has done it")
+        if cfg.pipeline.gather_weights == "once" and schedule != "1f1b":
+            out.append(f"pipeline.gather_weights=once needs pipeline.schedule=1f1b (got {schedule}), whose loop "
+                       f"runs per device and can sum the gradients before reducing them")
         if cfg.train.grad_accum_steps > 1:
             out.append("with mesh.pipeline > 1 the pipeline's microbatches replace gradient accumulation: set "
                        "pipeline.microbatches and train.grad_accum_steps=1")

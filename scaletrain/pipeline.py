@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain import remat
@@ -45,68 +46,89 @@ def _join(a: jax.Array) -> jax.Array:
     return a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:])
 
 
-def microbatch_at(iteration, stage, microbatches: int):
-    """GPipe's schedule: the microbatch stage `stage` works on at forward iteration `iteration` (Python ints or
-    arrays); outside [0, microbatches) the stage idles in the bubble."""
-    return iteration - stage
+def work_at(iteration, stage, microbatches: int, repeats: int = 1):
+    """(microbatch, repeat, valid) of stage `stage` at forward iteration `iteration` (Python ints or arrays):
+    GPipe (one repeat) and circular schedules alike, stage p working on the (iteration - p)th pass through it;
+    outside [0, repeats x microbatches) the stage idles in the bubble."""
+    k = iteration - stage
+    return k % microbatches, k // microbatches, (0 <= k) & (k < repeats * microbatches)
 
 
-def gpipe_timeline(stages: int, microbatches: int) -> list[list[str]]:
-    """The whole step as ticks x stages: `F3` the forward pass of microbatch 3, `B3` its backward pass, `.` the
-    bubble - the forward iterations, then the backward ones (jax.grad of the scan: the last first)."""
-    ticks = microbatches + stages - 1
+def timeline(stages: int, microbatches: int, repeats: int = 1) -> list[list[str]]:
+    """The whole step as ticks x stages: `F3` the forward pass of microbatch 3 (`F3.1` on its second repeat of
+    a circular schedule), `B3` its backward pass, `.` the bubble - the forward iterations, then the backward
+    ones (jax.grad of the scan: the last first)."""
+    ticks = repeats * microbatches + stages - 1
 
     def cell(i: int, p: int, kind: str) -> str:
-        mb = microbatch_at(i, p, microbatches)
-        return f"{kind}{mb}" if 0 <= mb < microbatches else "."
+        mb, r, valid = work_at(i, p, microbatches, repeats)
+        return f"{kind}{mb}" + (f".{r}" if repeats > 1 else "") if valid else "."
 
     return ([[cell(i, p, "F") for p in range(stages)] for i in range(ticks)]
             + [[cell(i, p, "B") for p in range(stages)] for i in reversed(range(ticks))])
 
 
+def memory_order(layers: int, stages: int, repeats: int) -> np.ndarray:
+    """The canonical index of the layer at each position of the stacked weights as a circular schedule keeps
+    them: stage p's devices hold a contiguous block (the `layers` dim is split over the pipeline axis), which must
+    be its repeats' layers - stage p at repeat r runs canonical layers [(r P + p) L', (r P + p + 1) L') of L' per
+    stage and repeat. The identity for one repeat; checkpoints keep the canonical order (trainer.Reorder)."""
+    per = layers // (stages * repeats)
+    return np.array([(r * stages + p) * per + j for p in range(stages) for r in range(repeats) for j in range(per)])
+
+
 def gpipe(body: Callable, x: jax.Array, stacked: Any, extras: tuple, stages: int, microbatches: int,
-          unroll: bool = False, remat_policy: str = "none", remat_custom: tuple = ()) -> jax.Array:
+          unroll: bool = False, remat_policy: str = "none", remat_custom: tuple = (), repeats: int = 1) -> jax.Array:
     """The layer stack as a GPipe pipeline of `stages` stages over `microbatches` microbatches of the batch rows
     of `x` [B, T, D] (and of each of `extras`, per-row arrays such as RoPE's tables and the segment ids): the
     forward pass takes microbatches + stages - 1 iterations, stage p working on microbatch i - p at iteration i;
     jax.grad runs them backwards. Returns `x` after every layer, rows in their order. Under a remat policy other
-    than none each iteration is rematerialised from its stage inputs (remat.around_stages)."""
+    than none each iteration is rematerialised from its stage inputs (remat.around_stages).
+
+    With `repeats` R > 1, the circular schedule: `stacked` in memory_order, each stage holds R blocks of layers and
+    every microbatch goes round the stages R times - R M + P - 1 iterations, stage 0 taking a microbatch back from
+    the last stage M iterations after it sent it (so M >= P)."""
     layers = jax.tree.leaves(stacked)[0].shape[0]
-    per_stage = jax.tree.map(lambda a: a.reshape(stages, layers // stages, *a.shape[1:]), stacked)
+    per_stage = jax.tree.map(lambda a: a.reshape(stages, repeats, layers // (stages * repeats), *a.shape[1:]),
+                             stacked)
     xs = split_microbatches(x, microbatches)
     extras_m = tuple(split_microbatches(e, microbatches) for e in extras)
     stage_axis = active_axes("stage")
 
-    def stage(params, x, microbatch):
-        # Each stage picks its microbatch's rows of the per-row arrays itself: local to its devices, which hold
-        # every microbatch's (they are not split over stages).
-        return scan(body, x, params, tuple(e[microbatch] for e in extras_m), unroll)
+    def stage(params, x, microbatch, repeat):
+        # Each stage picks its repeat's layers and its microbatch's rows of the per-row arrays itself: local to
+        # its devices, which hold all of its repeats and every microbatch's rows (not split over stages).
+        layers = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, False), params)
+        return scan(body, x, layers, tuple(e[microbatch] for e in extras_m), unroll)
 
     where = ("stage", "batch", "residual_seq", "embed")
 
-    def run_stages(params, inputs, current):
+    def run_stages(params, inputs, microbatch, repeat):
         inputs = checkpoint_name(inputs, STAGE_INPUT)
-        return constrain(jax.vmap(stage, spmd_axis_name=stage_axis or None)(params, inputs, current), where)
+        return constrain(jax.vmap(stage, spmd_axis_name=stage_axis or None)(params, inputs, microbatch, repeat),
+                         where)
 
     run_stages = remat.around_stages(run_stages, remat_policy, remat_custom, STAGE_INPUT)
 
     def iteration(carry, i):
-        state, outputs = carry
-        mb = microbatch_at(i, jnp.arange(stages), microbatches)
-        valid = (mb >= 0) & (mb < microbatches)
-        # Stage 0 takes microbatch i; stage p > 0 what stage p - 1 made in the iteration before. Selects, not an
-        # update of row 0: elementwise on the stage-split arrays.
+        state, loop = carry
+        mb, r, valid = work_at(i, jnp.arange(stages), microbatches, repeats)
+        # Stage 0 takes microbatch i mod M, fresh or back from the last stage; stage p > 0 what stage p - 1 made
+        # in the iteration before. Selects, not an update of row 0: elementwise on the stage-split arrays.
         first = (jnp.arange(stages) == 0)[:, None, None, None]
-        inputs = jnp.where(first, xs[jnp.clip(i, 0, microbatches - 1)][None], jnp.roll(state, 1, axis=0))
+        taken = jax.lax.dynamic_index_in_dim(loop, i % microbatches, 0)
+        inputs = jnp.where(first, taken, jnp.roll(state, 1, axis=0))
         inputs = constrain(jnp.where(valid[:, None, None, None], inputs, 0), where)
-        state = run_stages(per_stage, inputs, jnp.clip(mb, 0, microbatches - 1))
-        # The last stage finishes microbatch i - (stages - 1); before the first one, slot 0 takes a bubble's zeros,
-        # overwritten when microbatch 0 finishes.
-        done = jnp.maximum(i - (stages - 1), 0)
-        outputs = jax.lax.dynamic_update_index_in_dim(outputs, state[stages - 1], done, 0)
-        return (state, outputs), None
+        state = run_stages(per_stage, inputs, mb, jnp.clip(r, 0, repeats - 1))
+        # The last stage's microbatch goes back to its slot of the loop buffer (the result, after its last
+        # repeat); in the bubble the slot keeps what it holds.
+        slot = mb[stages - 1]
+        kept = jax.lax.dynamic_index_in_dim(loop, slot, 0, False)
+        loop = jax.lax.dynamic_update_index_in_dim(loop, jnp.where(valid[stages - 1], state[stages - 1], kept),
+                                                   slot, 0)
+        return (state, loop), None
 
     state = jnp.full((stages, *xs.shape[1:]), BUBBLE_FILL, x.dtype)
-    (_, outputs), _ = jax.lax.scan(iteration, (constrain(state, where), jnp.zeros_like(xs)),
-                                   jnp.arange(microbatches + stages - 1), unroll=unroll)
-    return _join(outputs)
+    (_, loop), _ = jax.lax.scan(iteration, (constrain(state, where), xs),
+                                jnp.arange(repeats * microbatches + stages - 1), unroll=unroll)
+    return _join(loop)

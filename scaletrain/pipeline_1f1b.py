@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from scaletrain.pipeline import BUBBLE_FILL
-from scaletrain.sharding import active_axes, active_mesh
+from scaletrain.sharding import active_axes, active_mesh, replica_axes
 
 
 def depth(stages: int, microbatches: int) -> int:
@@ -62,28 +62,33 @@ def timeline(stages: int, microbatches: int) -> list[list[str]]:
     return [[cell(t, s) for s in range(stages)] for t in range(microbatches + 2 * stages - 2)]
 
 
-def loss(stage: Callable, head: Callable, stages: int, microbatches: int, x: jax.Array, stacked: Any,
-         head_params: Any, extras: tuple, rows: tuple) -> jax.Array:
+def loss(stage: Callable, head: Callable, stages: int, microbatches: int, gather_once: bool, x: jax.Array,
+         stacked: Any, head_params: Any, extras: tuple, rows: tuple) -> jax.Array:
     """The summed loss of a batch through the layer stack as a 1F1B pipeline and the head.
 
     `stage(stacked, x, extras) -> x` runs a stage's layers (its block of `stacked` [layers, ...]) on a microbatch
     [b, T, D] with its rows of `extras`; `head(head_params, stacked, x, rows) -> summed loss` runs the head on a
     stage output with its rows of `rows` (targets, mask). `x` is the embedded batch [B, T, D]; `extras` and `rows`
-    are per-row arrays [B, ...]. Differentiable in x, stacked and head_params."""
-    return _loss(stage, head, stages, microbatches, x, stacked, head_params, extras, rows)
+    are per-row arrays [B, ...]. Differentiable in x, stacked and head_params.
+
+    The loop runs per device along the pipeline axis and along the batch axes whose devices hold the same
+    weights (data parallelism: each sums its own gradients, reduced once after the loop). `gather_once` makes it
+    per device along every batch axis: FSDP's weights are gathered once on the way in and their gradients
+    reduced once on the way out, at the memory of a whole stage's weights and gradients on every device;
+    otherwise FSDP gathers each weight where a slot uses it, as everywhere else."""
+    return _loss(stage, head, stages, microbatches, gather_once, x, stacked, head_params, extras, rows)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _loss(stage, head, stages, microbatches, x, stacked, head_params, extras, rows):
-    return _program(stage, head, stages, microbatches, False, x, stacked, head_params, extras, rows)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _loss(stage, head, stages, microbatches, gather_once, x, stacked, head_params, extras, rows):
+    return _program(stage, head, stages, microbatches, gather_once, False, x, stacked, head_params, extras, rows)
 
 
-def _loss_forward(stage, head, stages, microbatches, x, stacked, head_params, extras, rows):
-    total, grads = _program(stage, head, stages, microbatches, True, x, stacked, head_params, extras, rows)
-    return total, grads
+def _loss_forward(stage, head, stages, microbatches, gather_once, x, stacked, head_params, extras, rows):
+    return _program(stage, head, stages, microbatches, gather_once, True, x, stacked, head_params, extras, rows)
 
 
-def _loss_backward(stage, head, stages, microbatches, grads, g):
+def _loss_backward(stage, head, stages, microbatches, gather_once, grads, g):
     dx, dstacked, dhead = jax.tree.map(lambda a: (g * a).astype(a.dtype), grads)
     return dx, dstacked, dhead, None, None
 
@@ -97,8 +102,10 @@ def _zeros(a: jax.Array) -> jax.Array:
     return jnp.zeros(a.shape, a.dtype)
 
 
-def _program(stage, head, stages, microbatches, with_grads, x, stacked, head_params, extras, rows):
+def _program(stage, head, stages, microbatches, gather_once, with_grads, x, stacked, head_params, extras, rows):
     axis = active_axes("stage")
+    own = active_axes("batch") if gather_once else replica_axes()  # batch axes along which each device sums
+    everywhere = axis + own
     m = microbatches
     keep = depth(stages, m)
     send_on = [(i, i + 1) for i in range(stages - 1)]
@@ -182,18 +189,22 @@ def _program(stage, head, stages, microbatches, with_grads, x, stacked, head_par
              "total": jnp.zeros((), jnp.float32)}
         if not with_grads:
             c, _ = jax.lax.scan(forward_only, c, jnp.arange(m + stages - 1))
-            return jax.lax.psum(c["total"], axis)
+            return jax.lax.psum(c["total"], everywhere)
         c |= {"from_after": fill, "dxs": _zeros(xs), "dstacked": jax.tree.map(_zeros, stacked),
               "dhead": jax.tree.map(_zeros, head_params)}
         c, _ = jax.lax.scan(warmup, c, jnp.arange(stages - 1))
         c, _ = jax.lax.scan(steady, c, jnp.arange(stages - 1, m + stages - 1))
         c, _ = jax.lax.scan(cooldown, c, jnp.arange(m + stages - 1, m + 2 * stages - 2))
         dx = jax.lax.psum(c["dxs"].reshape(x.shape), axis)
-        return jax.lax.psum(c["total"], axis), (dx, c["dstacked"], jax.lax.psum(c["dhead"], axis))
+        dstacked = jax.lax.psum(c["dstacked"], own) if own else c["dstacked"]
+        return jax.lax.psum(c["total"], everywhere), (dx, dstacked, jax.lax.psum(c["dhead"], everywhere))
 
-    # The per-row arrays and the head's weights are whole on every stage; the stacked layers split by stage.
-    whole = lambda tree: jax.tree.map(lambda _: P(), tree)
-    in_specs = (P(), jax.tree.map(lambda _: P(axis), stacked), whole(head_params), whole(extras), whole(rows))
-    out_specs = P() if not with_grads else (P(), (P(), in_specs[1], in_specs[2]))
-    return jax.shard_map(per_stage, mesh=active_mesh(), in_specs=in_specs, out_specs=out_specs, axis_names=set(axis),
-                         check_vma=False)(x, stacked, head_params, extras, rows)
+    # The per-row arrays are split along the devices' own batch axes, whole along the pipeline; the head's
+    # weights whole, the stacked layers split by stage - along the manual axes, that is: over the others (FSDP's
+    # when per use, tensor's) XLA splits them as everywhere else.
+    rows_spec = lambda tree: jax.tree.map(lambda _: P(own or None), tree)
+    in_specs = (P(own or None), jax.tree.map(lambda _: P(axis), stacked), jax.tree.map(lambda _: P(), head_params),
+                rows_spec(extras), rows_spec(rows))
+    out_specs = P() if not with_grads else (P(), (in_specs[0], in_specs[1], in_specs[2]))
+    return jax.shard_map(per_stage, mesh=active_mesh(), in_specs=in_specs, out_specs=out_specs,
+                         axis_names=set(everywhere), check_vma=False)(x, stacked, head_params, extras, rows)

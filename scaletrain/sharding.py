@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from scaletrain.errors import ConfigError
 
@@ -92,10 +92,11 @@ def mesh_axes(entry: Any) -> tuple[str, ...]:
 
 
 def spec(logical: tuple[str | None, ...], table: RuleTable, mesh: Mesh) -> P:
-    """Logical names -> PartitionSpec; mesh axes of size 1 are dropped so specs stay readable."""
+    """Logical names -> PartitionSpec; mesh axes of size 1 are dropped so specs stay readable, and so are the
+    axes traced code sees as manual (inside shard_map: each device holds its own shard along them)."""
     out = []
     for name in logical:
-        axes = tuple(a for a in mesh_axes(table.get(name)) if mesh.shape[a] > 1)
+        axes = tuple(a for a in mesh_axes(table.get(name)) if mesh.shape[a] > 1 and a not in mesh.manual_axes)
         out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return P(*out)
 
@@ -153,8 +154,15 @@ def constrain(x: jax.Array, logical: tuple[str | None, ...], kind: str = "activa
     step)."""
     if not _ACTIVE:
         return x
-    mesh, rules, _ = _ACTIVE[-1]
+    mesh, rules = _traced_mesh(), _ACTIVE[-1][1]
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(logical, getattr(rules, kind), mesh)))
+
+
+def _traced_mesh() -> Mesh | AbstractMesh:
+    """The active mesh as the code being traced sees it: inside shard_map over some of its axes (a 1F1B pipeline
+    stage, pipeline_1f1b.py) with those axes manual - shardings there must be on that view."""
+    within = jax.sharding.get_abstract_mesh()
+    return within if not within.empty and within.manual_axes else _ACTIVE[-1][0]
 
 
 def local(fn, in_logical: tuple[tuple[str | None, ...], ...], out_logical: tuple[str | None, ...]):
@@ -163,10 +171,7 @@ def local(fn, in_logical: tuple[tuple[str | None, ...], ...], out_logical: tuple
     outside a step."""
     if not _ACTIVE:
         return fn
-    mesh, rules, _ = _ACTIVE[-1]
-    within = jax.sharding.get_abstract_mesh()
-    if not within.empty and within.manual_axes:  # inside a pipeline stage (pipeline_1f1b.py): its mesh's view
-        mesh = within
+    mesh, rules = _traced_mesh(), _ACTIVE[-1][1]
     return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(n, rules.activations, mesh) for n in in_logical),
                          out_specs=spec(out_logical, rules.activations, mesh), check_vma=False)
 
@@ -177,6 +182,14 @@ def active_axes(logical: str) -> tuple[str, ...]:
         return ()
     mesh, rules, _ = _ACTIVE[-1]
     return tuple(a for a in mesh_axes(rules.activations.get(logical)) if mesh.shape[a] > 1)
+
+
+def replica_axes() -> tuple[str, ...]:
+    """The batch's mesh axes that the active parameter rules split nothing over: axes whose devices hold the
+    same weights, so that gradients can be summed on each device and reduced across them at the end."""
+    _, rules, _ = _ACTIVE[-1]
+    split = {a for entry in rules.params.values() for a in mesh_axes(entry)}
+    return tuple(a for a in active_axes("batch") if a not in split)
 
 
 def ways(logical: str) -> int:
@@ -207,7 +220,7 @@ def constrain_param(x: jax.Array, logical: tuple[str | None, ...], dtype=None) -
     the whole gradient (twice the bytes) before slicing it."""
     if not _ACTIVE:
         return x if dtype is None else x.astype(dtype)
-    mesh, rules, params_on_host = _ACTIVE[-1]
+    mesh, (_, rules, params_on_host) = _traced_mesh(), _ACTIVE[-1]
     return _place(x, NamedSharding(mesh, spec(logical, rules.params, mesh)),
                   NamedSharding(mesh, spec(logical, rules.grads, mesh)), params_on_host,
                   None if dtype is None else jax.numpy.dtype(dtype), x.dtype)

@@ -7,6 +7,7 @@ objects a training run uses.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import sys
 import time
@@ -22,7 +23,7 @@ from scaletrain import config as config_lib
 from scaletrain import data as data_lib
 from scaletrain import mesh as mesh_lib
 from scaletrain import model as model_lib
-from scaletrain import layout, offload, optim, parallelism, sharding, storage
+from scaletrain import layout, offload, optim, parallelism, pipeline, sharding, storage
 from scaletrain.checkpoint import Checkpointer, check_resumable, params_source, restore_params
 from scaletrain.control import Control, Preemption
 from scaletrain.errors import ConfigError, UserError, first_line
@@ -52,6 +53,10 @@ class Setup:
     init: Callable[[jax.Array], TrainState]
     step: Callable[[TrainState, dict], tuple[TrainState, dict]]
     eval_step: Callable[[Any, dict], tuple[jax.Array, jax.Array]]  # (params, batch) -> (loss sum, tokens)
+    # The layer order checkpoints keep (canonical) <-> the one in memory (a circular pipeline's), of a state or of
+    # its parameters alone, donating the reordered arrays; the identity for every other layout.
+    to_disk: Callable[[Any], Any] = lambda tree: tree
+    from_disk: Callable[[Any], Any] = lambda tree: tree
 
     def put_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows (data.process_rows) -> global batch arrays on the mesh."""
@@ -74,9 +79,15 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
     state_shardings = TrainState(params=params_shardings, opt_state=opt_shardings, step=sharding.replicated(mesh),
                                  rng=sharding.replicated(mesh))
 
+    stages, repeats = mesh.shape["pipeline"], model_cfg.pipeline_repeats
+    order = pipeline.memory_order(model_cfg.num_layers, stages, repeats) if repeats > 1 else None
+
     def init(key: jax.Array) -> TrainState:
         params_key, rng = jax.random.split(key)
-        params = model_lib.init_params(model_cfg, params_key)
+        params = model_lib.init_params(model_cfg, params_key)  # canonical: the same values on any mesh
+        if order is not None:
+            params = jax.tree.map(lambda names, x: jnp.take(x, order, axis=0) if names[:1] == ("layers",) else x,
+                                  lay.logical, params, is_leaf=sharding.is_logical)
         return TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32), rng=rng)
 
     abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -97,7 +108,27 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
         eval_step=jax.jit(make_eval_step(lay.graphdef, update.fetch_params, mesh, rules),
                           in_shardings=(state_shardings.params, batch_sharding),
                           out_shardings=sharding.replicated(mesh)),
+        **({} if order is None else {"to_disk": _reorder(np.argsort(order), logical_state, state_shardings),
+                                     "from_disk": _reorder(order, logical_state, state_shardings)}),
     )
+
+
+def _reorder(order: np.ndarray, logical: Any, shardings: Any) -> Callable:
+    """A TrainState or its parameters -> the same with every array that has a `layers` dim taken in `order` along
+    it (position i gets layer order[i]), one array at a time and each donated: at most one array's extra copy on
+    the devices. `logical` and `shardings`: TrainStates of logical names and of shardings."""
+    def apply(tree):
+        whole = isinstance(tree, TrainState)
+        return jax.tree.map(lambda names, x, s: _take(s)(x, order) if names[:1] == ("layers",) else x,
+                            logical if whole else logical.params, tree, shardings if whole else shardings.params,
+                            is_leaf=sharding.is_logical)
+
+    return apply
+
+
+@functools.cache
+def _take(out_sharding: NamedSharding) -> Callable:
+    return jax.jit(lambda x, order: jnp.take(x, order, axis=0), out_shardings=out_sharding, donate_argnums=0)
 
 
 def run(cfg) -> int:
@@ -157,7 +188,7 @@ def _initial_state(cfg, setup: Setup) -> tuple[TrainState, str]:
     if not cfg.checkpoint.init_from:
         return state, "starting at step 0"
     step, params = restore_params(cfg.checkpoint.init_from, setup.abstract_state.params)
-    return state.replace(params=params), f"starting at step 0 from the parameters of {cfg.checkpoint.init_from} " \
+    return state.replace(params=setup.from_disk(params)), f"starting at step 0 from the parameters of {cfg.checkpoint.init_from} " \
                                          f"(step {step})"
 
 
@@ -200,6 +231,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
         state, origin = _initial_state(cfg, setup)
     else:
         start, state, data_state = restored
+        state = setup.from_disk(state)
         iterator.set_state(data_state)
         origin = f"resumed at step {start}"
     # The run proceeds: only now is anything in the run directory changed.
@@ -268,7 +300,9 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
             if save:
                 if lock is not None:
                     lock.check()
-                ckpt.save(step, state, iterator.get_state(), meta)
+                on_disk = setup.to_disk(state)
+                ckpt.save(step, on_disk, iterator.get_state(), meta)
+                state = setup.from_disk(on_disk)
                 control.saved()
                 log.sync()
         if pending is not None:

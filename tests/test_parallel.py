@@ -16,7 +16,8 @@ STEPS = 3
 
 
 def train(batches, devices, *overrides, start=None):
-    """Losses and final state of STEPS steps; `start` (host arrays) skips compiling init for this mesh."""
+    """Losses and final state (in the layer order checkpoints keep) of STEPS steps; `start` (host arrays) skips
+    compiling init for this mesh."""
     cfg = config.load(None, tiny_overrides("unused", steps=STEPS) + list(overrides))
     setup = trainer.build(cfg, devices)
     state = setup.init(jax.random.PRNGKey(0)) if start is None else jax.device_put(start, setup.state_shardings)
@@ -24,7 +25,7 @@ def train(batches, devices, *overrides, start=None):
     for batch in batches:
         state, metrics = setup.step(state, setup.put_batch(batch))
         losses.append(float(metrics["loss"]))
-    return losses, state
+    return losses, setup.to_disk(state)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from scaletrain import config, pipeline, remat, train_step, trainer
-from scaletrain.planner import memory
+from scaletrain.planner import hlo, memory
 from scaletrain.checkpoint import Checkpointer
 from tests.conftest import tiny_overrides
 from tests.test_parallel import assert_params_close, train
@@ -30,11 +30,20 @@ CASES = {
     # Each iteration rematerialised from its stage inputs, its layers keeping what the policy says.
     "pipeline=2 remat=save_dots microbatches=4": ["mesh.pipeline=2", "pipeline.microbatches=4",
                                                   "remat.policy=save_dots"],
+    "circular pipeline=2 repeats=2": ["mesh.pipeline=2", "pipeline.schedule=circular", "pipeline.repeats=2"],
+    "circular pipeline=2 repeats=2 microbatches=4 data=2 tensor=2": [
+        "mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2", "pipeline.schedule=circular", "pipeline.repeats=2",
+        "pipeline.microbatches=4"],
     "1f1b pipeline=2": ["mesh.pipeline=2", "pipeline.schedule=1f1b"],
     "1f1b pipeline=4 microbatches=8": ["mesh.pipeline=4", "pipeline.schedule=1f1b", "pipeline.microbatches=8"],
     "1f1b pipeline=4 data=2": ["mesh.pipeline=4", "mesh.data=2", "pipeline.schedule=1f1b"],
+    "1f1b pipeline=2 data=2 fsdp=2 gather once": ["mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2",
+                                                  "pipeline.schedule=1f1b", "pipeline.gather_weights=once",
+                                                  "pipeline.microbatches=2"],
+    # Blocked attention: the stage's own sharding constraints, inside shard_map over the pipeline axis.
     "1f1b pipeline=2 fsdp=2 tensor=2 microbatches=4": ["mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2",
-                                                      "pipeline.schedule=1f1b", "pipeline.microbatches=4"],
+                                                      "pipeline.schedule=1f1b", "pipeline.microbatches=4",
+                                                      "model.attention_block=16"],
 }
 
 
@@ -72,29 +81,40 @@ def test_1f1b_equals_gpipe(batches):
 
 def _setup(*overrides):
     cfg = config.load(None, tiny_overrides("unused", steps=STEPS) + LAYERS + list(overrides))
-    return trainer.build(cfg, jax.devices()[:cfg.mesh.pipeline * cfg.mesh.fsdp])
+    m = cfg.mesh
+    return trainer.build(cfg, jax.devices()[:m.pipeline * m.data * m.fsdp * m.tensor])
 
 
 def test_a_checkpoint_restores_across_stage_counts(tmp_path):
-    """One layout on disk, [layers, ...], whatever the stage count: saved with 4 stages, restored with 1, saved
-    again, restored with 2, and back with 4 - each stage's devices holding their contiguous block of layers."""
+    """One layout on disk, [layers, ...] in canonical order, whatever the stage count or schedule: saved with 4
+    stages, restored with 1, saved again, restored with 2, then into a circular schedule of 2 stages x 2 repeats
+    (each stage's devices holding layers 0 and 2, or 1 and 3: pipeline.memory_order), and back with 4 - as the
+    trainer saves and restores (Setup.to_disk, from_disk)."""
     setup = _setup("mesh.pipeline=4")
-    state = setup.init(jax.random.PRNGKey(0))
-    want = jax.device_get(state)
-    for i, overrides in enumerate(([], ["mesh.pipeline=2", "mesh.fsdp=2"], ["mesh.pipeline=4"])):
+    on_disk = setup.init(jax.random.PRNGKey(0))
+    want = jax.device_get(on_disk)
+    circular = ["mesh.pipeline=2", "mesh.fsdp=2", "pipeline.schedule=circular", "pipeline.repeats=2",
+                "pipeline.microbatches=2"]
+    for i, overrides in enumerate(([], ["mesh.pipeline=2", "mesh.fsdp=2"], circular, ["mesh.pipeline=4"])):
         ckpt = Checkpointer(tmp_path / str(i), max_to_keep=1, async_save=False)
-        ckpt.save(1, state, {"next_sample": 8}, trainer.checkpoint_metadata(setup))
+        ckpt.save(1, on_disk, {"next_sample": 8}, trainer.checkpoint_metadata(setup))
         ckpt.wait()
         ckpt.close()
         setup = _setup(*overrides)
         ckpt = Checkpointer(tmp_path / str(i), max_to_keep=1, async_save=False)
         _, state, _ = ckpt.restore_latest(setup.abstract_state)
         ckpt.close()
-        for got, expected in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(want)):
-            np.testing.assert_array_equal(got, expected)
-        stages = setup.mesh.shape["pipeline"]
+        state = setup.from_disk(state)
         w_up = state.params["layers"]["mlp"]["w_up"]
+        stages = setup.mesh.shape["pipeline"]
         assert w_up.sharding.shard_shape(w_up.shape)[0] == 4 // stages
+        if overrides is circular:  # stage 0's devices hold canonical layers 0 and 2
+            shard = w_up.addressable_shards[0]
+            np.testing.assert_array_equal(np.asarray(shard.data),
+                                          want.params["layers"]["mlp"]["w_up"][[0, 2]][(slice(None), *shard.index[1:])])
+        on_disk = setup.to_disk(state)
+        for got, expected in zip(jax.tree.leaves(jax.device_get(on_disk)), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(got, expected)
 
 
 def test_iterations_are_rematerialised_from_their_stage_inputs(monkeypatch):
@@ -133,3 +153,23 @@ def test_1f1b_holds_less_than_gpipe_by_about_the_predicted_ratio(monkeypatch):
     assert abs(one_f_one_b / gpipe - predicted / gpipe_predicted) <= 0.15, (one_f_one_b, gpipe, predicted,
                                                                            gpipe_predicted)
     assert abs(gpipe_predicted / gpipe - 1) <= 0.1
+
+
+def test_gathering_once_moves_every_batch_axis_collective_out_of_the_loop():
+    """pipeline.gather_weights=once: the 1F1B loop runs per device along data and fsdp too, so no collective over
+    them runs per tick - FSDP's gathers happen once on the way in, every gradient reduction once on the way out.
+    Per use (the default), FSDP gathers and reduces inside the loop, and data parallelism's reductions still
+    wait for the end (the loop runs per device along `data`, whose devices hold the same weights)."""
+    def batch_axis_collectives(*overrides):
+        setup = _setup("mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2", "pipeline.schedule=1f1b",
+                       "pipeline.microbatches=2", *overrides)
+        devices = setup.mesh.devices.size
+        assert devices == 8
+        text = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile().as_text()
+        return [c for c in hlo.inventory(text, setup.mesh) if {"data", "fsdp"} & set(c.axes)]
+
+    per_use = batch_axis_collectives()
+    assert any(c.loops and "fsdp" in c.axes for c in per_use)
+    assert not any(c.loops and c.axes == ("data",) for c in per_use), [c for c in per_use if c.loops]
+    once = batch_axis_collectives("pipeline.gather_weights=once")
+    assert once and not any(c.loops for c in once), [c for c in once if c.loops]

@@ -57,7 +57,9 @@ class ModelConfig:
     fuse_qkv: bool = True  # False where kv heads are replicated over `tensor`
     pipeline_stages: int = 1  # > 1: the layer stack runs as a pipeline (pipeline.py) of this many stages
     pipeline_microbatches: int = 1
-    pipeline_schedule: str = "gpipe"  # config.PIPELINE_SCHEDULES
+    pipeline_schedule: str = "gpipe"  # gpipe | circular | 1f1b
+    pipeline_gather_once: bool = False  # 1f1b: pipeline.gather_weights=once
+    pipeline_repeats: int = 1  # circular: blocks of layers per stage, the weights in pipeline.memory_order
     # Unroll the layer scan and the attention block loop. Only for XLA's cost estimate, which counts a loop's
     # body once (planner/aot.py); never for training (compile time and code size grow with the depth).
     unroll_loops: bool = False
@@ -136,7 +138,7 @@ class Llama(nnx.Module):
         x_btd, body, stacked, extras = self.stack_inputs(tokens_bt, positions_bt, segment_ids_bt)
         if cfg.pipeline_stages > 1:
             x_btd = pipeline.gpipe(body, x_btd, stacked, extras, cfg.pipeline_stages, cfg.pipeline_microbatches,
-                                   cfg.unroll_loops, cfg.remat, cfg.remat_custom)
+                                   cfg.unroll_loops, cfg.remat, cfg.remat_custom, cfg.pipeline_repeats)
         else:
             x_btd = pipeline.scan(body, x_btd, stacked, extras, cfg.unroll_loops)
         return self.final_stream(x_btd)

@@ -223,14 +223,15 @@ def replica_tokens(cfg, axes: Mapping[str, int]) -> float:
     return cfg.train.global_batch * cfg.data.seq_len / (microbatches(cfg, axes) * axes["data"] * axes["fsdp"])
 
 
-def held_microbatches(cfg, axes: Mapping[str, int]) -> int:
+def held_microbatches(cfg, axes: Mapping[str, int], repeats: int = 1) -> int:
     """Microbatches whose activations one device holds at the peak: one without pipelining; with it, every one
-    under GPipe (a stage keeps each until its backward pass), at most 2 P - 1 under 1F1B (pipeline_1f1b.depth)."""
+    under GPipe (a stage keeps each until its backward pass) - once per repeat under a circular schedule -, at
+    most 2 P - 1 under 1F1B (pipeline_1f1b.depth)."""
     if axes["pipeline"] == 1:
         return 1
     if cfg.pipeline.schedule == "1f1b":
         return pipeline_1f1b.depth(axes["pipeline"], microbatches(cfg, axes))
-    return microbatches(cfg, axes)
+    return microbatches(cfg, axes) * repeats
 
 
 def predict(cfg, axes: Mapping[str, int], state_: State | None = None) -> Prediction:
@@ -258,7 +259,7 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None) -> Predic
     pipelined = axes["pipeline"] > 1
     one_f_one_b = pipelined and cfg.pipeline.schedule == "1f1b"
     micro = replica_tokens(cfg, axes)  # one microbatch: what one layer (or iteration) recomputes
-    tokens = micro * held_microbatches(cfg, axes)
+    tokens = micro * held_microbatches(cfg, axes, s.layout.model_cfg.pipeline_repeats)
     elements = tensor_elements(m, t, cfg.sharding.sequence_parallel)
     policy = cfg.remat.policy
     stage_inputs = elements["decoder_layer_input"] * ab * tokens
@@ -283,7 +284,8 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None) -> Predic
     if pipelined:  # the whole batch's stream: embedded, leaving the stack (GPipe) or its gradient (1F1B), and that
         # gradient's gradient through the embedding; not a microbatch at a time
         working += PIPELINE_STREAM_COPIES * elements["decoder_layer_input"] * ab * micro * microbatches(cfg, axes)
-    logits = 2 * (micro if one_f_one_b else tokens) * logits_block(cfg) / cfg.data.seq_len * m.vocab_size / t * 4
+    logits_tokens = micro * (microbatches(cfg, axes) if pipelined and not one_f_one_b else 1)
+    logits = 2 * logits_tokens * logits_block(cfg) / cfg.data.seq_len * m.vocab_size / t * 4
     on_host = s.layout.params_home is not None
     moments_on_host = s.layout.opt_home is not None
     return Prediction(

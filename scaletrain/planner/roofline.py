@@ -221,7 +221,8 @@ def step_transfers(cfg, axes: Mapping[str, int], links: Mapping[str, list[comms.
     moe_layers, top_k = _moe(m)
     return (data_parallel_transfers(state, layers, accum, levels)
             + comms.tensor(activations, layers, accum, sp, recompute, levels(["tensor"]))
-            + comms.pipeline(activations / (t if sp else 1), accum, levels(["pipeline"]))
+            + comms.pipeline(activations / (t if sp else 1), accum * state.layout.model_cfg.pipeline_repeats,
+                             levels(["pipeline"]))
             + comms.expert(activations * top_k, moe_layers, accum, levels(["expert"])))
 
 
@@ -292,15 +293,19 @@ def _warnings(cfg, axes: Mapping[str, int], mem: memory.Prediction, chip: hw.Chi
     return out
 
 
-def _pipeline(cfg, axes: Mapping[str, int], bubble: float) -> dict | None:
+def _pipeline(cfg, axes: Mapping[str, int], bubble: float, repeats: int) -> dict | None:
     """The pipeline's schedule where there are stages: its timeline per stage (ticks of `F3`, `B3`, `.`: the
-    trainer's own, pipeline.gpipe_timeline or pipeline_1f1b.timeline)."""
+    trainer's own, pipeline.timeline or pipeline_1f1b.timeline)."""
     stages = axes["pipeline"]
     if stages == 1:
         return None
     n = microbatches(cfg, axes)
-    timeline = (pipeline_1f1b.timeline if cfg.pipeline.schedule == "1f1b" else pipeline_lib.gpipe_timeline)(stages, n)
-    return {"schedule": cfg.pipeline.schedule, "stages": stages, "microbatches": n, "bubble": bubble,
+    if cfg.pipeline.schedule == "1f1b":
+        timeline = pipeline_1f1b.timeline(stages, n)
+    else:
+        timeline = pipeline_lib.timeline(stages, n, repeats)
+    return {"schedule": cfg.pipeline.schedule, "stages": stages, "microbatches": n, "repeats": repeats,
+            "bubble": bubble,
             "timeline": [[tick[p] for tick in timeline] for p in range(stages)]}
 
 
@@ -326,7 +331,7 @@ def plan(cfg, hardware: str) -> dict:
     recompute_flops = tokens * (m.num_layers * sum(forward[g] for g in recompute)
                                 + recomputed_logits(cfg) * 2 * m.d_model * m.vocab_size)
     extra_flops = tokens * attention_extra_flops(cfg, chip.name)
-    bubble = comms.bubble(axes["pipeline"], microbatches(cfg, axes))
+    bubble = comms.bubble(axes["pipeline"], microbatches(cfg, axes), state.layout.model_cfg.pipeline_repeats)
     # The expert axis splits nothing of a dense model (the batch is not sharded over it): its devices repeat work.
     working_devices = axes["data"] * axes["fsdp"] * axes["tensor"] * axes["pipeline"]
     transfers = step_transfers(cfg, axes, links, recompute, state)
@@ -362,7 +367,7 @@ def plan(cfg, hardware: str) -> dict:
         "bound": bound,
         "time_s": times,
         "pipeline_bubble": bubble,
-        "pipeline": _pipeline(cfg, axes, bubble),
+        "pipeline": _pipeline(cfg, axes, bubble, state.layout.model_cfg.pipeline_repeats),
         "tokens_per_second": tokens / step_time,
         "mfu_upper_bound": step_flops / (topo.num_chips * chip.bf16_flops * step_time),
         "memory_per_device_bytes": {k: detail[k] for k in ("params", "optimizer", "gradients", "activations",
@@ -421,8 +426,9 @@ def format_table(result: dict) -> str:
         lines.append(f"  (compute includes a pipeline bubble of {100 * r['pipeline_bubble']:.1f}%)")
     if r["pipeline"]:
         p = r["pipeline"]
-        lines += ["", f"pipeline: {p['schedule']}, {p['stages']} stages x {p['microbatches']} microbatches "
-                      f"(F: forward, B: backward of a microbatch; .: bubble)"]
+        repeats = f" x {p['repeats']} repeats" if p["repeats"] > 1 else ""
+        lines += ["", f"pipeline: {p['schedule']}, {p['stages']} stages x {p['microbatches']} microbatches{repeats} "
+                      f"(F: forward, B: backward of a microbatch{'; .r its repeat' if repeats else ''}; .: bubble)"]
         ticks = len(p["timeline"][0])
         if ticks <= TIMELINE_TICKS:
             width = max(len(c) for row in p["timeline"] for c in row)
