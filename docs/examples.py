@@ -47,8 +47,9 @@ ALLOWED = ("plan",)
 
 MARKER = re.compile(r"^<!--[ \t]*output(?:[ \t]+lines=(?P<lines>\S+?))?:\s+(?P<args>.*?)\s*-->[ \t]*\n?",
                     re.M | re.S)
-# The blocks a marker owns, as this script writes them; blank lines between them are tolerated.
-BLOCKS = re.compile(r"(?:\n*```sh\n.*?\n```\n)?(?:\n*```text\n(?:.*?\n)?```(?:\n|\Z))?", re.S)
+# The blocks a marker owns, as this script writes them; blank lines between them are tolerated. An empty text
+# block is matched as empty (the lazy `??`), never as reaching to the next fence.
+BLOCKS = re.compile(r"(?:\n*```sh\n.*?\n```\n)?(?:\n*```text\n(?:.*?\n)??```(?:\n|\Z))?", re.S)
 ENDPOINT = re.compile(r"\d+|/(?:[^/\\]|\\.)+/")
 
 

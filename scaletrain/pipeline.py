@@ -89,8 +89,11 @@ def gpipe(body: Callable, x: jax.Array, stacked: Any, extras: tuple, stages: int
     every microbatch goes round the stages R times - R M + P - 1 iterations, stage 0 taking a microbatch back from
     the last stage M iterations after it sent it (so M >= P)."""
     layers = jax.tree.leaves(stacked)[0].shape[0]
-    per_stage = jax.tree.map(lambda a: a.reshape(stages, repeats, layers // (stages * repeats), *a.shape[1:]),
-                             stacked)
+    # [stages, layers per stage, ...], or [stages, repeats, layers per block, ...] for a circular schedule. (Not
+    # the latter with one repeat: its size-1 dim, sliced under the vmap, makes XLA's partitioner gather the
+    # weights - twice GPipe's all-gather bytes and 3 GiB more for the 8B.)
+    blocks = (stages,) if repeats == 1 else (stages, repeats)
+    per_stage = jax.tree.map(lambda a: a.reshape(*blocks, layers // (stages * repeats), *a.shape[1:]), stacked)
     xs = split_microbatches(x, microbatches)
     extras_m = tuple(split_microbatches(e, microbatches) for e in extras)
     stage_axis = active_axes("stage")
@@ -98,7 +101,8 @@ def gpipe(body: Callable, x: jax.Array, stacked: Any, extras: tuple, stages: int
     def stage(params, x, microbatch, repeat):
         # Each stage picks its repeat's layers and its microbatch's rows of the per-row arrays itself: local to
         # its devices, which hold all of its repeats and every microbatch's rows (not split over stages).
-        layers = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, False), params)
+        layers = params if repeats == 1 else jax.tree.map(
+            lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, False), params)
         return scan(body, x, layers, tuple(e[microbatch] for e in extras_m), unroll)
 
     where = ("stage", "batch", "residual_seq", "embed")

@@ -62,8 +62,8 @@ def timeline(stages: int, microbatches: int) -> list[list[str]]:
     return [[cell(t, s) for s in range(stages)] for t in range(microbatches + 2 * stages - 2)]
 
 
-def loss(stage: Callable, head: Callable, stages: int, microbatches: int, gather_once: bool, x: jax.Array,
-         stacked: Any, head_params: Any, extras: tuple, rows: tuple) -> jax.Array:
+def loss(stage: Callable, head: Callable, stages: int, microbatches: int, gather_once: bool, unroll: bool,
+         x: jax.Array, stacked: Any, head_params: Any, extras: tuple, rows: tuple) -> jax.Array:
     """The summed loss of a batch through the layer stack as a 1F1B pipeline and the head.
 
     `stage(stacked, x, extras) -> x` runs a stage's layers (its block of `stacked` [layers, ...]) on a microbatch
@@ -75,20 +75,23 @@ def loss(stage: Callable, head: Callable, stages: int, microbatches: int, gather
     weights (data parallelism: each sums its own gradients, reduced once after the loop). `gather_once` makes it
     per device along every batch axis: FSDP's weights are gathered once on the way in and their gradients
     reduced once on the way out, at the memory of a whole stage's weights and gradients on every device;
-    otherwise FSDP gathers each weight where a slot uses it, as everywhere else."""
-    return _loss(stage, head, stages, microbatches, gather_once, x, stacked, head_params, extras, rows)
+    otherwise FSDP gathers each weight where a slot uses it, as everywhere else. `unroll` unrolls the ticks (for
+    XLA's cost estimate only, as model.unroll_loops)."""
+    return _loss(stage, head, stages, microbatches, gather_once, unroll, x, stacked, head_params, extras, rows)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _loss(stage, head, stages, microbatches, gather_once, x, stacked, head_params, extras, rows):
-    return _program(stage, head, stages, microbatches, gather_once, False, x, stacked, head_params, extras, rows)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _loss(stage, head, stages, microbatches, gather_once, unroll, x, stacked, head_params, extras, rows):
+    return _program(stage, head, stages, microbatches, gather_once, unroll, False, x, stacked, head_params, extras,
+                    rows)
 
 
-def _loss_forward(stage, head, stages, microbatches, gather_once, x, stacked, head_params, extras, rows):
-    return _program(stage, head, stages, microbatches, gather_once, True, x, stacked, head_params, extras, rows)
+def _loss_forward(stage, head, stages, microbatches, gather_once, unroll, x, stacked, head_params, extras, rows):
+    return _program(stage, head, stages, microbatches, gather_once, unroll, True, x, stacked, head_params, extras,
+                    rows)
 
 
-def _loss_backward(stage, head, stages, microbatches, gather_once, grads, g):
+def _loss_backward(stage, head, stages, microbatches, gather_once, unroll, grads, g):
     dx, dstacked, dhead = jax.tree.map(lambda a: (g * a).astype(a.dtype), grads)
     return dx, dstacked, dhead, None, None
 
@@ -102,7 +105,7 @@ def _zeros(a: jax.Array) -> jax.Array:
     return jnp.zeros(a.shape, a.dtype)
 
 
-def _program(stage, head, stages, microbatches, gather_once, with_grads, x, stacked, head_params, extras, rows):
+def _program(stage, head, stages, microbatches, gather_once, unroll, with_grads, x, stacked, head_params, extras, rows):
     axis = active_axes("stage")
     own = active_axes("batch") if gather_once else replica_axes()  # batch axes along which each device sums
     everywhere = axis + own
@@ -188,13 +191,13 @@ def _program(stage, head, stages, microbatches, gather_once, with_grads, x, stac
         c = {"from_before": fill, "kept": jnp.full((keep, *dx_like.shape), BUBBLE_FILL, x.dtype),
              "total": jnp.zeros((), jnp.float32)}
         if not with_grads:
-            c, _ = jax.lax.scan(forward_only, c, jnp.arange(m + stages - 1))
+            c, _ = jax.lax.scan(forward_only, c, jnp.arange(m + stages - 1), unroll=unroll)
             return jax.lax.psum(c["total"], everywhere)
         c |= {"from_after": fill, "dxs": _zeros(xs), "dstacked": jax.tree.map(_zeros, stacked),
               "dhead": jax.tree.map(_zeros, head_params)}
-        c, _ = jax.lax.scan(warmup, c, jnp.arange(stages - 1))
-        c, _ = jax.lax.scan(steady, c, jnp.arange(stages - 1, m + stages - 1))
-        c, _ = jax.lax.scan(cooldown, c, jnp.arange(m + stages - 1, m + 2 * stages - 2))
+        c, _ = jax.lax.scan(warmup, c, jnp.arange(stages - 1), unroll=unroll)
+        c, _ = jax.lax.scan(steady, c, jnp.arange(stages - 1, m + stages - 1), unroll=unroll)
+        c, _ = jax.lax.scan(cooldown, c, jnp.arange(m + stages - 1, m + 2 * stages - 2), unroll=unroll)
         dx = jax.lax.psum(c["dxs"].reshape(x.shape), axis)
         dstacked = jax.lax.psum(c["dstacked"], own) if own else c["dstacked"]
         return jax.lax.psum(c["total"], everywhere), (dx, dstacked, jax.lax.psum(c["dhead"], everywhere))

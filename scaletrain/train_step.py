@@ -53,7 +53,7 @@ def _one_f_one_b_loss(graphdef, params, model, batch, rows) -> jax.Array:
 
     head_params = {k: v for k, v in params.items() if k != "layers"}
     return pipeline_1f1b.loss(stage, head, cfg.pipeline_stages, cfg.pipeline_microbatches, cfg.pipeline_gather_once,
-                              x_btd, stacked, head_params, extras, rows)
+                              cfg.unroll_loops, x_btd, stacked, head_params, extras, rows)
 
 
 def _stream_loss(graphdef: nnx.GraphDef, params: Any, x_btd: jax.Array, targets_bt: jax.Array,

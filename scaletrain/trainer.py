@@ -188,8 +188,8 @@ def _initial_state(cfg, setup: Setup) -> tuple[TrainState, str]:
     if not cfg.checkpoint.init_from:
         return state, "starting at step 0"
     step, params = restore_params(cfg.checkpoint.init_from, setup.abstract_state.params)
-    return state.replace(params=setup.from_disk(params)), f"starting at step 0 from the parameters of {cfg.checkpoint.init_from} " \
-                                         f"(step {step})"
+    origin = f"starting at step 0 from the parameters of {cfg.checkpoint.init_from} (step {step})"
+    return state.replace(params=setup.from_disk(params)), origin
 
 
 def _run(cfg, preemption: Preemption) -> int:

@@ -82,12 +82,14 @@ def test_bad_topology_is_one_error_line(topology, says):
     assert proc.stderr.startswith("error:") and says in proc.stderr and proc.stderr.count("\n") == 1
 
 
-def test_a_pipeline_across_two_slices():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_pipeline_across_two_slices(schedule):
     """Two v5p slices (libtpu's multislice topology: each device has its slice_index), a stage on each, FSDP over
     each slice's 4 chips: the stages' activations move by collective permutes; loop-corrected with one and two
     layers a stage."""
     result = _result(_compile("--config", "configs/llama_tiny.yaml", "--topology", "2xv5p:2x2x1", "--set",
-                              "mesh.dcn_pipeline=2", "--set", "mesh.fsdp=4", "--set", "pipeline.microbatches=2"))
+                              "mesh.dcn_pipeline=2", "--set", "mesh.fsdp=4", "--set", "pipeline.microbatches=2",
+                              "--set", f"pipeline.schedule={schedule}"))
     assert result["fits"] and result["chips"] == 8 and result["loop_corrected"]
     assert result["collectives"]["collective-permute"]["count"] > 0
     cfg = config.load("configs/llama_tiny.yaml", [])

@@ -27,7 +27,7 @@ def _examples():
 examples = _examples()
 
 
-@pytest.mark.parametrize("page, floor", [("planner.md", MIN_MARKERS), ("pipeline.md", 1)])
+@pytest.mark.parametrize("page, floor", [("planner.md", MIN_MARKERS), ("pipeline.md", 3)])
 def test_docs_show_the_live_output_of_every_marked_command(page, floor):
     stale, errors, markers = examples.check_text((ROOT / "docs" / page).read_text(), f"docs/{page}")
     assert not errors, "\n".join(errors)
@@ -87,3 +87,10 @@ def test_a_long_command_wraps_into_the_same_arguments():
     shown = examples.shown(args)
     assert all(len(line) <= examples.WIDTH for line in shown.splitlines()) and shown.count("\n") >= 2
     assert tuple(shlex.split(shown.replace("\\\n", " "))) == ("python", "-m", "scaletrain", *args)
+
+
+def test_an_empty_output_block_owns_nothing_after_it():
+    """A new marker's empty text block is the marker's alone: rewriting it must not swallow the prose up to the
+    next block (it once did, the lazy match reaching to the next fence)."""
+    text = "```text\n```\n\nprose that stays\n\n```sh\nx\n```\n"
+    assert examples.BLOCKS.match(text).group(0) == "```text\n```\n"

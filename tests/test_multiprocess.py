@@ -79,11 +79,13 @@ def test_two_processes_equal_one(one_process, two_processes):
     np.testing.assert_allclose(two_processes[1], one_process[1], rtol=1e-5)
 
 
-def test_a_pipeline_across_the_two_processes_equals_one(tmp_path, one_process):
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_pipeline_across_the_two_processes_equals_one(tmp_path, one_process, schedule):
     """Stage 0 on process 0's devices and stage 1 on process 1's (mesh.dcn_pipeline=2: each process plays a
-    slice), FSDP over each one's 4: the activations cross between the processes, and the losses are one
-    process's without stages."""
-    _run_two(tmp_path, **{"mesh.fsdp": 4, "mesh.dcn_pipeline": 2, "pipeline.microbatches": 2})
+    slice), FSDP over each one's 4: the activations (and under 1F1B their gradients, permuted by hand) cross
+    between the processes, and the losses are one process's without stages."""
+    _run_two(tmp_path, **{"mesh.fsdp": 4, "mesh.dcn_pipeline": 2, "pipeline.microbatches": 2,
+                          "pipeline.schedule": schedule})
     np.testing.assert_allclose(_losses(tmp_path), one_process[1], rtol=1e-5)
 
 

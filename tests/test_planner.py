@@ -334,8 +334,9 @@ def test_what_remat_recomputes(policy, block, groups):
     # tensor = 4 replicates the 2 kv heads: ((8192 + 24576) / 4 + 4096 + 128) / 2 = 6208 per layer, outside
     # (49152 / 4 + 64) / 2 = 6176: 18592 parameters.
     ({}, _axes(fsdp=2, tensor=4), 74368, 148744, 74368),
-    # pipeline = 2: one layer per stage (36992 / 4 = 9248), everything outside the layers on each: 49216 / 4.
-    ({}, _axes(fsdp=4, pipeline=2), 86208, 172424, 86208),
+    # pipeline = 2: one layer per stage (36992 / 4 = 9248), everything outside the layers on each: 49216 / 4;
+    # the gradients summed over the microbatches, like gradient accumulation's.
+    ({}, _axes(fsdp=4, pipeline=2), 86208, 172424, 2 * 86208),
     # bfloat16 parameters: 2 bytes; Adam's moments stay float32 (optim.moment_dtype): the book's 2 + 8 bytes.
     ({"model.param_dtype": "bfloat16"}, _axes(fsdp=8), 30800, 123208, 30800),
     ({"optim.moment_dtype": "bfloat16"}, _axes(fsdp=8), 61600, 61608, 61600),
@@ -415,12 +416,22 @@ def test_activations_over_tensor_with_and_without_sequence_parallelism():
 def test_pipeline_stages_hold_every_microbatch():
     # pipeline = 2 x fsdp = 4, 4 microbatches of 2 layers a stage: a GPipe stage keeps every microbatch's stage
     # input (8 x 32 / 4 = 64 tokens of d_model 64, bf16), not each layer's: pipeline.py rematerialises an
-    # iteration from it. Recomputing one (16 tokens) holds its 2 layers' inputs besides one layer's working set.
-    cfg = _cfg(**{"model.num_layers": 4, "pipeline.microbatches": 4, "remat.policy": "full"})
-    mem = memory.predict(cfg, _axes(fsdp=4, pipeline=2))
+    # iteration from it. Recomputing one (16 tokens) holds its 2 layers' inputs besides one layer's working set;
+    # and the whole batch's stream is there three times (64 tokens).
+    overrides = {"model.num_layers": 4, "pipeline.microbatches": 4, "remat.policy": "full"}
+    mem = memory.predict(_cfg(**overrides), _axes(fsdp=4, pipeline=2))
     assert mem.saved_activations == 64 * 64 * 2
     unpipelined = memory.predict(_cfg(**{"model.num_layers": 4, "remat.policy": "full"}), _axes(fsdp=4))
-    assert mem.layer_working_set == unpipelined.layer_working_set / 4 + 2 * 16 * 64 * 2
+    streams = 3 * 64 * 64 * 2
+    assert mem.layer_working_set == unpipelined.layer_working_set / 4 + 2 * 16 * 64 * 2 + streams
+    # 1F1B: min(4, 2 x 2 - 1) = 3 stage inputs, the same recomputation, one microbatch's logits (16 of 64 tokens).
+    f1b1 = memory.predict(_cfg(**overrides, **{"pipeline.schedule": "1f1b"}), _axes(fsdp=4, pipeline=2))
+    assert f1b1.saved_activations == 3 * 16 * 64 * 2
+    assert f1b1.layer_working_set == mem.layer_working_set and f1b1.logits == mem.logits / 4
+    # Circular, 2 repeats: a stage input per iteration, twice GPipe's.
+    circular = memory.predict(_cfg(**overrides, **{"pipeline.schedule": "circular", "pipeline.repeats": 2}),
+                              _axes(fsdp=4, pipeline=2))
+    assert circular.saved_activations == 2 * mem.saved_activations
 
 
 # --- the roofline -----------------------------------------------------------------------------------------------
@@ -691,5 +702,14 @@ def test_plan_shows_the_pipeline_schedule():
     assert r["pipeline_bubble"] == r["pipeline"]["bubble"] == pytest.approx(0.2)
     assert r["pipeline"]["timeline"] == [["F0", "F1", "F2", "F3", ".", ".", "B3", "B2", "B1", "B0"],
                                          [".", "F0", "F1", "F2", "F3", "B3", "B2", "B1", "B0", "."]]
-    assert "stage 1    .  F0  F1  F2  F3  B3  B2  B1  B0   ." in roofline.format_table(r)
+    assert "stage 1   . F0 F1 F2 F3 B3 B2 B1 B0  ." in roofline.format_table(r)
+    # 1F1B: the same bubble; circular with 2 repeats: (2 - 1) / (2 x 4 + 2 - 1).
+    r = roofline.plan(_cfg(**{"mesh.pipeline": 2, "pipeline.microbatches": 4, "pipeline.schedule": "1f1b"}),
+                      "v5p:2x2x2")
+    assert r["pipeline_bubble"] == pytest.approx(0.2)
+    assert r["pipeline"]["timeline"] == [["F0", "F1", "F2+B0", "F3+B1", "B2", "B3"],
+                                         [".", "F0+B0", "F1+B1", "F2+B2", "F3+B3", "."]]
+    r = roofline.plan(_cfg(**{"mesh.pipeline": 2, "pipeline.microbatches": 4, "pipeline.schedule": "circular",
+                              "pipeline.repeats": 2, "model.num_layers": 4}), "v5p:2x2x2")
+    assert r["pipeline_bubble"] == pytest.approx(1 / 9) and r["pipeline"]["timeline"][1][:3] == [".", "F0.0", "F1.0"]
     assert roofline.plan(_cfg(), "v5p:2x2x2")["pipeline"] is None

@@ -239,8 +239,10 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None) -> Predic
 
     State: the bytes of the trainer's own arrays on that mesh (`state`): parameters in model.param_dtype (the
     master copy: no other is kept), Adam's two moments in optim.moment_dtype, gradients in the parameters'
-    dtype - twice over with gradient accumulation (the running sum and a microbatch's). optim.offload moves the
-    moments to host memory, params.offload parameters, moments and gradients.
+    dtype - twice over with gradient accumulation or a pipeline (the running sum and a microbatch's). With
+    pipeline.gather_weights=once, each device also holds its stage's weights gathered and two whole gradients
+    (the sum, a backward slot's). optim.offload moves the moments to host memory, params.offload parameters,
+    moments and gradients.
     Activations: the remat policy's saved tensors for every layer of the device's stage (policy none:
     scaling.md's 20 [tokens, d_model] tensors per layer), one layer's full set while the backward pass
     rematerialises it (every other policy), and the float32 logits and their gradient - of one block of
@@ -255,8 +257,9 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None) -> Predic
     ab = DTYPE_BYTES[m.dtype]
     s = state_ or state(cfg, axes)
     params, moments = s.params, s.optimizer
-    grads = s.gradients * (2 if cfg.train.grad_accum_steps > 1 else 1)
     pipelined = axes["pipeline"] > 1
+    sums = cfg.train.grad_accum_steps > 1 or pipelined  # gradients summed over microbatches
+    grads = s.gradients * (2 if sums else 1)
     one_f_one_b = pipelined and cfg.pipeline.schedule == "1f1b"
     micro = replica_tokens(cfg, axes)  # one microbatch: what one layer (or iteration) recomputes
     tokens = micro * held_microbatches(cfg, axes, s.layout.model_cfg.pipeline_repeats)
@@ -286,6 +289,12 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None) -> Predic
         working += PIPELINE_STREAM_COPIES * elements["decoder_layer_input"] * ab * micro * microbatches(cfg, axes)
     logits_tokens = micro * (microbatches(cfg, axes) if pipelined and not one_f_one_b else 1)
     logits = 2 * logits_tokens * logits_block(cfg) / cfg.data.seq_len * m.vocab_size / t * 4
+    if s.layout.model_cfg.pipeline_gather_once:  # a whole stage's weights and gradient sums on every device
+        batch = sharding.mesh_axes(s.layout.rules.activations["batch"])
+        for table, role in ((s.layout.rules.params, "params"), (s.layout.rules.grads, "grads")):
+            layer, rest = s.weights(table, batch)
+            whole = layer * m.num_layers + rest
+            params, grads = (params + whole, grads) if role == "params" else (params, grads + 2 * whole)
     on_host = s.layout.params_home is not None
     moments_on_host = s.layout.opt_home is not None
     return Prediction(

@@ -179,8 +179,14 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
     gathers and scatters over fsdp and all-reduces its scattered gradients over data; dp all-reduces over both;
     ZeRO-1 (O = data x fsdp) and ZeRO-2 (G = O = data x fsdp) scatter the gradients and gather the updated
     weights. Weights move one layer at a time inside the scanned stack, the rest (embedding, output projection,
-    final norm) once; bytes are one device's tensor shard of each, whole over the axes the collective spans."""
+    final norm) once; bytes are one device's tensor shard of each, whole over the axes the collective spans.
+
+    A 1F1B pipeline (pipeline_1f1b.py) sums each device's gradients over the step and all-reduces them once
+    over the batch axes that shard no parameter; with pipeline.gather_weights=once over every batch axis, the
+    weights then gathered once on the way in."""
     rules = state.layout.rules
+    model_cfg = state.layout.model_cfg
+    one_f_one_b = model_cfg.pipeline_stages > 1 and model_cfg.pipeline_schedule == "1f1b"
     batch = set(sharding.mesh_axes(rules.activations["batch"]))
 
     def over(table: sharding.RuleTable) -> set[str]:
@@ -195,6 +201,16 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
                 + comms.collective(kind, f"embedding and output {what}", rest, count, levels(names)))
 
     p, g, o = over(rules.params), over(rules.grads), over(rules.opt_state)
+    if model_cfg.pipeline_gather_once:
+        return (moves(rules.params, p, "all-gather", "weights, once a step", 1)
+                + moves(rules.grads, batch, "all-reduce", "gradients, once a step", 1)
+                + moves(rules.params, o - p, "all-gather", "updated weights", 1))
+    if one_f_one_b:
+        return (moves(rules.params, p, "all-gather", "weights, forward", microbatches)
+                + moves(rules.params, p, "all-gather", "weights, backward", microbatches)
+                + moves(rules.grads, g, "reduce-scatter", "gradients", microbatches)
+                + moves(rules.grads, batch - p, "all-reduce", "gradients, once a step", 1)
+                + moves(rules.params, o - p, "all-gather", "updated weights", 1))
     return (moves(rules.params, p, "all-gather", "weights, forward", microbatches)
             + moves(rules.params, p, "all-gather", "weights, backward", microbatches)
             + moves(rules.grads, g, "reduce-scatter", "gradients", microbatches)
