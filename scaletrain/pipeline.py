@@ -115,24 +115,25 @@ def gpipe(body: Callable, x: jax.Array, stacked: Any, extras: tuple, stages: int
     run_stages = remat.around_stages(run_stages, remat_policy, remat_custom, STAGE_INPUT)
 
     def iteration(carry, i):
-        state, loop = carry
+        state, outputs = carry
         mb, r, valid = work_at(i, jnp.arange(stages), microbatches, repeats)
-        # Stage 0 takes microbatch i mod M, fresh or back from the last stage; stage p > 0 what stage p - 1 made
-        # in the iteration before. Selects, not an update of row 0: elementwise on the stage-split arrays.
+        # Stage 0 takes microbatch i mod M, fresh or (circular) back from the last stage; stage p > 0 what stage
+        # p - 1 made in the iteration before. Selects, not an update of row 0: elementwise on the stage-split arrays.
         first = (jnp.arange(stages) == 0)[:, None, None, None]
-        taken = jax.lax.dynamic_index_in_dim(loop, i % microbatches, 0)
-        inputs = jnp.where(first, taken, jnp.roll(state, 1, axis=0))
+        taken = xs[jnp.clip(i, 0, microbatches - 1)]
+        if repeats > 1:
+            taken = jnp.where(i < microbatches, taken, jax.lax.dynamic_index_in_dim(outputs, i % microbatches, 0,
+                                                                                      False))
+        inputs = jnp.where(first, taken[None], jnp.roll(state, 1, axis=0))
         inputs = constrain(jnp.where(valid[:, None, None, None], inputs, 0), where)
         state = run_stages(per_stage, inputs, mb, jnp.clip(r, 0, repeats - 1))
-        # The last stage's microbatch goes back to its slot of the loop buffer (the result, after its last
-        # repeat); in the bubble the slot keeps what it holds.
-        slot = mb[stages - 1]
-        kept = jax.lax.dynamic_index_in_dim(loop, slot, 0, False)
-        loop = jax.lax.dynamic_update_index_in_dim(loop, jnp.where(valid[stages - 1], state[stages - 1], kept),
-                                                   slot, 0)
-        return (state, loop), None
+        # The last stage finishes microbatch i - (stages - 1) (of some repeat); before the first one, slot 0 takes a
+        # bubble's zeros, overwritten when microbatch 0 finishes - before a circular schedule reads it back.
+        done = jnp.maximum(i - (stages - 1), 0) % microbatches
+        outputs = jax.lax.dynamic_update_index_in_dim(outputs, state[stages - 1], done, 0)
+        return (state, outputs), None
 
     state = jnp.full((stages, *xs.shape[1:]), BUBBLE_FILL, x.dtype)
-    (_, loop), _ = jax.lax.scan(iteration, (constrain(state, where), xs),
-                                jnp.arange(repeats * microbatches + stages - 1), unroll=unroll)
-    return _join(loop)
+    (_, outputs), _ = jax.lax.scan(iteration, (constrain(state, where), jnp.zeros_like(xs)),
+                                   jnp.arange(repeats * microbatches + stages - 1), unroll=unroll)
+    return _join(outputs)
