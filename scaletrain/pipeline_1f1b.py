@@ -105,7 +105,8 @@ def _zeros(a: jax.Array) -> jax.Array:
     return jnp.zeros(a.shape, a.dtype)
 
 
-def _program(stage, head, stages, microbatches, gather_once, unroll, with_grads, x, stacked, head_params, extras, rows):
+def _program(stage, head, stages, microbatches, gather_once, unroll, with_grads, x, stacked, head_params, extras,
+             rows):
     axis = active_axes("stage")
     own = active_axes("batch") if gather_once else replica_axes()  # batch axes along which each device sums
     everywhere = axis + own
@@ -134,9 +135,10 @@ def _program(stage, head, stages, microbatches, gather_once, unroll, with_grads,
                 dhead, dy = pull(jnp.ones_like(total))
                 return total, dhead, dy
 
-            zeros = lambda y: (jnp.zeros((), jnp.float32), jax.tree.map(_zeros, head_params),
-                               _zeros(y))
-            return jax.lax.cond(last & (0 <= i) & (i < m), go, zeros, y)
+            def nothing(y):
+                return jnp.zeros((), jnp.float32), jax.tree.map(_zeros, head_params), _zeros(y)
+
+            return jax.lax.cond(last & (0 <= i) & (i < m), go, nothing, y)
 
         def forward_slot(c, t):
             f = forward_microbatch(t, s)
