@@ -72,7 +72,8 @@ def memory_order(layers: int, stages: int, repeats: int) -> np.ndarray:
     """The canonical index of the layer at each position of the stacked weights as a circular schedule keeps
     them: stage p's devices hold a contiguous block (the `layers` dim is split over the pipeline axis), which must
     be its repeats' layers - stage p at repeat r runs canonical layers [(r P + p) L', (r P + p + 1) L') of L' per
-    stage and repeat. The identity for one repeat; checkpoints keep the canonical order (trainer.Reorder)."""
+    stage and repeat. The identity for one repeat; checkpoints keep the canonical order (Setup.to_disk,
+    from_disk)."""
     per = layers // (stages * repeats)
     return np.array([(r * stages + p) * per + j for p in range(stages) for r in range(repeats) for j in range(per)])
 
@@ -89,9 +90,8 @@ def gpipe(body: Callable, x: jax.Array, stacked: Any, extras: tuple, stages: int
     every microbatch goes round the stages R times - R M + P - 1 iterations, stage 0 taking a microbatch back from
     the last stage M iterations after it sent it (so M >= P)."""
     layers = jax.tree.leaves(stacked)[0].shape[0]
-    # [stages, layers per stage, ...], or [stages, repeats, layers per block, ...] for a circular schedule. (Not
-    # the latter with one repeat: its size-1 dim, sliced under the vmap, makes XLA's partitioner gather the
-    # weights - twice GPipe's all-gather bytes and 3 GiB more for the 8B.)
+    # [stages, layers per stage, ...], or [stages, repeats, layers per block, ...] for a circular schedule: with
+    # one repeat no repeats dim, so that GPipe's program is the one it was before circular schedules.
     blocks = (stages,) if repeats == 1 else (stages, repeats)
     per_stage = jax.tree.map(lambda a: a.reshape(*blocks, layers // (stages * repeats), *a.shape[1:]), stacked)
     xs = split_microbatches(x, microbatches)

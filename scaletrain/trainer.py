@@ -86,8 +86,7 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
         params_key, rng = jax.random.split(key)
         params = model_lib.init_params(model_cfg, params_key)  # canonical: the same values on any mesh
         if order is not None:
-            params = jax.tree.map(lambda names, x: jnp.take(x, order, axis=0) if names[:1] == ("layers",) else x,
-                                  lay.logical, params, is_leaf=sharding.is_logical)
+            params = _layers_taken(lambda x, _: jnp.take(x, order, axis=0), lay.logical, params, lay.logical)
         return TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32), rng=rng)
 
     abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -119,11 +118,16 @@ def _reorder(order: np.ndarray, logical: Any, shardings: Any) -> Callable:
     the devices. `logical` and `shardings`: TrainStates of logical names and of shardings."""
     def apply(tree):
         whole = isinstance(tree, TrainState)
-        return jax.tree.map(lambda names, x, s: _take(s)(x, order) if names[:1] == ("layers",) else x,
-                            logical if whole else logical.params, tree, shardings if whole else shardings.params,
-                            is_leaf=sharding.is_logical)
+        return _layers_taken(lambda x, s: _take(s)(x, order), logical if whole else logical.params, tree,
+                             shardings if whole else shardings.params)
 
     return apply
+
+
+def _layers_taken(take: Callable, logical: Any, tree: Any, shardings: Any) -> Any:
+    """`tree` with take(array, its sharding) for every array whose first logical axis is `layers`."""
+    return jax.tree.map(lambda names, x, s: take(x, s) if names[:1] == ("layers",) else x, logical, tree, shardings,
+                        is_leaf=sharding.is_logical)
 
 
 @functools.cache
