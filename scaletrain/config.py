@@ -63,6 +63,13 @@ def defaults() -> ml_collections.ConfigDict:
                 "qk_norm": False,
                 "qk_norm_eps": 1e-6,
                 "norm_cancellation": False,
+                "num_experts": 0,
+                "experts_per_token": 2,
+                "moe_d_ff": 0,
+                "moe_every": 1,
+                "capacity_factor": 0.0,
+                "router_aux_loss": 0.01,
+                "router_z_loss": 0.001,
             },
             "data": {
                 "source": "stdlib",
@@ -144,14 +151,15 @@ _POSITIVE = (
     "steps", "model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads", "model.num_kv_heads",
     "model.head_dim", "model.d_ff", "data.seq_len", "train.global_batch", "train.grad_accum_steps",
     "train.log_every_steps", "train.eval_batches", "checkpoint.every_steps", "checkpoint.max_to_keep",
-    "model.rope_original_max_position", "pipeline.repeats",
+    "model.rope_original_max_position", "pipeline.repeats", "model.experts_per_token", "model.moe_every",
     "model.rope_theta", "model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
 )
 _NON_NEGATIVE = ("seed", "pipeline.microbatches",
                  "train.profile_start", "train.profile_steps", "train.eval_every_steps", "data.workers",
                  "checkpoint.every_minutes", "model.attention_block", "model.logits_block", "optim.learning_rate",
                  "optim.warmup_steps", "optim.weight_decay", "optim.eps", "optim.grad_clip_norm", "model.norm_eps",
-                 "model.init_std", "model.qk_norm_eps")
+                 "model.init_std", "model.qk_norm_eps", "model.num_experts", "model.moe_d_ff",
+                 "model.capacity_factor", "model.router_aux_loss", "model.router_z_loss")
 _UNIT_INTERVAL = ("optim.min_lr_ratio", "optim.b1", "optim.b2")
 
 # Upper bounds, so that nothing computed from a config overflows into a traceback. Token ids, positions and the
@@ -341,6 +349,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     if m.norm_cancellation and m.qk_norm_eps != 0:
         raise ConfigError(f"model.norm_cancellation=true is exact only with model.qk_norm_eps=0 (got "
                           f"{m.qk_norm_eps}): RMSNorm(c q) = RMSNorm(q) needs eps = 0")
+    _check_moe(m)
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
     if cfg.train.global_batch % cfg.train.grad_accum_steps:
@@ -350,6 +359,22 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"train.profile_steps={cfg.train.profile_steps} needs train.profile_start >= 1, the first "
                           f"step to trace (steps count from 1; leave the first few out: they compile)")
     _check_data(cfg)
+
+
+def _check_moe(m: ml_collections.ConfigDict) -> None:
+    if not m.num_experts:
+        return
+    if m.experts_per_token > m.num_experts:
+        raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be <= model.num_experts="
+                          f"{m.num_experts}: each token goes to that many different experts")
+    if m.num_layers % m.moe_every:
+        raise ConfigError(f"model.num_layers={m.num_layers} must be divisible by model.moe_every={m.moe_every}: "
+                          f"the stack repeats groups of moe_every layers, the last of each a mixture of experts")
+
+
+def moe_d_ff(m) -> int:
+    """The hidden width of each expert: model.moe_d_ff, or model.d_ff where that is 0."""
+    return m.moe_d_ff or m.d_ff
 
 
 def _check_data(cfg: ml_collections.ConfigDict) -> None:
@@ -406,6 +431,8 @@ def _largest_arrays(cfg: ml_collections.ConfigDict) -> dict[str, tuple[str, ...]
         "the embedding table": ("model.vocab_size", "model.d_model"),
         "the attention weights": ("model.num_layers", "model.d_model", "model.num_heads", "model.head_dim"),
         "the MLP weights": ("model.num_layers", "model.d_model", "model.d_ff"),
+        **({"the experts' weights": ("model.num_layers", "model.num_experts", "model.d_model", "model.moe_d_ff")}
+           if cfg.model.num_experts and cfg.model.moe_d_ff else {}),
         "the residual stream of every layer": ("model.num_layers", *batch, "model.d_model"),
         "the MLP activations of every layer": ("model.num_layers", *batch, "model.d_ff"),
         "the logits": ("train.global_batch", logits, "model.vocab_size"),

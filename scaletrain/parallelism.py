@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from scaletrain.config import moe_d_ff
 from scaletrain.errors import ConfigError
 
 
@@ -61,18 +62,29 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
                             ("model.attention=flash", cfg.model.attention == "flash")):
             if on:
                 out.append(f"{setting} with mesh.pipeline > 1 is not supported yet")
-    if axis_sizes["expert"] > 1:
-        out.append(f"mesh.expert={axis_sizes['expert']}: expert parallelism is not implemented yet; use the data, "
-                   f"fsdp, tensor and pipeline axes")
+    experts = m.num_experts
+    if axis_sizes["expert"] > 1 and not experts:
+        out.append(f"mesh.expert={axis_sizes['expert']} needs a mixture-of-experts model (model.num_experts > 0): "
+                   f"the expert axis splits the experts")
+    if experts and experts % axis_sizes["expert"]:
+        out.append(f"model.num_experts={experts} is not divisible by mesh.expert={axis_sizes['expert']} (with DCN "
+                   f"degrees), which splits the experts")
+    if experts and moe_d_ff(m) % tensor:
+        out.append(f"the experts' hidden width {moe_d_ff(m)} (model.moe_d_ff, else model.d_ff) is not divisible by "
+                   f"mesh.tensor={tensor}")
+    if experts and stages > 1:
+        out.append("model.num_experts > 0 with mesh.pipeline > 1 is not supported yet: the router's losses do not "
+                   "cross the pipeline's stages")
     if cfg.params.offload and cfg.train.grad_accum_steps > 1:
         out.append("params.offload=true needs train.grad_accum_steps=1: the gradients of offloaded parameters land "
                    "in host memory, where microbatches cannot be summed")
     n = microbatches(cfg, axis_sizes)
-    ways = axis_sizes["data"] * axis_sizes["fsdp"]
+    ways = axis_sizes["data"] * axis_sizes["fsdp"] * axis_sizes["expert"]
     if cfg.train.global_batch % n or (cfg.train.global_batch // n) % ways:
         what = "pipeline.microbatches" if stages > 1 else "train.grad_accum_steps"
         out.append(f"the microbatch train.global_batch / {what} = {cfg.train.global_batch / n:g} is not divisible "
-                   f"by mesh.data x mesh.fsdp = {ways} (with DCN degrees), which shard the batch")
+                   f"by mesh.data x mesh.fsdp{' x mesh.expert' * (axis_sizes['expert'] > 1)} = {ways} (with DCN degrees), "
+                   f"which shard the batch")
     return out
 
 

@@ -28,10 +28,15 @@ STAGE_INPUT = "pipeline_stage_input"  # the checkpoint name of an iteration's in
 BUBBLE_FILL = 0.0
 
 
-def scan(body: Callable, x: jax.Array, stacked: Any, extras: tuple, unroll: bool = False) -> jax.Array:
-    """`body(x, layer_params, *extras) -> x` for every layer in turn."""
-    x, _ = jax.lax.scan(lambda x, p: (body(x, p, *extras), None), x, stacked, unroll=unroll)
-    return x
+def scan(body: Callable, x: jax.Array, stacked: Any, extras: tuple, unroll: bool = False):
+    """`body(x, layer_params, *extras) -> x` for every layer in turn. A body that returns (x, stats) - a
+    mixture of experts' router statistics - has them stacked along the layers: (x, stats [layers, ...])."""
+    def step(x, p):
+        out = body(x, p, *extras)
+        return out if isinstance(out, tuple) else (out, None)
+
+    x, stats = jax.lax.scan(step, x, stacked, unroll=unroll)
+    return x if stats is None else (x, stats)
 
 
 def split_microbatches(a: jax.Array, n: int) -> jax.Array:

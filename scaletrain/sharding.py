@@ -19,7 +19,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 from scaletrain.errors import ConfigError
 
 LOGICAL_AXES = ("batch", "seq", "residual_seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
-                "experts", "stage")
+                "experts", "moe_mlp", "sublayers", "stage")
 
 # The config key that sets each logical dim: named in divisibility errors.
 SIZE_KEY = {
@@ -33,17 +33,21 @@ SIZE_KEY = {
     "mlp": "model.d_ff",
     "vocab": "model.vocab_size",
     "layers": "model.num_layers",
+    "experts": "model.num_experts",
+    "moe_mlp": "model.moe_d_ff",
 }
 
 RuleTable = Mapping[str, Any]
 
-# Activations: batch over every data-parallel axis, Megatron-style tensor axes (a no-op at tensor=1).
-_ACTIVATIONS: RuleTable = {"batch": ("data", "fsdp"), "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
-                           "vocab": "tensor", "experts": "expert", "stage": "pipeline"}
+# Activations: batch over every data-parallel axis and the expert axis (whose devices each take a share of the
+# batch and send each token to its experts: model/moe.py), Megatron-style tensor axes (a no-op at tensor=1).
+_ACTIVATIONS: RuleTable = {"batch": ("data", "fsdp", "expert"), "heads": "tensor", "kv_heads": "tensor",
+                           "mlp": "tensor", "moe_mlp": "tensor", "vocab": "tensor", "experts": "expert",
+                           "stage": "pipeline"}
 # Stacked layers are split over the pipeline stages along `layers`, each stage's devices holding a contiguous
 # block of them (pipeline.py): one layout whatever the stage count.
-_TENSOR_ONLY: RuleTable = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor",
-                           "experts": "expert", "stage": "pipeline", "layers": "pipeline"}
+_TENSOR_ONLY: RuleTable = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "moe_mlp": "tensor",
+                           "vocab": "tensor", "experts": "expert", "stage": "pipeline", "layers": "pipeline"}
 _FSDP: RuleTable = {**_TENSOR_ONLY, "embed": "fsdp"}
 _ZERO: RuleTable = {**_TENSOR_ONLY, "embed": ("data", "fsdp")}
 
@@ -165,15 +169,17 @@ def _traced_mesh() -> Mesh | AbstractMesh:
     return within if not within.empty and within.manual_axes else _ACTIVE[-1][0]
 
 
-def local(fn, in_logical: tuple[tuple[str | None, ...], ...], out_logical: tuple[str | None, ...]):
+def local(fn, in_logical: tuple[tuple[str | None, ...], ...], out_logical):
     """`fn` run per device on its shards (jax.shard_map) with the active activation rules, for code the SPMD
-    partitioner cannot split (Pallas kernels); XLA gathers the inputs into these layouts first. `fn` itself
-    outside a step."""
+    partitioner cannot split (Pallas kernels, a mixture of experts' routing); XLA gathers the inputs into these
+    layouts first. `out_logical` names the output's axes, or is a tuple of such names for several outputs. `fn`
+    itself outside a step."""
     if not _ACTIVE:
         return fn
     mesh, rules = _traced_mesh(), _ACTIVE[-1][1]
+    out_specs = jax.tree.map(lambda n: spec(n, rules.activations, mesh), out_logical, is_leaf=is_logical)
     return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(n, rules.activations, mesh) for n in in_logical),
-                         out_specs=spec(out_logical, rules.activations, mesh), check_vma=False)
+                         out_specs=out_specs, check_vma=False)
 
 
 def active_axes(logical: str) -> tuple[str, ...]:

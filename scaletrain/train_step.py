@@ -12,6 +12,7 @@ from flax import nnx
 
 from scaletrain import optim, pipeline, pipeline_1f1b
 from scaletrain.pipeline import split_microbatches
+from scaletrain.model import moe
 from scaletrain.loss import blocked_linear_cross_entropy, cross_entropy, linear_cross_entropy, vocab_chunk
 from scaletrain.sharding import active_device, use_rules, ways
 
@@ -30,13 +31,53 @@ class TrainState:
 
 def loss_sum(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Summed masked next-token cross-entropy, and the number of tokens it sums over."""
+    total, count, _ = _losses(graphdef, params, batch)
+    return total, count
+
+
+def _losses(graphdef, params, batch):
+    """(`loss_sum`'s two, the router statistics of a mixture of experts [moe layers, ...] or None)."""
     model = nnx.merge(graphdef, params)
     rows = (batch["targets"], batch["loss_mask"])
     count = jnp.sum(batch["loss_mask"])
     if model.cfg.pipeline_schedule == "1f1b":
-        return _one_f_one_b_loss(graphdef, params, model, batch, rows), count
-    x_btd = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
-    return _stream_loss(graphdef, params, x_btd, *rows), count
+        return _one_f_one_b_loss(graphdef, params, model, batch, rows), count, None
+    x_btd, router = model.hidden_and_router(batch["tokens"], batch["positions"], batch["segment_ids"])
+    return _stream_loss(graphdef, params, x_btd, *rows), count, router
+
+
+def objective(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+    """What a step differentiates, and the sums its metrics are made of: {"loss": the summed cross-entropy,
+    "count": its tokens} and, for a mixture of experts, the router's (`_router_sums`). A mixture of experts adds
+    count x (router_aux_loss x its load-balancing loss + router_z_loss x its z-loss), each a mean over tokens and
+    MoE layers: divided by the count, as the step does, the objective is the mean cross-entropy plus the
+    router's weighted losses."""
+    total, count, router = _losses(graphdef, params, batch)
+    sums = {"loss": total, "count": count}
+    if router is None:
+        return total, sums
+    cfg = nnx.merge(graphdef, params).cfg
+    sums |= _router_sums(router, batch["tokens"].size)
+    penalty = cfg.router_aux_loss * sums["router_aux"] + cfg.router_z_loss * sums["router_z"]
+    return total + count * penalty / sums["router_tokens"], sums
+
+
+def _router_sums(router: jax.Array, tokens: int) -> dict:
+    """The router statistics (moe.stats_size's per layer) as sums that add up over microbatches."""
+    return {"router_aux": jnp.sum(router[:, moe.AUX]), "router_z": jnp.sum(router[:, moe.Z]),
+            "router_dropped": jnp.sum(router[:, moe.DROPPED]), "router_load": router[:, moe.LOAD:],
+            "router_tokens": jnp.float32(tokens * router.shape[0])}
+
+
+def router_metrics(sums: dict) -> dict:
+    """What metrics.jsonl logs of the router: its two losses (means over tokens and MoE layers), the busiest
+    expert's load over the mean load (1 when balanced; the worst layer's), and the share of assignments dropped
+    for want of capacity."""
+    load = sums["router_load"]
+    return {"router_aux_loss": sums["router_aux"] / sums["router_tokens"],
+            "router_z_loss": sums["router_z"] / sums["router_tokens"],
+            "expert_load_max": jnp.max(jnp.max(load, axis=1) / jnp.maximum(jnp.mean(load, axis=1), 1e-9)),
+            "dropped_fraction": sums["router_dropped"] / jnp.sum(load)}
 
 
 def _one_f_one_b_loss(graphdef, params, model, batch, rows) -> jax.Array:
@@ -122,7 +163,7 @@ def make_train_step(graphdef: nnx.GraphDef, update: optim.Update, lr: optax.Sche
     """`rules` is a sharding.Rules; `grad_shardings` places gradients per the preset (ZeRO-2: scattered)."""
     params_on_host = update.fetch_params is not None
     fetch_params = update.fetch_params or (lambda p: p)
-    grad_fn = jax.value_and_grad(lambda p, b: loss_sum(graphdef, fetch_params(p), b), has_aux=True)
+    grad_fn = jax.value_and_grad(lambda p, b: objective(graphdef, fetch_params(p), b), has_aux=True)
 
     def place(grads):
         return jax.lax.with_sharding_constraint(grads, grad_shardings)
@@ -130,28 +171,36 @@ def make_train_step(graphdef: nnx.GraphDef, update: optim.Update, lr: optax.Sche
     def step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
         with use_rules(mesh, rules, params_on_host):
             if grad_accum_steps == 1:
-                (total, count), grads = grad_fn(state.params, batch)
+                (total, sums), grads = grad_fn(state.params, batch)
                 grads = place(grads)
             else:
                 def accumulate(carry, micro):
-                    (m_total, m_count), m_grads = grad_fn(state.params, micro)
-                    total, count, grads = carry
-                    return (total + m_total, count + m_count, place(jax.tree.map(jnp.add, grads, m_grads))), None
+                    (m_total, m_sums), m_grads = grad_fn(state.params, micro)
+                    total, sums, grads = carry
+                    return (total + m_total, jax.tree.map(jnp.add, sums, m_sums),
+                            place(jax.tree.map(jnp.add, grads, m_grads))), None
 
                 zeros = place(jax.tree.map(jnp.zeros_like, state.params))
                 micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum_steps), batch)
-                (total, count, grads), _ = jax.lax.scan(accumulate, (jnp.zeros(()), jnp.zeros(()), zeros), micro)
+                first = jax.tree.map(lambda x: x[0], micro)
+                no_sums = jax.tree.map(jnp.zeros_like,
+                                       jax.eval_shape(lambda: objective(graphdef, fetch_params(state.params), first)[1]))
+                (total, sums, grads), _ = jax.lax.scan(accumulate, (jnp.zeros(()), no_sums, zeros), micro)
         # `grads` are sums over tokens: the mean is folded into the scale the update applies, so no
         # normalised copy of the gradients is ever written.
-        count = jnp.maximum(count, 1.0)
-        loss, grad_norm = total / count, update.norm(grads) / count
+        count = jnp.maximum(sums["count"], 1.0)
+        # `loss` is the cross-entropy alone (the router's losses are logged beside it); the update's gate
+        # checks the whole objective.
+        loss, grad_norm = sums["loss"] / count, update.norm(grads) / count
         # A NaN/Inf loss or gradient never reaches the parameters or Adam's moments: that update is dropped
         # (the trainer then goes on or stops, per train.on_nonfinite), so every checkpoint holds a good state.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
         grad_scale = optim.clip_scale(grad_norm, grad_clip_norm) / count
         params, opt_state = update.apply(grads, grad_scale, finite, state.opt_state, state.params)
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr(state.step),
                    "update_skipped": (~finite).astype(jnp.float32)}
+        if "router_load" in sums:
+            metrics |= router_metrics(sums)
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=state.rng), metrics
 
     return step

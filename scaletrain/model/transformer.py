@@ -17,6 +17,7 @@ from scaletrain.model import rope
 from scaletrain.model.attention import Attention
 from scaletrain.model.layers import Embed, RMSNorm, param, project
 from scaletrain.model.mlp import MLP
+from scaletrain.model.moe import MoE
 from scaletrain.sharding import constrain, constrain_param
 
 
@@ -51,6 +52,13 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm of Q and K before RoPE (Qwen3, Gemma 3)
     qk_norm_eps: float
     norm_cancellation: bool  # drop the input norm's 1/rms for Q and K (their norms undo it)
+    num_experts: int  # > 0: every moe_every-th layer's feed-forward is a mixture of experts (moe.py)
+    experts_per_token: int
+    moe_d_ff: int  # the experts' hidden width; 0: d_ff
+    moe_every: int
+    capacity_factor: float  # 0: dropless
+    router_aux_loss: float  # the loss's coefficients of the router's load-balancing and z losses
+    router_z_loss: float
     # Derived by the trainer from other sections.
     remat: str = "none"  # a remat.POLICIES name
     remat_custom: tuple[tuple[str, str], ...] = ()  # (checkpoint name, remat|device|offload) for "custom"
@@ -77,6 +85,14 @@ class ModelConfig:
         return cls(**values)
 
     @property
+    def expert_d_ff(self) -> int:
+        return self.moe_d_ff or self.d_ff
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_layers // self.moe_every if self.num_experts else 0
+
+    @property
     def out_std(self) -> float:
         """Output projections start smaller so the residual stream's variance does not grow with depth."""
         return self.init_std / math.sqrt(2 * self.num_layers)
@@ -88,22 +104,62 @@ class ModelConfig:
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    """Attention then a feed-forward: the SwiGLU MLP, or with `moe` a mixture of experts - whose call returns
+    the router's statistics beside the stream."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
         weightless = cfg.norm_weights != "standard"
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm, weightless)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm, weightless)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
 
     def __call__(self, x_btd, sin_bth, cos_bth, segment_ids_bt):
         x_btd = x_btd + self.attn(x_btd, self.attn_norm, sin_bth, cos_bth, segment_ids_bt)
-        return x_btd + self.mlp(x_btd, self.mlp_norm)
+        return self._feed_forward(x_btd)
+
+    def _feed_forward(self, x_btd):
+        out = self.mlp(x_btd, self.mlp_norm)
+        if isinstance(self.mlp, MoE):
+            return x_btd + out[0], out[1]
+        return x_btd + out
 
     def decode(self, x_btd, sin_bth, cos_bth, start, cache):
         """The block for positions [start, start + t) against this layer's KV cache (Attention.decode)."""
         attn_btd, cache = self.attn.decode(x_btd, self.attn_norm, sin_bth, cos_bth, start, cache)
-        x_btd = x_btd + attn_btd
-        return x_btd + self.mlp(x_btd, self.mlp_norm), cache
+        out = self._feed_forward(x_btd + attn_btd)
+        return (out[0] if isinstance(self.mlp, MoE) else out), cache
+
+
+class MoEGroup(nnx.Module):
+    """model.moe_every = k > 1: the unit the layer scan repeats, k - 1 dense blocks (stacked along `sublayers`)
+    then one mixture-of-experts block."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=cfg.moe_every - 1)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "sublayers"})
+        def make_dense(rngs):
+            return Block(cfg, rngs)
+
+        self.dense = make_dense(rngs)
+        self.moe = Block(cfg, rngs, moe=True)
+
+    def _dense_scan(self, step, x_btd, xs=None):
+        graphdef, stacked = nnx.split(self.dense)
+        return jax.lax.scan(lambda x, p: step(nnx.merge(graphdef, p[0]), x, p[1]), x_btd, (stacked, xs))
+
+    def __call__(self, x_btd, sin_bth, cos_bth, segment_ids_bt):
+        x_btd, _ = self._dense_scan(lambda block, x, _: (block(x, sin_bth, cos_bth, segment_ids_bt), None), x_btd)
+        return self.moe(x_btd, sin_bth, cos_bth, segment_ids_bt)
+
+    def decode(self, x_btd, sin_bth, cos_bth, start, cache):
+        """Block.decode through the group; `cache` holds the group's layers [moe_every, ...]."""
+        k_cache, v_cache = cache
+        x_btd, dense_cache = self._dense_scan(lambda block, x, c: block.decode(x, sin_bth, cos_bth, start, c),
+                                              x_btd, (k_cache[:-1], v_cache[:-1]))
+        x_btd, (k_last, v_last) = self.moe.decode(x_btd, sin_bth, cos_bth, start, (k_cache[-1], v_cache[-1]))
+        return x_btd, (jnp.concatenate([dense_cache[0], k_last[None]]),
+                       jnp.concatenate([dense_cache[1], v_last[None]]))
 
 
 class Llama(nnx.Module):
@@ -111,10 +167,12 @@ class Llama(nnx.Module):
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.d_model, rngs, cfg.param_dtype, cfg.init_std)
 
-        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.split_rngs(splits=cfg.num_layers // cfg.moe_every)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_layers(rngs):
-            return Block(cfg, rngs)
+            if cfg.num_experts and cfg.moe_every > 1:
+                return MoEGroup(cfg, rngs)
+            return Block(cfg, rngs, moe=cfg.num_experts > 0)
 
         self.layers = make_layers(rngs)
         # With tied embeddings the final norm's gain cannot be folded: the table also embeds the input.
@@ -134,14 +192,22 @@ class Llama(nnx.Module):
     def hidden(self, tokens_bt: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
         """The stream [b, t, d] that `logits` projects, whole along the sequence: after the final norm where
         that is a standard RMSNorm, before it where the norm is deferred or fused into the projection."""
+        return self.hidden_and_router(tokens_bt, positions_bt, segment_ids_bt)[0]
+
+    def hidden_and_router(self, tokens_bt: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array):
+        """(`hidden`'s stream, the router statistics of each mixture-of-experts layer [moe layers, ...] -
+        moe.stats_size's, summed over the batch - or None for a dense model)."""
         cfg = self.cfg
         x_btd, body, stacked, extras = self.stack_inputs(tokens_bt, positions_bt, segment_ids_bt)
+        stats = None
         if cfg.pipeline_stages > 1:
             x_btd = pipeline.gpipe(body, x_btd, stacked, extras, cfg.pipeline_stages, cfg.pipeline_microbatches,
                                    cfg.unroll_loops, cfg.remat, cfg.remat_custom, cfg.pipeline_repeats)
+        elif cfg.num_experts:
+            x_btd, stats = pipeline.scan(body, x_btd, stacked, extras, cfg.unroll_loops)
         else:
             x_btd = pipeline.scan(body, x_btd, stacked, extras, cfg.unroll_loops)
-        return self.final_stream(x_btd)
+        return self.final_stream(x_btd), stats
 
     def stack_inputs(self, tokens_bt: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array):
         """What a runner of the layer stack (pipeline.py) takes: the embedded stream [b, t, d], the layer body
@@ -168,9 +234,12 @@ class Llama(nnx.Module):
         return constrain(x_btd, ("batch", "seq", "embed"))
 
     def init_cache(self, batch: int, max_len: int) -> tuple[jax.Array, jax.Array]:
-        """An empty KV cache for `decode`: keys and values [layers, batch, max_len, kv_heads, head_dim]."""
+        """An empty KV cache for `decode`: keys and values [layers, batch, max_len, kv_heads, head_dim]
+        ([layers / moe_every, moe_every, ...] where the stack repeats groups of layers)."""
         cfg = self.cfg
-        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        grouped = (cfg.num_layers // cfg.moe_every, cfg.moe_every) if cfg.num_experts and cfg.moe_every > 1 else (
+            cfg.num_layers,)
+        shape = (*grouped, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
         return jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)
 
     def decode(self, tokens_bt: jax.Array, start: jax.Array, cache) -> tuple[jax.Array, tuple]:

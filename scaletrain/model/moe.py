@@ -1,0 +1,237 @@
+"""The mixture-of-experts feed-forward block (Mixtral): a softmax router sends each token to its top-k experts,
+SwiGLU feed-forwards stacked as `[experts, ...]` arrays, and sums their outputs weighted by the router's
+probabilities renormalised over the k chosen.
+
+The block runs per device (sharding.local: jax.shard_map over every mesh axis), on the device's own tokens:
+routing needs no other device's, and a sort over the whole batch would gather it. Its experts live on the
+`expert` mesh axis (split `experts` dim, the batch split over `expert` too), so tokens travel to their experts'
+devices and back by all-to-all; their hidden dim lives on `tensor` (a partial sum, reduced once at the end).
+
+Two ways to compute (model.capacity_factor, docs/moe.md):
+- dropless (0): every assignment (token, choice) is computed. Assignments are sorted by expert and multiplied
+  with a grouped matmul (jax.lax.ragged_dot); across devices they travel by jax.lax.ragged_all_to_all on TPU,
+  and on other backends (XLA:CPU has no ragged all-to-all) by an all-to-all padded to the most one device can
+  send another - the same rows arrive in the same order.
+- capacity (> 0): each expert takes at most C = ceil(capacity_factor x seq_len x k / experts) assignments from
+  each sequence, first choices before second ones and earlier positions first; the rest are dropped (their
+  share of the token's output is zero) and counted. Buffers are [experts, C] per sequence, so the all-to-all
+  has a fixed shape and a sequence's drops do not depend on the mesh.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from scaletrain.model.layers import param
+from scaletrain.sharding import active_axes, active_device, constrain, local
+
+# Per-layer router statistics, summed over the batch (`stats` of MoE.__call__): the load-balancing loss (per
+# sequence, times its length), the z-loss (per token), the dropped assignments, then the assignments per expert.
+AUX, Z, DROPPED, LOAD = 0, 1, 2, 3
+
+
+def stats_size(num_experts: int) -> int:
+    return LOAD + num_experts
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        d, f, e, pd = cfg.d_model, cfg.expert_d_ff, cfg.num_experts, cfg.param_dtype
+        self.k, self.capacity_factor = cfg.experts_per_token, cfg.capacity_factor
+        self.router = param(rngs, (d, e), ("embed", None), pd, cfg.init_std)
+        self.w_gate = param(rngs, (e, d, f), ("experts", "embed", "moe_mlp"), pd, cfg.init_std)
+        self.w_up = param(rngs, (e, d, f), ("experts", "embed", "moe_mlp"), pd, cfg.init_std)
+        self.w_down = param(rngs, (e, f, d), ("experts", "moe_mlp", "embed"), pd, cfg.out_std)
+
+    def __call__(self, x_btd: jax.Array, norm) -> tuple[jax.Array, jax.Array]:
+        """(the block's output [b, t, d] for norm(x), router statistics [stats_size(experts)])."""
+        # The norm runs here, whole (any model.norm computes the same RMSNorm): the experts see their tokens
+        # permuted, past where a norm could be fused into their matmul.
+        h_btd = constrain(norm(x_btd), ("batch", "seq", "embed"))
+        fn = _per_device(self.k, self.capacity_factor, active_axes("experts"), active_axes("moe_mlp"),
+                         active_device().platform == "tpu")
+        out_btd, stats = local(fn, (("batch", "seq", "embed"), ("embed", None), ("experts", "embed", "moe_mlp"),
+                                    ("experts", "embed", "moe_mlp"), ("experts", "moe_mlp", "embed")),
+                               (("batch", "seq", "embed"), ("batch", None)))(
+            h_btd, self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...])
+        out_btd = checkpoint_name(constrain(out_btd, ("batch", "residual_seq", "embed")), "mlp_out")
+        return out_btd, jnp.sum(stats, axis=0)
+
+
+def route(h_td: jax.Array, router_de: jax.Array, k: int):
+    """(expert ids [T, k], their weights [T, k] - the softmax's top k renormalised to sum to 1 -, the router's
+    probabilities [T, E] and logsumexp [T]), in float32."""
+    logits = jnp.dot(h_td.astype(jnp.float32), router_de.astype(jnp.float32))
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_p, top_e = jax.lax.top_k(probs, k)
+    return top_e, top_p / jnp.sum(top_p, axis=-1, keepdims=True), probs, jax.nn.logsumexp(logits, axis=-1)
+
+
+def router_stats(top_e_btk: jax.Array, probs_bte: jax.Array, lse_bt: jax.Array, dropped) -> jax.Array:
+    """The statistics vector of `MoE.__call__` for these sequences. The load-balancing loss is Switch's and
+    Mixtral's, E x sum_e f_e P_e (f_e: the share of the sequence's assignments that expert e got, P_e: its mean
+    probability; 1 when balanced), taken per sequence so that it does not depend on how the batch is split."""
+    b, t, e = probs_bte.shape
+    load_be = jnp.sum(jax.nn.one_hot(top_e_btk, e, dtype=jnp.float32), axis=(1, 2))
+    share_be = jax.lax.stop_gradient(load_be) / (t * top_e_btk.shape[-1])
+    aux = e * jnp.sum(share_be * jnp.mean(probs_bte, axis=1)) * t
+    return jnp.concatenate([jnp.stack([aux, jnp.sum(lse_bt ** 2), dropped]), jnp.sum(load_be, axis=0)])
+
+
+def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], tensor_axes: tuple[str, ...],
+                ragged_transport: bool):
+    """The block on one device's tokens and weights: h [b, t, d], router [d, E], the device's experts
+    [E_l, d, f_l] and [E_l, f_l, d] -> (output [b, t, d], statistics [1, stats])."""
+
+    def fn(h_btd, router_de, w_gate, w_up, w_down):
+        b, t, d = h_btd.shape
+        top_e, weights, probs, lse = route(h_btd.reshape(b * t, d), router_de, k)
+        weights = weights.astype(h_btd.dtype)
+        experts = (w_gate, w_up, w_down)
+        if capacity_factor:
+            rows_tkd, dropped = _with_capacity(h_btd, top_e.reshape(b, t, k), experts, capacity_factor,
+                                               expert_axes)
+        else:
+            rows_tkd, dropped = _dropless(h_btd.reshape(b * t, d), top_e, experts, expert_axes, ragged_transport), 0.
+        out_td = jnp.einsum("tkd,tk->td", rows_tkd.reshape(b * t, k, d), weights.reshape(b * t, k))
+        if tensor_axes:  # each device summed over its slice of the experts' hidden dim
+            out_td = jax.lax.psum(out_td, tensor_axes)
+        stats = router_stats(top_e.reshape(b, t, k), probs.reshape(b, t, -1), lse.reshape(b, t),
+                             jnp.asarray(dropped, jnp.float32))
+        return out_td.reshape(b, t, d), stats[None]
+
+    return fn
+
+
+def _swiglu(rows_rd, w_gate, w_up, w_down, matmul):
+    """down(silu(rows W_gate) * (rows W_up)), each matmul `matmul(x, w)` grouped by expert."""
+    gate = checkpoint_name(matmul(rows_rd, w_gate), "moe_gate")
+    up = checkpoint_name(matmul(rows_rd, w_up), "moe_up")
+    return matmul(jax.nn.silu(gate) * up, w_down)
+
+
+def _dropless(h_td, top_e, experts, expert_axes, ragged_transport) -> jax.Array:
+    """Every assignment's expert output, [T, k, d]: the assignments sorted by expert, sent to their experts'
+    devices, multiplied there grouped by expert, and returned to their places."""
+    num_local = experts[0].shape[0]
+    t, k = top_e.shape
+    shards = _axis_size(expert_axes)
+    flat_e = top_e.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    rows = h_td[order // k]  # [T k, d], by expert
+    counts = jnp.bincount(flat_e, length=num_local * shards)  # this device's assignments per expert
+    if shards == 1:
+        out = _grouped_swiglu(rows, counts, experts)
+    else:
+        out = _expert_parallel(rows, counts, experts, expert_axes, ragged_transport, t * min(k, num_local))
+    return jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)
+
+
+def _grouped_swiglu(rows, group_sizes, experts):
+    """The SwiGLU of rows sorted by expert, `group_sizes[e]` of them for expert e (rows past their sum: zeros)."""
+    def matmul(x, w):
+        return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=x.dtype)
+
+    return _swiglu(rows, *experts, matmul)
+
+
+def _axis_size(axes) -> int:
+    return math.prod(jax.lax.axis_size(a) for a in axes) if axes else 1
+
+
+def _expert_parallel(rows, counts, experts, axes, ragged_transport, most_per_source):
+    """Rows sorted by (global) expert, `counts` per expert, computed by the devices along `axes` that hold their
+    experts, and returned in the same order. `most_per_source`: the most rows one device can send another (its
+    tokens times min(k, experts per device): a token goes to k different experts)."""
+    num_local, shards = experts[0].shape[0], _axis_size(axes)
+    me = jax.lax.axis_index(axes)
+    all_counts = jax.lax.all_gather(counts, axes, tiled=False).reshape(shards, shards, num_local)  # [src, dst, e]
+    sizes = jnp.sum(all_counts, axis=-1)  # [src, dst]: rows each device sends each
+    send_offsets = _exclusive_cumsum(sizes[me])
+    mine = all_counts[:, me]  # [src, e]: the rows for my experts, from each device
+    if ragged_transport:
+        received = _ragged_exchange(rows, send_offsets, sizes, me, shards * most_per_source, axes, back=False)
+        starts = _exclusive_cumsum(sizes[:, me])
+    else:
+        received = _padded_exchange(rows, send_offsets, sizes[me], axes)
+        starts = jnp.arange(shards) * rows.shape[0]
+    # Each source's rows arrive sorted by expert; group them all by my experts for the grouped matmul.
+    position = jnp.arange(received.shape[0])
+    source = jnp.searchsorted(starts, position, side="right") - 1
+    offset = position - starts[source]
+    ends = jnp.cumsum(mine, axis=1)  # [src, e]
+    local_e = jax.vmap(lambda e_ends, q: jnp.searchsorted(e_ends, q, side="right"))(ends[source], offset)
+    order = jnp.argsort(local_e, stable=True)  # rows past a source's count get num_local: last
+    out = _grouped_swiglu(received[order], jnp.sum(mine, axis=0), experts)
+    out = jnp.zeros_like(out).at[order].set(out)
+    if ragged_transport:
+        return _ragged_exchange(out, send_offsets, sizes, me, rows.shape[0], axes, back=True)
+    return _padded_exchange(out, send_offsets, sizes[me], axes, back=True)
+
+
+def _exclusive_cumsum(x, axis=0):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def _padded_exchange(rows, send_offsets, send_sizes, axes, back=False):
+    """The all-to-all of rows grouped by destination (`send_sizes` each from `send_offsets`), every block padded
+    to the most a device can send (all its rows): [R, d] -> [shards x R, d], source s's rows at s x R. With
+    `back`, the reverse: each device's computed rows home again, [shards x R, d] -> [R, d] in the order sent."""
+    shards = send_sizes.shape[0]
+    r = rows.shape[0] // shards if back else rows.shape[0]
+    position = jnp.arange(r)
+    dst = jnp.searchsorted(send_offsets + send_sizes, position, side="right")
+    slot = position - send_offsets[jnp.minimum(dst, shards - 1)]
+    if back:
+        blocks = jax.lax.all_to_all(rows.reshape(shards, r, -1), axes, 0, 0, tiled=False)
+        return blocks[jnp.minimum(dst, shards - 1), slot]
+    blocks = jnp.zeros((shards, r, rows.shape[-1]), rows.dtype).at[dst, slot].set(rows, mode="drop")
+    return jax.lax.all_to_all(blocks, axes, 0, 0, tiled=False).reshape(shards * r, -1)
+
+
+def _ragged_exchange(rows, send_offsets, sizes, me, out_rows, axes, back=False):
+    """jax.lax.ragged_all_to_all of `_padded_exchange`'s rows, without the padding: received rows lie packed by
+    source, in source order. `sizes[src, dst]` is what each device sends each."""
+    if back:  # the computed rows return from where they were received to where they were sent from
+        offsets, send, recv = _exclusive_cumsum(sizes[:, me]), sizes[:, me], sizes[me]
+        output_offsets = _exclusive_cumsum(sizes, axis=1)[:, me]
+    else:
+        offsets, send, recv = send_offsets, sizes[me], sizes[:, me]
+        output_offsets = _exclusive_cumsum(sizes, axis=0)[me]
+    out = jnp.zeros((out_rows, rows.shape[-1]), rows.dtype)
+    return jax.lax.ragged_all_to_all(rows, out, offsets.astype(jnp.int32), send.astype(jnp.int32),
+                                     output_offsets.astype(jnp.int32), recv.astype(jnp.int32), axis_name=axes)
+
+
+def _with_capacity(h_btd, top_e_btk, experts, capacity_factor, expert_axes):
+    """Every assignment's expert output [b t, k, d] (zeros where dropped) and the number dropped, with at most
+    C assignments per expert per sequence."""
+    b, t, k = top_e_btk.shape
+    num_local, d = experts[0].shape[0], h_btd.shape[-1]
+    shards = _axis_size(expert_axes)
+    e = num_local * shards
+    capacity = math.ceil(capacity_factor * t * k / e)
+    # Rank each expert's assignments within a sequence: first choices first, then by position.
+    choice_major = jax.nn.one_hot(top_e_btk.swapaxes(1, 2).reshape(b, k * t), e, dtype=jnp.int32)
+    rank = jnp.sum((jnp.cumsum(choice_major, axis=1) - 1) * choice_major, axis=-1)
+    rank_btk = rank.reshape(b, k, t).swapaxes(1, 2)
+    kept = rank_btk < capacity
+    seq = jnp.broadcast_to(jnp.arange(b)[:, None, None], (b, t, k))
+    slot = jnp.where(kept, rank_btk, capacity)  # out of bounds: dropped by the scatter
+    buffers = jnp.zeros((b, e, capacity, d), h_btd.dtype).at[seq, top_e_btk, slot].set(
+        jnp.broadcast_to(h_btd[:, :, None], (b, t, k, d)), mode="drop")
+    rows = buffers.swapaxes(0, 1).reshape(e, b * capacity, d)  # [E, rows, d]
+    if shards > 1:  # each device's experts take every device's rows for them: [E_l, shards x rows, d]
+        rows = jax.lax.all_to_all(rows, expert_axes, 0, 1, tiled=True)
+    out = _swiglu(rows, *experts, lambda x, w: jnp.einsum("erd,edf->erf", x, w))
+    if shards > 1:
+        out = jax.lax.all_to_all(out, expert_axes, 1, 0, tiled=True)
+    out = out.reshape(e, b, capacity, d).swapaxes(0, 1)
+    gathered = out[seq, top_e_btk, jnp.minimum(slot, capacity - 1)]
+    gathered = jnp.where(kept[..., None], gathered, 0)
+    return gathered.reshape(b * t, k, d), jnp.sum(~kept)
