@@ -11,7 +11,7 @@ from typing import Callable, Mapping
 import jax
 
 NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "attention_out", "out_proj", "mlp_gate",
-         "mlp_up", "mlp_out")
+         "mlp_up", "mlp_out", "moe_gate", "moe_up")
 MODES = ("remat", "device", "offload")
 
 _QKV = ("query_proj", "key_proj", "value_proj")

@@ -49,9 +49,9 @@ def _losses(graphdef, params, batch):
 def objective(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
     """What a step differentiates, and the sums its metrics are made of: {"loss": the summed cross-entropy,
     "count": its tokens} and, for a mixture of experts, the router's (`_router_sums`). A mixture of experts adds
-    count x (router_aux_loss x its load-balancing loss + router_z_loss x its z-loss), each a mean over tokens and
-    MoE layers: divided by the count, as the step does, the objective is the mean cross-entropy plus the
-    router's weighted losses."""
+    router_aux_loss x its load-balancing loss + router_z_loss x its z-loss, each summed over the tokens like the
+    cross-entropy (and averaged over the MoE layers), so that microbatches add up to their batch and the step's
+    division by the count makes both per-token means."""
     total, count, router = _losses(graphdef, params, batch)
     sums = {"loss": total, "count": count}
     if router is None:
@@ -59,7 +59,7 @@ def objective(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array]) 
     cfg = nnx.merge(graphdef, params).cfg
     sums |= _router_sums(router, batch["tokens"].size)
     penalty = cfg.router_aux_loss * sums["router_aux"] + cfg.router_z_loss * sums["router_z"]
-    return total + count * penalty / sums["router_tokens"], sums
+    return total + penalty / router.shape[0], sums
 
 
 def _router_sums(router: jax.Array, tokens: int) -> dict:

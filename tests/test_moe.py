@@ -1,0 +1,221 @@
+"""The mixture-of-experts block against per-token references, and expert parallelism against one device.
+
+The layer tests run the block outside any mesh; the training tests train 3 steps (fp32) on 8 simulated devices,
+with the experts split over `expert`, and compare with one device within 1e-5.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from scaletrain import config, remat, trainer
+from scaletrain.model import moe
+from scaletrain.model.layers import RMSNorm
+from scaletrain.model.transformer import ModelConfig
+from scaletrain.planner import hlo
+from tests.conftest import tiny_overrides
+from tests.test_parallel import assert_params_close
+
+STEPS = 3
+E, K = 8, 2
+MOE = [f"model.num_experts={E}", f"model.experts_per_token={K}", "model.moe_d_ff=64"]
+
+
+def _layer(capacity_factor=0.0, d=16, f=32, experts=4, k=2):
+    cfg = ModelConfig.from_config(dict(d_model=d, num_experts=experts, experts_per_token=k, moe_d_ff=f,
+                                       capacity_factor=capacity_factor, dtype="float32"))
+    block = moe.MoE(cfg, nnx.Rngs(0))
+    norm = RMSNorm(d, cfg.norm_eps, jnp.float32)
+    norm.scale[...] = 1 + 0.1 * jax.random.normal(jax.random.PRNGKey(3), (d,))
+    return block, norm
+
+
+def _swiglu(h, w_gate, w_up, w_down):
+    return (jax.nn.silu(h @ w_gate) * (h @ w_up)) @ w_down
+
+
+def _reference(block, norm, x_btd, kept=None):
+    """Each token through its top-k experts one at a time, weighted by its renormalised probabilities;
+    `kept[b, t, j]` False drops the token's j-th choice."""
+    k = block.k
+    h = norm(x_btd)
+    probs = jax.nn.softmax(h @ block.router[...], axis=-1)
+    top = jnp.argsort(-probs, axis=-1)[..., :k]
+    p = jnp.take_along_axis(probs, top, axis=-1)
+    weights = p / p.sum(-1, keepdims=True)
+
+    def token(h_d, top_k, w_k, kept_k):  # one token: its k experts' weights gathered, each applied in turn
+        outs = jax.vmap(lambda e: _swiglu(h_d, block.w_gate[...][e], block.w_up[...][e], block.w_down[...][e]))(
+            top_k)
+        return jnp.sum((w_k * kept_k)[:, None] * outs, axis=0)
+
+    kept = jnp.ones(top.shape, bool) if kept is None else kept
+    flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
+    return jax.vmap(token)(flat(h), flat(top), flat(weights), flat(kept)).reshape(x_btd.shape)
+
+
+def _params(block, norm):
+    return nnx.state((block, norm), nnx.Param)
+
+
+def _grads(fn, block, norm, x, cotangent):
+    graphdef, params = nnx.split((block, norm), nnx.Param)
+
+    def loss(params, x):
+        b, n = nnx.merge(graphdef, params)
+        return jnp.sum(fn(b, n, x) * cotangent)
+
+    return jax.grad(loss, argnums=(0, 1))(params, x)
+
+
+def _assert_trees_close(got, want, tol=1e-5):
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.linalg.norm(a - b) <= tol * max(np.linalg.norm(b), 1e-12), jax.tree_util.keystr(path)
+
+
+def test_dropless_block_equals_each_token_through_its_experts():
+    block, norm = _layer()
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 12, 16))
+    cot = jax.random.normal(jax.random.PRNGKey(2), x.shape)
+    out, stats = block(x, norm)
+    np.testing.assert_allclose(out, _reference(block, norm, x), rtol=1e-5, atol=1e-6)
+    assert stats[moe.DROPPED] == 0 and stats[moe.LOAD:].sum() == 2 * 12 * block.k
+    got = _grads(lambda b, n, x: b(x, n)[0], block, norm, x, cot)
+    want = _grads(_reference, block, norm, x, cot)
+    _assert_trees_close(got, want)
+
+
+def _capacity_rule(top, capacity):
+    """The documented rule, slowly: per sequence, first choices before second ones, each in position order,
+    and an expert takes assignments while it has room."""
+    b, t, k = top.shape
+    kept = np.zeros(top.shape, bool)
+    for s in range(b):
+        used = {}
+        for j in range(k):
+            for p in range(t):
+                e = int(top[s, p, j])
+                if used.get(e, 0) < capacity:
+                    kept[s, p, j] = True
+                    used[e] = used.get(e, 0) + 1
+    return kept
+
+
+def test_capacity_drops_exactly_the_assignments_the_rule_names():
+    block, norm = _layer(capacity_factor=0.5)
+    x = jax.random.normal(jax.random.PRNGKey(1), (3, 16, 16))
+    h = norm(x)
+    top = np.asarray(jnp.argsort(-(h @ block.router[...]), axis=-1)[..., :block.k])
+    capacity = math.ceil(0.5 * 16 * block.k / 4)
+    kept = _capacity_rule(top, capacity)
+    assert 0 < (~kept).sum() < kept.size  # the case drops some, not all
+    out, stats = block(x, norm)
+    assert stats[moe.DROPPED] == (~kept).sum()
+    np.testing.assert_allclose(out, _reference(block, norm, x, jnp.asarray(kept)), rtol=1e-5, atol=1e-6)
+    cot = jax.random.normal(jax.random.PRNGKey(2), x.shape)
+    got = _grads(lambda b, n, x: b(x, n)[0], block, norm, x, cot)
+    want = _grads(lambda b, n, x: _reference(b, n, x, jnp.asarray(kept)), block, norm, x, cot)
+    _assert_trees_close(got, want)
+
+
+def test_router_losses_are_the_documented_formulas():
+    block, norm = _layer()
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 12, 16))
+    _, stats = block(x, norm)
+    logits = norm(x) @ block.router[...]
+    probs = jax.nn.softmax(logits, -1)
+    top = jnp.argsort(-probs, -1)[..., :block.k]
+    share = jax.nn.one_hot(top, 4).sum((1, 2)) / (12 * block.k)  # [b, E]
+    aux = 4 * jnp.sum(share * probs.mean(1), -1)  # per sequence
+    np.testing.assert_allclose(stats[moe.AUX], 12 * aux.sum(), rtol=1e-5)
+    np.testing.assert_allclose(stats[moe.Z], jnp.sum(jax.nn.logsumexp(logits, -1) ** 2), rtol=1e-5)
+
+
+def test_moe_checkpoint_names_are_remat_names():
+    assert {"moe_gate", "moe_up"} <= set(remat.NAMES)
+    block, norm = _layer()
+    x = jnp.ones((1, 4, 16))
+    text = str(jax.make_jaxpr(lambda x: block(x, norm))(x))
+    assert "name=moe_gate" in text and "name=moe_up" in text and "name=mlp_out" in text
+
+
+def _train(batches, devices, *overrides):
+    cfg = config.load(None, tiny_overrides("unused", steps=STEPS) + MOE + list(overrides))
+    setup = trainer.build(cfg, devices)
+    state = setup.init(jax.random.PRNGKey(0))
+    losses, metrics = [], None
+    for batch in batches:
+        state, metrics = setup.step(state, setup.put_batch(batch))
+        losses.append(float(metrics["loss"]))
+    return losses, setup.to_disk(state), jax.device_get(metrics), setup, state
+
+
+@pytest.fixture(scope="module")
+def reference(batches):
+    return _train(batches, jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def capacity_reference(batches):
+    return _train(batches, jax.devices()[:1], *CAPACITY)
+
+
+MESHES = {
+    "expert=8": ["mesh.expert=8"],
+    "expert=4 x tensor=2": ["mesh.expert=4", "mesh.tensor=2"],
+    "data=2 x fsdp=2 x expert=2, full remat": ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "remat.policy=full"],
+}
+# Capacity buffers, and a dense layer before each MoE layer (moe_every=2).
+CAPACITY = ["model.capacity_factor=1.0", "model.moe_every=2"]
+
+
+@pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
+def test_expert_parallel_training_equals_one_device(batches, reference, mesh):
+    losses, state, metrics, setup, _ = _train(batches, jax.devices(), *mesh)
+    np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
+    assert_params_close(state.params, reference[1].params)
+    for key in ("router_aux_loss", "router_z_loss", "expert_load_max", "dropped_fraction"):
+        np.testing.assert_allclose(metrics[key], reference[2][key], rtol=1e-5, atol=1e-7)
+    ways = setup.mesh.shape["expert"]
+    assert setup.state_shardings.params["layers"]["mlp"]["w_gate"].spec[1] == "expert"
+    assert metrics["router_aux_loss"] >= 1 and metrics["expert_load_max"] >= 1 and ways > 1
+
+
+def test_capacity_and_interleaved_dense_layers_equal_one_device(batches, capacity_reference):
+    losses, state, metrics, _, _ = _train(batches, jax.devices(), *CAPACITY, "mesh.expert=4", "mesh.fsdp=2")
+    np.testing.assert_allclose(losses, capacity_reference[0], rtol=1e-5)
+    assert_params_close(state.params, capacity_reference[1].params)
+    assert 0 < metrics["dropped_fraction"] == pytest.approx(capacity_reference[2]["dropped_fraction"])
+
+
+def test_all_to_alls_per_moe_layer_move_the_predicted_bytes():
+    """Each MoE layer dispatches and combines by all-to-all, and the backward pass transposes both: 4 per layer,
+    each moving the padded buffer [shards, tokens x k, d] (XLA:CPU has no ragged all-to-all)."""
+    expert, fsdp = 2, 4
+    cfg = config.load(None, tiny_overrides("unused") + MOE + [f"mesh.expert={expert}", f"mesh.fsdp={fsdp}"])
+    setup = trainer.build(cfg, jax.devices())
+    text = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile().as_text()
+    exchanges = [c for c in hlo.inventory(text, setup.mesh) if c.kind == "all-to-all" and c.axes == ("expert",)]
+    tokens = cfg.train.global_batch * cfg.data.seq_len // (expert * fsdp)
+    assert sum(c.count for c in exchanges) == 4 * cfg.model.num_layers
+    assert {c.full_bytes for c in exchanges} == {expert * tokens * K * cfg.model.d_model * 4}
+    assert {c.phase for c in exchanges} == {"forward", "backward"} and {c.loops for c in exchanges} == {(2,)}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mesh.expert=2"], "needs a mixture-of-experts model"),
+    (MOE + ["mesh.expert=3"], "not divisible by mesh.expert=3"),
+    (MOE + ["mesh.pipeline=2"], "not supported yet"),
+])
+def test_expert_refusals_name_the_keys(overrides, message):
+    from scaletrain import parallelism
+    from scaletrain.errors import ConfigError
+
+    cfg = config.load(None, tiny_overrides("unused") + overrides)
+    with pytest.raises(ConfigError, match=message):
+        parallelism.check(cfg, {a: cfg.mesh[a] for a in config.MESH_AXES})
