@@ -219,3 +219,21 @@ def test_expert_refusals_name_the_keys(overrides, message):
     cfg = config.load(None, tiny_overrides("unused") + overrides)
     with pytest.raises(ConfigError, match=message):
         parallelism.check(cfg, {a: cfg.mesh[a] for a in config.MESH_AXES})
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_decoding_with_a_kv_cache_equals_the_forward_pass(every):
+    from scaletrain.model.transformer import Llama
+
+    cfg = ModelConfig.from_config(dict(num_experts=4, experts_per_token=2, moe_every=every, num_layers=2,
+                                       d_model=32, num_heads=2, num_kv_heads=1, head_dim=16, d_ff=64,
+                                       dtype="float32"))
+    model = Llama(cfg, nnx.Rngs(0))
+    tokens = jnp.arange(6)[None] * 7 % cfg.vocab_size
+    positions, segments = jnp.arange(6)[None], jnp.ones((1, 6), jnp.int32)
+    want = model(tokens, positions, segments)
+    logits, cache = model.decode(tokens[:, :4], jnp.int32(0), model.init_cache(1, 8))
+    for i in (4, 5):
+        step, cache = model.decode(tokens[:, i:i + 1], jnp.int32(i), cache)
+        logits = jnp.concatenate([logits, step], axis=1)
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
