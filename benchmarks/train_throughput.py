@@ -1,9 +1,10 @@
 """Training throughput: tokens/s, step time and MFU of the real train step, with the roofline prediction.
 
-    python benchmarks/train_throughput.py [--model tiny|maxtext|all] [--steps N] [--cpu-devices 8] [--set K=V]...
+    python benchmarks/train_throughput.py [--model tiny|mixtral_tiny|maxtext|all] [--steps N] [--cpu-devices 8] [--set K=V]...
                                           [--json] [--plain-loss]
 
-`tiny` is configs/llama_tiny.yaml on the built-in corpus; `maxtext` is MaxText's tiny Llama (4 layers, d_model
+`tiny` is configs/llama_tiny.yaml on the built-in corpus, `mixtral_tiny` configs/mixtral_tiny.yaml (8 experts
+over mesh.expert=4); `maxtext` is MaxText's tiny Llama (4 layers, d_model
 256, 4 heads of 64, d_ff 1024, vocab 32000, seq 256, global batch 8, fp32, fsdp=8, synthetic data), the
 model of the project's CPU throughput target (benchmarks/vs_maxtext.py runs it beside MaxText). Step time is
 the mean of the timed steps dispatched back to back; `median_step_s` is the median of the same steps timed
@@ -29,6 +30,7 @@ from scaletrain import config, runtime  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
     "tiny": (ROOT / "configs" / "llama_tiny.yaml", []),
+    "mixtral_tiny": (ROOT / "configs" / "mixtral_tiny.yaml", []),
     "maxtext": (None, [
         "model.num_layers=4", "model.d_model=256", "model.num_heads=4", "model.num_kv_heads=4", "model.head_dim=64",
         "model.d_ff=1024", "model.vocab_size=32000", "data.seq_len=256", "train.global_batch=8",

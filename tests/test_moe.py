@@ -165,10 +165,13 @@ def capacity_reference(batches):
     return _train(batches, jax.devices()[:1], *CAPACITY)
 
 
-MESHES = {
+MESHES = {  # on as many devices as the mesh has
+    "expert=2": ["mesh.expert=2"],
+    "expert=4": ["mesh.expert=4"],
     "expert=8": ["mesh.expert=8"],
     "expert=4 x tensor=2": ["mesh.expert=4", "mesh.tensor=2"],
     "data=2 x fsdp=2 x expert=2, full remat": ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "remat.policy=full"],
+    "fsdp=4 x expert=2, offloaded": ["mesh.fsdp=4", "mesh.expert=2", "params.offload=true", "optim.offload=true"],
 }
 # Capacity buffers, and a dense layer before each MoE layer (moe_every=2).
 CAPACITY = ["model.capacity_factor=1.0", "model.moe_every=2"]
@@ -176,7 +179,8 @@ CAPACITY = ["model.capacity_factor=1.0", "model.moe_every=2"]
 
 @pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
 def test_expert_parallel_training_equals_one_device(batches, reference, mesh):
-    losses, state, metrics, setup, _ = _train(batches, jax.devices(), *mesh)
+    devices = math.prod(int(o.split("=")[1]) for o in mesh if o.startswith("mesh."))
+    losses, state, metrics, setup, _ = _train(batches, jax.devices()[:devices], *mesh)
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
     assert_params_close(state.params, reference[1].params)
     for key in ("router_aux_loss", "router_z_loss", "expert_load_max", "dropped_fraction"):
