@@ -1,17 +1,19 @@
 """The analytic planner against hand-computed values: the chip table and topologies, each memory term, each
-collective, the roofline, and the scaling book's own Llama-3-70B analysis ("Training LLaMA 3 on TPUs",
-https://jax-ml.github.io/scaling-book/applied-training). Pure Python: nothing is compiled."""
+collective, the roofline, mixtures of experts, and the scaling book's own Llama-3-70B analysis ("Training LLaMA 3
+on TPUs", https://jax-ml.github.io/scaling-book/applied-training). Pure Python: nothing is compiled."""
 
 import json
 import math
 import types
 
+import jax
+import numpy as np
 import pytest
 
 from scaletrain import config
 from scaletrain.errors import ConfigError
 from scaletrain.model import ModelConfig
-from scaletrain.planner import budget, comms, flops, hardware, memory, roofline
+from scaletrain.planner import budget, comms, flops, hardware, hlo, memory, roofline
 from tests.conftest import ROOT
 
 # A model small enough to count by hand: per layer attention 2*64*(4+2)*16 = 12288 (Q and O 8192, K and V 4096),
@@ -20,6 +22,9 @@ from tests.conftest import ROOT
 SMALL = {"model.vocab_size": 384, "model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4,
          "model.num_kv_heads": 2, "model.head_dim": 16, "model.d_ff": 128, "data.seq_len": 32,
          "train.global_batch": 8, "mesh.fsdp": -1}
+# SMALL with 4 experts of width 64 per MoE layer, 2 per token. A MoE layer: experts 4 x 3 x 64 x 64 = 49152, router
+# 64 x 4 = 256, of which a token uses 2 x 3 x 64 x 64 + 256 = 24832.
+MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.moe_d_ff": 64}
 
 
 def _cfg(path: str | None = None, **overrides):
@@ -247,6 +252,11 @@ def test_tensor_parallel_collectives():
     # Without sequence parallelism: all-reduces, 4 per layer (+1 for a recomputed output projection) + 2 outside.
     assert _sent(comms.tensor(v, 2, 1, False, (), link)) == {"all-reduce": (8 + 2) * 2 * 750}
     assert _sent(comms.tensor(v, 2, 1, False, full, link)) == {"all-reduce": (10 + 2) * 2 * 750}
+    # A MoE layer's the same - its recomputed input gathered with its router and experts - plus an all-reduce of
+    # its input gradient (the compiled steps, CPU and TPU, show it).
+    moe = {"attention", "qkv", "out", "router", "expert_down"}
+    assert _sent(comms.tensor(v, 2, 1, True, moe, link, moe_layers=2)) == {
+        "all-gather": (12 + 2) * 750, "reduce-scatter": (10 + 2) * 750, "all-reduce": 2 * 2 * 750}
 
 
 def test_pipeline_sends_and_bubble():
@@ -265,9 +275,16 @@ def test_pipeline_sends_and_bubble():
 
 def test_expert_all_to_alls():
     link = [_ring(8, True)]
-    assert comms.expert(1e6, 0, 4, link) == []  # no MoE layer: nothing moves
-    (a2a,) = comms.expert(1e9, 3, 2, link)  # 2 per layer forward (dispatch, combine), 2 backward
-    assert (a2a.count, a2a.seconds) == (4 * 3 * 2, pytest.approx(24 * 1e9 / (4 * 1.8e11)))
+    assert comms.expert(1e6, 256, 0, 4, False, link) == []  # no MoE layer: nothing moves
+    # 3 MoE layers, 2 microbatches: 2 all-to-alls per layer forward (dispatch, combine), 2 backward; the counts
+    # all-gathered once forward (256 bytes: latency-bound, 4 hops around the wrapped ring of 8).
+    a2a, counts = comms.expert(1e9, 256, 3, 2, False, link)
+    assert (a2a.kind, a2a.count, a2a.seconds) == ("all-to-all", 4 * 3 * 2, pytest.approx(24 * 1e9 / (4 * 1.8e11)))
+    assert (counts.kind, counts.count, counts.seconds) == ("all-gather", 3 * 2, pytest.approx(6 * 4e-6))
+    # Recomputed by the remat policy: both again, timed as all-to-alls when ragged; capacity buffers: no counts.
+    (ragged,) = comms.expert(1e9, 0, 3, 2, True, link, "ragged-all-to-all")
+    assert (ragged.kind, ragged.count, ragged.bytes_per_device) == ("ragged-all-to-all", 36, 36 * 1e9 * 7 / 64)
+    assert ragged.seconds == pytest.approx(36 * 1e9 / (4 * 1.8e11))
 
 
 def test_mesh_axes_are_laid_out_on_the_torus_like_jax():
@@ -290,10 +307,12 @@ def test_mesh_axes_are_laid_out_on_the_torus_like_jax():
 # --- FLOPs ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["llama_tiny.yaml", "llama3_8b.yaml", "llama3_70b.yaml"])
-def test_forward_flops_are_flops_py_split_by_matmul(path):
+@pytest.mark.parametrize("path, overrides", [
+    ("llama_tiny.yaml", {}), ("llama3_8b.yaml", {}), ("llama3_70b.yaml", {}), ("mixtral_tiny.yaml", {}),
+    ("mixtral_tiny.yaml", {"model.moe_every": 2}), ("mixtral_8x7b.yaml", {})])
+def test_forward_flops_are_flops_py_split_by_matmul(path, overrides):
     # One cost model: 3 x (forward of every layer) + 6 x the output projection = flops.flops_per_token.
-    cfg = _cfg(path)
+    cfg = _cfg(path, **overrides)
     m, seq = cfg.model, cfg.data.seq_len
     forward = sum(roofline.forward_flops(m, seq).values())
     per_token = flops.flops_per_token(ModelConfig.from_config(m), seq)
@@ -312,6 +331,21 @@ def test_forward_flops_are_flops_py_split_by_matmul(path):
 ])
 def test_what_remat_recomputes(policy, block, groups):
     assert roofline.recomputed(_cfg(**{"remat.policy": policy, "model.attention_block": block})) == groups
+
+
+@pytest.mark.parametrize("overrides, groups", [
+    ({"remat.policy": "none"}, set()),
+    # The routing weights' gradients read the experts' outputs and the router's probabilities: both recomputed.
+    ({"remat.policy": "full"}, {"attention", "qkv", "out", "router", "expert_gate_up", "expert_down"}),
+    ({"remat.policy": "minimal"}, {"attention", "router", "expert_gate_up", "expert_down"}),
+    ({"remat.policy": "custom", "remat.custom.moe_gate": "device", "remat.custom.moe_up": "offload"},
+     {"attention", "qkv", "out", "router", "expert_down"}),
+    ({"remat.policy": "save_dots"}, {"attention", "expert_gate_up", "expert_down"}),  # the router's logits kept
+    ({"remat.policy": "full", "model.moe_every": 2}, {"attention", "qkv", "out", "gate_up", "router",
+                                                      "expert_gate_up", "expert_down"}),
+])
+def test_what_remat_recomputes_of_a_mixture_of_experts(overrides, groups):
+    assert roofline.recomputed(_cfg(**MOE, **overrides)) == groups
 
 
 # --- memory -----------------------------------------------------------------------------------------------------
@@ -548,6 +582,156 @@ def test_this_cpu_as_simulated_devices(monkeypatch):
     topo = hardware.topology("cpu:8")
     assert topo.num_chips == 8 and topo.slices == 1 and topo.chip.is_gpu
     assert topo.chip.bf16_flops == 1e10 and topo.chip.hbm_bandwidth == 2e9 == topo.chip.ici_bandwidth_oneway
+
+
+# --- mixtures of experts -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("every, total, active, matmul", [
+    # Every layer MoE: 2 x (12288 attention + 49408 + 128 norms) + 49216 outside = 172864; active 2 x (12288 +
+    # 24832 + 128) + 49216 = 123712; multiplied: 2 x (12288 + 24832) + 24576 (the output projection) = 98816.
+    (1, 172864, 123712, 98816),
+    # moe_every = 2: a dense layer (12288 + 24576 + 128 = 36992), then a MoE layer (61824, of it 37248 active).
+    (2, 148032, 123456, 98560),
+])
+def test_moe_active_and_total_parameters(every, total, active, matmul):
+    m = ModelConfig.from_config(_cfg(**MOE, **{"model.moe_every": every}).model)
+    count = flops.param_count(m)
+    assert (count.total, count.active, count.matmul) == (total, active, matmul)
+    # FLOPs (and MFU) count the weights a token is multiplied with, plus causal attention 6 T N H L.
+    assert flops.flops_per_token(m, 32) == 6 * matmul + 6 * 32 * 4 * 16 * 2
+
+
+def test_moe_plan_reports_both_counts_and_the_expert_parallel_step():
+    # fsdp = 2 x expert = 4 on v5p:2x2x2: each device routes 8 x 32 / 8 = 32 tokens, sends 2 x 32 rows of 64
+    # bf16 (8192 bytes) by ragged all-to-all; V = the 4 devices' 32768.
+    r = roofline.plan(_cfg(**MOE, **{"mesh.fsdp": 2, "mesh.expert": 4}), "v5p:2x2x2")
+    assert (r["params"], r["active_params"]) == (172864, 123712)
+    assert "173 k parameters (124 k active per token) on v5p:2x2x2" in roofline.format_table(r)
+    assert r["tokens_per_replica"] == 32 and r["warnings"] == []
+    assert r["step_flops"] == 256 * (6 * 98816 + 6 * 32 * 4 * 16 * 2)
+    assert r["time_s"]["compute"] == pytest.approx((r["step_flops"] + r["attention_extra_flops"]) / 8 / 4.59e14)
+    moved = {t["kind"]: t for t in r["collectives"] if t["axis"] == "expert"}
+    # Per MoE layer: dispatch and combine forward, both transposed backward (4 x 2 layers, as the compiled TPU
+    # step of mixtral_tiny.yaml runs them), each device sending 3/4 of its rows; the assignments per expert (4
+    # int32 from each of the 4) all-gathered forward; the attention weights' and router's gradients all-reduced
+    # over expert, the experts' not.
+    ragged = moved["ragged-all-to-all"]
+    assert (ragged["count"], ragged["full_bytes"], ragged["bytes_per_device"]) == (8, 32768, 8 * 8192 * 3 / 4)
+    assert (moved["all-gather"]["count"], moved["all-gather"]["full_bytes"]) == (2, 64)
+    # Gradients outside the experts, fsdp-sharded: per layer (12288 + 128 + 256) / 2 x 4 bytes, outside 49216 / 2.
+    layer, outside = (t for t in r["collectives"] if t["axis"] == "expert" and t["kind"] == "all-reduce")
+    assert (layer["full_bytes"], layer["count"], outside["full_bytes"]) == (25344, 2, 98432)
+    # Full remat recomputes the layer and its two all-to-alls: 6 per layer.
+    full = roofline.plan(_cfg(**MOE, **{"mesh.fsdp": 2, "mesh.expert": 4, "remat.policy": "full"}), "v5p:2x2x2")
+    assert next(t["count"] for t in full["collectives"] if t["kind"] == "ragged-all-to-all") == 12
+    # On a GPU (or this CPU) the rows travel padded: 4 blocks of all 64 of a device's rows, 4 times the bytes.
+    padded = roofline.plan(_cfg(**MOE, **{"mesh.fsdp": 2, "mesh.expert": 4}), "h100:8")
+    a2a = next(t for t in padded["collectives"] if t["axis"] == "expert" and t["kind"] == "all-to-all")
+    assert (a2a["count"], a2a["full_bytes"]) == (8, 4 * 32768)
+
+
+def test_moe_capacity_buffers_move_every_slot():
+    # capacity_factor 1: C = ceil(1 x 32 x 2 / 4) = 16 slots per expert and sequence, [4, 16] per sequence both
+    # ways: 2 rows of 64 per token, the dropless count here; a plain all-to-all of fixed shape, no counts gathered.
+    r = roofline.plan(_cfg(**MOE, **{"mesh.fsdp": 2, "mesh.expert": 4, "model.capacity_factor": 1.0}), "v5p:2x2x2")
+    moved = [t for t in r["collectives"] if t["axis"] == "expert" and t["what"].startswith("routed")]
+    assert [(t["kind"], t["count"], t["full_bytes"]) for t in moved] == [("all-to-all", 8, 32768)]
+    assert not any(t["what"] == "assignments per expert" for t in r["collectives"])
+    wider = memory.expert_rows(_cfg(**MOE, **{"model.capacity_factor": 1.25}), _axes(fsdp=2, expert=4))
+    assert wider == (4 * 20 / 32, 4 * 20 / 32)  # C = ceil(1.25 x 32 x 2 / 4) = 20
+
+
+def test_moe_layer_activations():
+    # 32 tokens a device (fsdp = 2 x expert = 4), bf16. A MoE layer holds, per token, beside a dense layer's 3328
+    # bytes: the 2 rows it sends and the 2 that return, the 4 x min(2, 4 / 4) = 4 rows its expert's ragged buffer
+    # receives and their outputs, 2 x (2 + 4) x 64, and the experts' gate, up and product for those 4 rows,
+    # 3 x 4 x 64: (768 + 768) x 2 bytes = 3072. Full remat: that one layer rematerialised; the layer inputs saved.
+    axes = _axes(fsdp=2, expert=4)
+    full = memory.predict(_cfg(**MOE, **{"remat.policy": "full"}), axes)
+    assert (full.layer_working_set, full.saved_activations) == ((3328 + 3072) * 32, 2 * 32 * 64 * 2)
+    # Padded (GPU, CPU): 4 blocks of the device's 2 rows per token sent and received: (2 x 16 x 64 + 3 x 8 x 64) x 2.
+    padded = memory.predict(_cfg(**MOE, **{"remat.policy": "full"}), axes, ragged=False)
+    assert padded.layer_working_set == (3328 + 7168) * 32
+    # Kept moe_gate and moe_up: the buffer's 4 rows x 64 each, every layer.
+    kept = memory.predict(_cfg(**MOE, **{"remat.policy": "custom", "remat.custom.moe_gate": "device",
+                                         "remat.custom.moe_up": "device"}), axes)
+    assert kept.saved_activations == 2 * 32 * (64 + 2 * 4 * 64) * 2
+    # No remat: every layer holds all of it.
+    assert memory.predict(_cfg(**MOE), axes).saved_activations == 2 * (3328 + 3072) * 32
+
+
+def test_a_dense_model_over_expert_is_refused_and_its_batch_split():
+    r = roofline.plan(_cfg(**{"mesh.fsdp": 2, "mesh.expert": 4}), "v5p:2x2x2")
+    assert r["warnings"] == ["the trainer refuses this mesh: mesh.expert=4 needs a mixture-of-experts model "
+                             "(model.num_experts > 0): the expert axis splits the experts"]
+    assert r["tokens_per_replica"] == 32
+
+
+def test_mixtral_8x7b_on_v5p_128():
+    """configs/mixtral_8x7b.yaml on v5p-128 (64 chips: fsdp = 8 x expert = 8), against Mixtral's published 46.7e9
+    parameters, 12.9e9 active per token."""
+    r = roofline.plan(_cfg("mixtral_8x7b.yaml"), "v5p:4x4x4")
+    # 32 x (attention 2 x 4096 x 40 x 128 = 41,943,040 + experts 8 x 3 x 4096 x 14336 = 1,409,286,144 + router
+    # 4096 x 8 + norms 2 x 4096) + embedding and output projection 2 x 32000 x 4096 + final norm 4096.
+    assert r["params"] == 32 * (41_943_040 + 1_409_286_144 + 32_768 + 8192) + 2 * 32000 * 4096 + 4096
+    assert r["params"] == pytest.approx(46.7e9, rel=1e-3)
+    # Active: 2 of the 8 experts, 2 x 3 x 4096 x 14336 = 352,321,536 a layer.
+    assert r["active_params"] == 32 * (41_943_040 + 352_321_536 + 32_768 + 8192) + 2 * 32000 * 4096 + 4096
+    assert r["active_params"] == pytest.approx(12.9e9, rel=2e-3)
+    matmul = 32 * (41_943_040 + 352_321_536 + 32_768) + 32000 * 4096
+    assert r["flops_per_token"] == 6 * matmul + 6 * 4096 * 32 * 128 * 32
+    # float32 state: the experts over fsdp x expert (64), the rest over fsdp (8).
+    params = 4 * (32 * 1_409_286_144 / 64 + (32 * (41_943_040 + 32_768 + 8192) + 2 * 32000 * 4096 + 4096) / 8)
+    assert r["memory_detail_bytes"]["params"] == params
+    # 16384 tokens a chip, routed twice: 192 ragged all-to-alls (dispatch and combine, forward, backward and
+    # recomputed, 32 layers), each sending 7/8 of 16384 x 2 x 4096 bf16.
+    ragged = next(t for t in r["collectives"] if t["kind"] == "ragged-all-to-all")
+    assert (ragged["count"], ragged["bytes_per_device"]) == (192, 192 * 16384 * 2 * 4096 * 2 * 7 / 8)
+    assert r["fits"] and r["warnings"] == []
+
+
+# A MoE layer's dispatch and combination in a layer loop of 2, as the TPU compile of configs/mixtral_tiny.yaml
+# prints them (operands by name: their shapes are where they are defined): 1024 routed rows of 128 float32 sent
+# into a buffer of 4096, and back; the backward pass's exchange of its 16 bytes of offsets is a plain all-to-all.
+# A third, spelled with its operand's shape inline.
+RAGGED_HLO = """
+%cond (p: (s32[], f32[1024,1,128])) -> pred[] {
+  %p = (s32[], f32[1024,1,128]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[]{:T(128)} constant(2)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p.1: (s32[], f32[1024,1,128])) -> (s32[], f32[1024,1,128]) {
+  %p.1 = (s32[], f32[1024,1,128]) parameter(0)
+  %rows = f32[1024,1,128]{2,1,0:T(1,128)} get-tuple-element(%p.1), index=1
+  %buffer = f32[4096,1,128]{2,1,0:T(1,128)} broadcast(%zero), dimensions={}
+  %ragged_all_to_all.1 = f32[4096,1,128]{2,1,0:T(1,128)} ragged-all-to-all(%rows, %buffer, %o, %s, %oo, /*index=5*/%r), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, metadata={op_name="jit(step)/jvp()/while/body/closed_call/shard_map/ragged_all_to_all"}
+  %back = f32[1024,1,128]{2,1,0:T(1,128)} ragged-all-to-all(%ragged_all_to_all.1, %rows, %o, %s, %oo, /*index=5*/%r), channel_id=2, replica_groups={{0,1,2,3},{4,5,6,7}}, metadata={op_name="jit(step)/jvp()/while/body/closed_call/shard_map/ragged_all_to_all"}
+  %offsets = s32[4]{0} all-to-all(%s), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, metadata={op_name="jit(step)/transpose(jvp())/while/body/closed_call/shard_map/ragged_all_to_all"}
+  ROOT %t = (s32[], f32[1024,1,128]) tuple(%i.1, %back)
+}
+
+ENTRY %main (a: f32[1024,1,128]) -> (s32[], f32[1024,1,128]) {
+  %a = f32[1024,1,128] parameter(0)
+  %init = (s32[], f32[1024,1,128]) tuple(%zero, %a)
+  %w = (s32[], f32[1024,1,128]) while(%init), condition=%cond, body=%body
+  ROOT %inline = bf16[4096,128]{1,0} ragged-all-to-all(bf16[512,128]{1,0} %x, bf16[4096,128]{1,0} %y, s32[4]{0} %o, s32[4]{0} %s, s32[4]{0} %oo, s32[4]{0} %r), replica_groups={{0,1,2,3},{4,5,6,7}}
+}
+"""
+
+
+def test_hlo_inventory_counts_ragged_all_to_alls():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(1, 2, 4, 1, 1),
+                             ("data", "fsdp", "expert", "pipeline", "tensor"))
+    found = {c.name: c for c in hlo.inventory(RAGGED_HLO, mesh)}
+    # Each moves at most the smaller of its operand and its output: the 1024 rows sent, the 1024 returned.
+    dispatch, combine, offsets, inline = (found[n] for n in ("ragged_all_to_all.1", "back", "offsets", "inline"))
+    assert {(c.kind, c.full_bytes, c.count, c.axes, c.phase) for c in (dispatch, combine)} == {
+        ("ragged-all-to-all", 1024 * 128 * 4, 2, ("expert",), "forward")}
+    assert (offsets.kind, offsets.full_bytes, offsets.phase) == ("all-to-all", 16, "backward")
+    assert (inline.kind, inline.full_bytes, inline.count) == ("ragged-all-to-all", 512 * 128 * 2, 1)
+    assert hlo.summary(found.values())["ragged-all-to-all"] == {"count": 5, "bytes": 4 * 1024 * 128 * 4 + 131072}
 
 
 # --- the scaling book's case: Llama-3-70B, 4M tokens, a full v5p pod ---------------------------------------------

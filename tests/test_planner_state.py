@@ -1,6 +1,7 @@
 """One truth: the planner's per-device bytes of parameters, gradients and optimizer state are those of the arrays
 the trainer creates, exactly, for every sharding preset on every 8-device mesh of the equivalence matrix
-(test_parallel.py) - and a parallelism check the trainer makes is a warning the planner gives."""
+(test_parallel.py) and on 8-device meshes that split a mixture of experts over `expert` - and a parallelism check
+the trainer makes is a warning the planner gives."""
 
 import itertools
 
@@ -16,6 +17,11 @@ from tests.test_parallel import MATRIX_MODEL
 
 MESHES = [(d, f, t) for d, f, t in itertools.product((1, 2, 4, 8), repeat=3) if d * f * t == 8]
 PRESETS = ("fsdp", "dp", "zero1", "zero2")
+MOE = ["model.num_experts=8", "model.experts_per_token=2", "model.moe_d_ff=64"]
+# (data, fsdp, expert, tensor, moe_every): the experts over expert alone and beside each other axis; and a stack of
+# groups, a dense layer then a MoE layer (params["layers"]["dense"] and ["moe"]).
+MOE_MESHES = [(1, 1, 8, 1, 1), (1, 2, 4, 1, 1), (2, 1, 4, 1, 1), (1, 1, 4, 2, 1), (2, 2, 2, 1, 1), (1, 2, 2, 2, 1),
+              (1, 2, 4, 1, 2)]
 
 
 def _device_bytes(arrays) -> int:
@@ -30,18 +36,29 @@ def _placed(abstract):
     return jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding), abstract)
 
 
-def _setup(preset, data, fsdp, tensor):
+def _setup(preset, data, fsdp, tensor, *overrides):
     cfg = config.load(None, tiny_overrides("unused") + MATRIX_MODEL + [
-        f"sharding.preset={preset}", f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"])
+        f"sharding.preset={preset}", f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}", *overrides])
     return trainer.build(cfg, jax.devices()[:8])
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("data, fsdp, tensor", MESHES)
 def test_planned_state_bytes_are_the_trainers(preset, data, fsdp, tensor):
+    _assert_planned_state_is_the_trainers(_setup(preset, data, fsdp, tensor))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("data, fsdp, expert, tensor, every", MOE_MESHES)
+def test_planned_expert_state_bytes_are_the_trainers(preset, data, fsdp, expert, tensor, every):
+    """The experts split over `expert` (and their width over `tensor`, their d_model as each preset places it)."""
+    setup = _setup(preset, data, fsdp, tensor, f"mesh.expert={expert}", f"model.moe_every={every}", *MOE)
+    _assert_planned_state_is_the_trainers(setup)
+
+
+def _assert_planned_state_is_the_trainers(setup):
     """The state as the trainer's init returns it (its abstract_state: init's shapes and dtypes with the state
     shardings, which init's out_shardings and a restore both use), and the gradients as the step places them."""
-    setup = _setup(preset, data, fsdp, tensor)
     state = _placed(setup.abstract_state)
     grads = _placed(jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                  setup.abstract_state.params, setup.grad_shardings))

@@ -6,9 +6,10 @@ XLA's cost analysis counts a while loop's body once, whatever its trip count (ja
 more compiles of the same step with 1 and 2 layers, every model loop unrolled and the windowed-einsum loops
 XLA builds around sharded matmuls turned off: per layer = c(2) - c(1), outside the layers = 2 c(1) - c(2),
 the step = outside + L x per layer (with P pipeline stages, P and 2P layers: one and two a stage; the pipeline's
-iterations are unrolled too). With gradient accumulation those compiles take one microbatch and the
-result is multiplied by their number (which counts the optimizer update once per microbatch: an overestimate
-of a few percent). The offloaded optimizer's layer loop (optim.offload) stays counted once.
+iterations are unrolled too; with model.moe_every = k, k and 2k: the scan's unit is a group of k layers). With
+gradient accumulation those compiles take one microbatch and the result is multiplied by their number (which
+counts the optimizer update once per microbatch: an overestimate of a few percent). The offloaded optimizer's
+layer loop (optim.offload) stays counted once.
 """
 
 from __future__ import annotations
@@ -67,14 +68,15 @@ def _cost(compiled) -> dict[str, float]:
 
 
 def _loop_corrected(cfg, devices, stages: int = 1) -> dict[str, float]:
-    """With `stages` pipeline stages the two compiles have one and two layers a stage: per layer = (c(2P) -
-    c(P)) / P, outside = 2 c(P) - c(2P)."""
+    """The two compiles have U and 2U layers, U = `stages` pipeline stages x the layers of a group (model.moe_every
+    of a mixture of experts, else 1): per layer = (c(2U) - c(U)) / U, outside = 2 c(U) - c(2U)."""
     from scaletrain import trainer
 
     accum = cfg.train.grad_accum_steps
     options = _NO_WINDOWED_EINSUM if devices[0].platform == "tpu" else None
+    unit = stages * (cfg.model.moe_every if cfg.model.num_experts else 1)
     costs = []
-    for layers in (stages, 2 * stages):
+    for layers in (unit, 2 * unit):
         variant = copy.deepcopy(cfg)
         variant.model.num_layers = layers
         variant.train.global_batch = cfg.train.global_batch // accum
@@ -84,7 +86,7 @@ def _loop_corrected(cfg, devices, stages: int = 1) -> dict[str, float]:
         costs.append(_cost(compiled))
     one, two = costs
     layers = cfg.model.num_layers
-    return {k: accum * (2 * one[k] - two[k] + layers * (two[k] - one[k]) / stages) for k in _COSTS}
+    return {k: accum * (2 * one[k] - two[k] + layers * (two[k] - one[k]) / unit) for k in _COSTS}
 
 
 def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:

@@ -89,7 +89,7 @@ def min_chips(cfg, hardware: str) -> dict:
         state = memory.state(cfg, axes)
         if roofline.refusals(cfg, axes, state):
             continue
-        need = memory.predict(cfg, axes, state).total
+        need = memory.predict(cfg, axes, state, slice_.chip.ragged_all_to_all).total
         if need <= slice_.chip.hbm_bytes:
             return {**out, "min_chips": slice_.num_chips, "hardware": str(slice_), "mesh": axes,
                     "memory_per_device_bytes": need, "note": None}

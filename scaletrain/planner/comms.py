@@ -31,7 +31,10 @@ from scaletrain.config import MESH_AXES
 from scaletrain.planner.hardware import Topology
 
 HOP_LATENCY_S = 1e-6  # scaling.md: "ICI latency about 1 us per hop"; assumed for NVLink too
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "send")
+# ragged-all-to-all: an all-to-all of rows whose counts are known only at run time (TPU's expert dispatch),
+# costed as an all-to-all of the rows that move.
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "send")
+_ALL_TO_ALLS = ("all-to-all", "ragged-all-to-all")
 
 
 @dataclass(frozen=True)
@@ -63,9 +66,10 @@ class Link:
     def bytes_sent(self, kind: str, full_bytes: float) -> float:
         """Bytes one device sends for one execution (the module docstring's convention)."""
         x = self.size
+        if kind in _ALL_TO_ALLS:
+            return full_bytes * (x - 1) / x**2
         return {"all-gather": full_bytes * (x - 1) / x, "reduce-scatter": full_bytes * (x - 1) / x,
-                "all-reduce": 2 * full_bytes * (x - 1) / x, "all-to-all": full_bytes * (x - 1) / x**2,
-                "send": full_bytes}[kind]
+                "all-reduce": 2 * full_bytes * (x - 1) / x, "send": full_bytes}[kind]
 
     def seconds(self, kind: str, full_bytes: float) -> float:
         """One execution: the bandwidth time, or the latency floor when that is longer. On a level whose every
@@ -73,7 +77,7 @@ class Link:
         all-reduce (a bidirectional ring's exact (X-1)/X left out, as the book's worked answers leave it)."""
         if kind == "send":
             return max(full_bytes / self.oneway, self.hop_latency)
-        if kind == "all-to-all" and not self.switch:
+        if kind in _ALL_TO_ALLS and not self.switch:
             moving = full_bytes * max(self.parts) / (4 * self.size * self.bandwidth / len(self.parts))
         elif not self.switch and all(self.wraps):
             moving = (2 if kind == "all-reduce" else 1) * full_bytes / self.bandwidth
@@ -109,7 +113,7 @@ def collective(kind: str, what: str, full_bytes: float, count: int, levels: Sequ
 
 
 def tensor(activation_bytes: float, layers: int, microbatches: int, sequence_parallel: bool,
-           recomputed: Iterable[str], levels: Sequence[Link]) -> list[Transfer]:
+           recomputed: Iterable[str], levels: Sequence[Link], moe_layers: int = 0) -> list[Transfer]:
     """Megatron tensor parallelism per microbatch, V = one replica's [tokens, d_model] activations.
     With sequence parallelism, per layer: forward all-gather before Q/K/V and before gate/up, reduce-scatter after
     the output and down projections; the backward pass their transposes (2 more of each); a remat recomputation
@@ -118,10 +122,14 @@ def tensor(activation_bytes: float, layers: int, microbatches: int, sequence_par
     embedding reduce-scatters and the output projection all-gathers its input (transposed backward).
     Without sequence parallelism each all-gather / reduce-scatter pair is one all-reduce: after the output and
     down projections forward, of the Q/K/V and gate/up input gradients backward, again for a recomputed output
-    projection, and once each for the embedding (forward) and the output projection (backward)."""
+    projection, and once each for the embedding (forward) and the output projection (backward).
+    A mixture-of-experts layer (model/moe.py) has the same collectives - its input gathered whole, its output
+    summed over `tensor` (the experts' hidden dim is split over it), recomputed with its router and experts - and
+    one more: an all-reduce of its input gradient in the backward pass (as the compiled CPU and TPU steps do)."""
     recomputed = set(recomputed)
+    moe = collective("all-reduce", "MoE input gradients", activation_bytes, moe_layers * microbatches, levels)
     if sequence_parallel:
-        gathers = 4 + ("qkv" in recomputed) + ("gate_up" in recomputed)
+        gathers = 4 + ("qkv" in recomputed) + bool({"gate_up", "expert_down"} & recomputed)
         scatters = 4 + ("out" in recomputed)
         return (collective("all-gather", "layer activations", activation_bytes, gathers * layers * microbatches,
                            levels)
@@ -130,11 +138,11 @@ def tensor(activation_bytes: float, layers: int, microbatches: int, sequence_par
                 + collective("all-gather", "embedding and output activations", activation_bytes, 2 * microbatches,
                              levels)
                 + collective("reduce-scatter", "embedding and output activations", activation_bytes,
-                             2 * microbatches, levels))
+                             2 * microbatches, levels) + moe)
     reduces = 4 + ("out" in recomputed)
     return (collective("all-reduce", "layer activations", activation_bytes, reduces * layers * microbatches, levels)
             + collective("all-reduce", "embedding and output activations", activation_bytes, 2 * microbatches,
-                         levels))
+                         levels) + moe)
 
 
 def pipeline(activation_bytes: float, microbatches: int, levels: Sequence[Link]) -> list[Transfer]:
@@ -149,11 +157,21 @@ def pipeline(activation_bytes: float, microbatches: int, levels: Sequence[Link])
                       [slowest])
 
 
-def expert(routed_bytes: float, moe_layers: int, microbatches: int, levels: Sequence[Link]) -> list[Transfer]:
-    """Expert parallelism per MoE layer and microbatch: an all-to-all to dispatch the routed activations
-    (tokens x top-k x d_model) to their experts and one to combine them, forward and again backward."""
-    return collective("all-to-all", "routed activations (dispatch, combine)", routed_bytes,
-                      4 * moe_layers * microbatches, levels)
+def expert(routed_bytes: float, counts_bytes: float, moe_layers: int, microbatches: int, recomputed: bool,
+           levels: Sequence[Link], kind: str = "all-to-all") -> list[Transfer]:
+    """Expert parallelism per MoE layer and microbatch (model/moe.py), V = the routed rows of the expert axis's
+    devices (each one's operand, times their number): an all-to-all dispatching each device's rows to its
+    experts' devices and one returning the results, forward; both transposed backward; and both again where the
+    remat policy recomputes the layer (`recomputed`). `kind` `ragged-all-to-all` where only the rows move (TPU).
+    Dropless routing first all-gathers every device's assignments per expert (`counts_bytes`, the axis's; 0 with
+    capacity buffers, whose shapes are fixed), forward and again when recomputed."""
+    passes = 2 + recomputed  # forward, backward, recomputation
+    out = collective(kind, "routed rows (dispatch, combine)", routed_bytes, 2 * passes * moe_layers * microbatches,
+                     levels)
+    if counts_bytes:
+        out += collective("all-gather", "assignments per expert", counts_bytes,
+                          (1 + recomputed) * moe_layers * microbatches, levels)
+    return out
 
 
 def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:

@@ -2,8 +2,10 @@
 
 Convention: a multiply-add is 2 FLOPs; training is 3x the forward pass (backward = 2x forward); causal
 attention is counted as the useful half of the full T x T score and value matmuls; norms, softmax, RoPE
-and the embedding lookup are not counted (well under 1% at Llama sizes). Remat recomputation is not useful
-work and is not counted: MFU is model FLOPs utilisation.
+and the embedding lookup are not counted (well under 1% at Llama sizes). A mixture of experts counts the
+weights a token is multiplied with - its router and the k experts it is routed to, not all E: the "active
+parameters" MoE models are compared by. Remat recomputation is not useful work and is not counted: MFU is model
+FLOPs utilisation.
 """
 
 from __future__ import annotations
@@ -15,50 +17,63 @@ import jax
 from scaletrain import model as model_lib
 from scaletrain.sharding import is_logical
 
+# The logical dims of a layer stack (model/transformer.py): the layers, and the dense layers within a group.
+_STACKED = ("layers", "sublayers")
+
 
 @dataclass(frozen=True)
 class ParamCount:
+    """Parameters by role, each summed over the whole layer stack (dense and mixture-of-experts layers alike)."""
+
     embedding: int  # the input table, vocab x d_model
-    attention: int  # per layer: Q, K, V, O
-    mlp: int  # per layer: gate, up, down
-    norms: int  # per layer: the RMSNorm gains (QK norms' too)
-    num_layers: int
+    attention: int  # Q, K, V, O
+    mlp: int  # the feed-forwards: gate, up, down; a mixture of experts' router and every expert
+    active_mlp: int  # of those, the weights one token multiplies: a MoE layer's router and k of its E experts
+    norms: int  # the RMSNorm gains (QK norms' too)
     final_norm: int
     lm_head: int  # 0 when tied to the embedding
 
     @property
-    def per_layer(self) -> int:
-        return self.attention + self.mlp + self.norms
+    def total(self) -> int:
+        return self.embedding + self.attention + self.mlp + self.norms + self.final_norm + self.lm_head
 
     @property
-    def total(self) -> int:
-        return self.embedding + self.num_layers * self.per_layer + self.final_norm + self.lm_head
+    def active(self) -> int:
+        """Parameters one token uses: all but the experts it is not routed to (Mixtral's "active parameters")."""
+        return self.total - self.mlp + self.active_mlp
 
     @property
     def matmul(self) -> int:
-        """Weights each token is multiplied with: every layer's projections and the output projection
-        (the embedding table itself when tied)."""
-        return self.num_layers * (self.attention + self.mlp) + (self.lm_head or self.embedding)
+        """Weights each token is multiplied with: every layer's projections - of a mixture of experts, the router
+        and the k experts the token is routed to - and the output projection (the embedding table itself when
+        tied)."""
+        return self.attention + self.active_mlp + (self.lm_head or self.embedding)
 
 
 def param_count(model_cfg) -> ParamCount:
     """Counted from the model's own abstract parameters (model.abstract), so that any array the model has - QK
-    norms, weightless norms' absence - is counted as built. Under `layers` (stacked, one row per layer): a
-    parameter with one dim besides `layers` is a norm gain, the rest are the MLP's (under `mlp`) or attention's."""
+    norms, weightless norms' absence, routers - is counted as built. Under `layers` (stacked along `layers`, and
+    `sublayers` for the dense layers of a group, model.moe_every > 1): a parameter with one dim of its own is a
+    norm gain, the rest are the feed-forward's (under `mlp`) or attention's; an array with an `experts` dim holds
+    E experts of which a token uses k."""
     _, params, logical = model_lib.abstract(model_cfg)
-    sizes = {"attention": 0, "mlp": 0, "norms": 0}
-    layers = params.get("layers", {})
-    flat = jax.tree_util.tree_flatten_with_path(layers)[0]
+    sizes = dict.fromkeys(("attention", "mlp", "active_mlp", "norms"), 0)
+    flat = jax.tree_util.tree_flatten_with_path(params.get("layers", {}))[0]
     for (path, x), names in zip(flat, jax.tree.leaves(logical.get("layers", {}), is_leaf=is_logical)):
-        kind = ("norms" if len(names) == 2 else
-                "mlp" if any(getattr(k, "key", None) == "mlp" for k in path) else "attention")
-        sizes[kind] += x.size // x.shape[0]
+        own = [n for n in names if n not in _STACKED]
+        if len(own) == 1:
+            sizes["norms"] += x.size
+        elif any(getattr(k, "key", None) == "mlp" for k in path):
+            sizes["mlp"] += x.size
+            experts = "experts" in names
+            sizes["active_mlp"] += x.size // model_cfg.num_experts * model_cfg.experts_per_token if experts else x.size
+        else:
+            sizes["attention"] += x.size
 
     def size(name: str) -> int:
         return sum(x.size for x in jax.tree.leaves(params.get(name, {})))
 
-    return ParamCount(embedding=size("embed"), **sizes, num_layers=model_cfg.num_layers,
-                      final_norm=size("final_norm"), lm_head=size("lm_head"))
+    return ParamCount(embedding=size("embed"), **sizes, final_norm=size("final_norm"), lm_head=size("lm_head"))
 
 
 def attention_flops_per_token(m, seq_len: int) -> float:
@@ -67,5 +82,6 @@ def attention_flops_per_token(m, seq_len: int) -> float:
 
 
 def flops_per_token(m, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per matmul parameter, plus causal attention."""
+    """Training FLOPs per token: 6 per matmul weight the token is multiplied with (ParamCount.matmul: a mixture
+    of experts' active weights), plus causal attention."""
     return 6.0 * param_count(m).matmul + attention_flops_per_token(m, seq_len)

@@ -194,6 +194,12 @@ class Chip:
     def is_gpu(self) -> bool:
         return self.torus_dims is None
 
+    @property
+    def ragged_all_to_all(self) -> bool:
+        """Whether a mixture of experts sends its routed rows by ragged all-to-all here (model/moe.py: on a TPU;
+        elsewhere - GPUs, this CPU, all planned as switches - by an all-to-all padded to the most a device sends)."""
+        return not self.is_gpu
+
 
 def spec(name: str) -> Chip:
     """The table entry `name` (case-insensitive; v4p is v4) as a Chip. Raises ConfigError for an unknown name."""

@@ -1,9 +1,10 @@
 """Collective inventory: what a compiled step sends between devices, read from its optimised HLO.
 
-Each all-gather, all-reduce, reduce-scatter, all-to-all and collective-permute is reported with the bytes of
-the full array it gathers or reduces (V in the scaling book's notation, docs/planner.md), the mesh axes its groups span, how
-many times a step runs it (trip counts of enclosing loops multiplied: a scanned layer stack appears once in
-the text but runs once per layer) and whether it belongs to the forward pass, the backward pass or the update.
+Each all-gather, all-reduce, reduce-scatter, all-to-all, ragged-all-to-all and collective-permute is reported
+with the bytes of the full array it gathers or reduces (V in the scaling book's notation, docs/planner.md), the
+mesh axes its groups span, how many times a step runs it (trip counts of enclosing loops multiplied: a scanned
+layer stack appears once in the text but runs once per layer) and whether it belongs to the forward pass, the
+backward pass or the update.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Iterable
 import numpy as np
 from jax.sharding import Mesh
 
-KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$")
@@ -29,7 +30,7 @@ _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 class Collective:
     kind: str
     name: str
-    full_bytes: int  # the whole array gathered / reduced / exchanged, per group (V)
+    full_bytes: int  # the whole array gathered / reduced / exchanged, per group (V); a ragged one's bound
     group_size: int
     axes: tuple[str, ...]  # mesh axes a group spans
     count: int  # executions per step
@@ -203,6 +204,8 @@ def inventory(hlo_text: str, mesh: Mesh) -> list[Collective]:
                 size = 2
             common = dict(kind=kind, group_size=size, axes=mesh_axes(groups, mesh) if groups else ("?",),
                           count=math.prod(loops[comp]), phase=_phase(line), loops=loops[comp])
+            if kind == "ragged-all-to-all":
+                sizes = [_ragged_bytes(line, lines, sum(sizes))]
             if kind != "all-reduce":
                 total = sum(sizes)
                 out.append(Collective(name=name, full_bytes=total * size if kind == "reduce-scatter" else total,
@@ -215,6 +218,19 @@ def inventory(hlo_text: str, mesh: Mesh) -> list[Collective]:
                 out.append(Collective(name=name, scatters=flag, full_bytes=sum(
                     b for b, f in zip(sizes, scattered) if f == flag), **common))
     return out
+
+
+def _ragged_bytes(line: str, lines: list[str], output_bytes: int) -> int:
+    """The bytes a ragged all-to-all moves at most: its rows are run-time values, but a device sends at most its
+    first operand and receives at most its output buffer - the smaller of the two: the rows sent for a dispatch,
+    the rows returned for a combination (model/moe.py). A compiled module prints operands by name alone: their
+    shapes are where the computation defines them."""
+    m = re.search(r" ragged-all-to-all\(([^%]*)%([\w.\-]+)", line)
+    operand = _array_bytes(m.group(1))[:1]
+    if not operand:
+        define = re.compile(rf"^\s*(?:ROOT )?%{re.escape(m.group(2))} = (.+?) [a-z][\w\-]*\(")
+        operand = [sum(_array_bytes(d.group(1))) for d in map(define.match, lines) if d][:1]
+    return min([output_bytes, *operand])
 
 
 def _element_sliced(lines: list[str], name: str, index: int, elements: int, comps: dict[str, list[str]]) -> bool:

@@ -2,19 +2,23 @@
 
 The prediction (`predict`) counts the training state - parameters, gradients, optimizer state - as the bytes of
 the trainer's own arrays placed by its own rule tables on an abstract mesh of the planned shape (layout.py), the
-activations the remat policy keeps for the backward pass (remat.py), and the float32 logits and their gradient,
-which dominate small models. docs/planner.md states every rule.
+activations the remat policy keeps for the backward pass (remat.py) - a mixture of experts' routed rows among
+them -, and the float32 logits and their gradient, which dominate small models. docs/planner.md states every rule.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
 
+import jax
 from jax.sharding import AbstractMesh
 
 from scaletrain import layout as layout_lib
+from scaletrain import model as model_lib
 from scaletrain import pipeline_1f1b, remat, sharding
+from scaletrain.config import moe_d_ff
 from scaletrain.errors import ConfigError
 from scaletrain.parallelism import microbatches, shards_kv_heads
 
@@ -89,16 +93,20 @@ class State:
     gradients: int
     refused: str | None  # why the trainer could not place these arrays on this mesh (a dim it does not divide)
 
-    def weights(self, table: sharding.RuleTable, gathered: Sequence[str] = ()) -> tuple[float, float]:
+    def weights(self, table: sharding.RuleTable, gathered: Sequence[str] = (),
+                experts: bool | None = None) -> tuple[float, float]:
         """Bytes one device holds of the parameters placed by `table`, gathered over the mesh axes `gathered`
-        (sharded over none of them): (one layer's, those outside the layers)."""
+        (sharded over none of them): (one layer's - the stack's over its layers -, those outside the layers).
+        `experts`: of the arrays with an `experts` dim only (True), of the others only (False), or of all."""
         table = {k: tuple(a for a in sharding.mesh_axes(v) if a not in gathered) for k, v in table.items()}
         lay = self.layout
 
         def part(inside: bool) -> int:
-            keep = [k for k in lay.params if (k == "layers") == inside]
-            return layout_lib.device_bytes({k: lay.params[k] for k in keep}, {k: lay.logical[k] for k in keep},
-                                           table, self.mesh)
+            pairs = [(x, names) for k in lay.params if (k == "layers") == inside
+                     for x, names in zip(jax.tree.leaves(lay.params[k]),
+                                         jax.tree.leaves(lay.logical[k], is_leaf=sharding.is_logical))
+                     if experts is None or ("experts" in names) == experts]
+            return layout_lib.device_bytes([x for x, _ in pairs], [names for _, names in pairs], table, self.mesh)
 
         return part(True) / lay.model_cfg.num_layers, part(False)
 
@@ -131,16 +139,53 @@ def kept(policy: str, custom: Mapping[str, str]) -> dict[str, str]:
     return {n: mode for n, mode in modes.items() if mode != "remat" and n != "decoder_layer_input"}
 
 
-def tensor_elements(m, tensor: int, sequence_parallel: bool) -> dict[str, float]:
-    """Elements per token one device holds of each named activation (docs/memory.md's table), split as
-    sharding.py splits it: residual-stream tensors over `tensor` with sequence parallelism, heads and mlp
-    always, kv heads where `tensor` divides them."""
+def moe_share(m) -> float:
+    """The share of the stack's layers that are mixtures of experts (model.moe_every: every k-th)."""
+    return model_lib.ModelConfig.from_config(m).moe_layers / m.num_layers
+
+
+def tensor_elements(m, tensor: int, sequence_parallel: bool, received_rows: float = 0.0) -> dict[str, float]:
+    """Elements per token and layer one device holds of each named activation (docs/memory.md's table), split as
+    sharding.py splits it: residual-stream tensors over `tensor` with sequence parallelism, heads, mlp and the
+    experts' hidden dim always, kv heads where `tensor` divides them. Averaged over the stack: the dense MLP's
+    gate and up exist in its dense layers, the experts' in its MoE layers, for the `received_rows` rows per
+    token a MoE layer's experts receive (`expert_rows`)."""
     residual = m.d_model / (tensor if sequence_parallel else 1)
     kv_ways = tensor if shards_kv_heads(m.num_kv_heads, tensor) else 1
     heads, kv = m.num_heads * m.head_dim / tensor, m.num_kv_heads * m.head_dim / kv_ways
+    moe = moe_share(m)
+    mlp, experts = (1 - moe) * m.d_ff / tensor, moe * received_rows * moe_d_ff(m) / tensor
     return {"decoder_layer_input": residual, "query_proj": heads, "key_proj": kv, "value_proj": kv,
-            "attention_out": heads, "out_proj": residual, "mlp_gate": m.d_ff / tensor, "mlp_up": m.d_ff / tensor,
-            "mlp_out": residual}
+            "attention_out": heads, "out_proj": residual, "mlp_gate": mlp, "mlp_up": mlp, "mlp_out": residual,
+            "moe_gate": experts, "moe_up": experts}
+
+
+def expert_rows(cfg, axes: Mapping[str, int], ragged: bool = True) -> tuple[float, float]:
+    """Rows of d_model per token of a device's microbatch in each MoE layer (model/moe.py): (those the device
+    sends to its tokens' experts, those its experts receive and compute - the buffer the transport fills).
+    Dropless: its k assignments per token; across `expert` devices (S of them) received into a buffer of
+    S x its tokens x min(k, E / S) rows by a ragged all-to-all (`ragged`: on TPU), or, padded, sent and received
+    as S blocks of all its assignments. With capacity buffers: E x C rows per sequence both ways,
+    C = ceil(capacity_factor x seq_len x k / E)."""
+    m, seq, shards = cfg.model, cfg.data.seq_len, axes["expert"]
+    k, experts = m.experts_per_token, m.num_experts
+    if m.capacity_factor:
+        rows = experts * math.ceil(m.capacity_factor * seq * k / experts) / seq
+        return rows, rows
+    if shards == 1:
+        return k, k
+    if ragged:
+        return k, shards * min(k, experts // shards)
+    return shards * k, shards * k
+
+
+def _routed_layer(cfg, axes: Mapping[str, int], dtype_bytes: int, ragged: bool) -> float:
+    """Bytes per token a MoE layer holds beyond a dense layer's 20 tensors (whose feed-forward ones stand for
+    the router's and the combination's): the rows it sends and those that return, the rows its experts receive
+    and compute (the dispatch buffers), and the experts' hidden - gate, up and their product - for those."""
+    sent, received = expert_rows(cfg, axes, ragged)
+    hidden = moe_d_ff(cfg.model) / axes["tensor"]
+    return (2 * (sent + received) * cfg.model.d_model + 3 * received * hidden) * dtype_bytes
 
 
 def blocked_attention(cfg) -> bool:
@@ -218,9 +263,11 @@ class Prediction:
 
 
 def replica_tokens(cfg, axes: Mapping[str, int]) -> float:
-    """Tokens of one microbatch of one data-parallel replica (data x fsdp ways): the batch its devices' matmuls
-    see (tensor devices share it)."""
-    return cfg.train.global_batch * cfg.data.seq_len / (microbatches(cfg, axes) * axes["data"] * axes["fsdp"])
+    """Tokens of one microbatch of one data-parallel replica (data x fsdp x expert ways: the expert axis's
+    devices each route their own share of the batch, model/moe.py): the batch its devices' matmuls see (tensor
+    devices share it)."""
+    ways = axes["data"] * axes["fsdp"] * axes["expert"]
+    return cfg.train.global_batch * cfg.data.seq_len / (microbatches(cfg, axes) * ways)
 
 
 def held_microbatches(cfg, axes: Mapping[str, int], repeats: int = 1) -> int:
@@ -234,7 +281,7 @@ def held_microbatches(cfg, axes: Mapping[str, int], repeats: int = 1) -> int:
     return microbatches(cfg, axes) * repeats
 
 
-def predict(cfg, axes: Mapping[str, int], state_: State | None = None) -> Prediction:
+def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: bool = True) -> Prediction:
     """Bytes per device of a train step for config `cfg` on a mesh whose axis sizes (ICI x DCN) are `axes`.
 
     State: the bytes of the trainer's own arrays on that mesh (`state`): parameters in model.param_dtype (the
@@ -251,7 +298,9 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None) -> Predic
     rematerialises an iteration from it), and recomputing one iteration holds its layers' inputs. A 1F1B stage
     keeps the stage inputs of `held_microbatches` microbatches whatever the policy (pipeline_1f1b.py recomputes
     a stage in its backward slot: under policy none that recomputation holds every activation of the stage's
-    layers for one microbatch), and runs the head, logits and all, on one microbatch at a time."""
+    layers for one microbatch), and runs the head, logits and all, on one microbatch at a time.
+    A mixture-of-experts layer holds its routed rows besides (`_routed_layer`; `ragged`: the TPU's transport,
+    `expert_rows`), and keeps the experts' gate and up where the policy keeps `moe_gate` and `moe_up`."""
     m = cfg.model
     t, stage_layers = axes["tensor"], m.num_layers / axes["pipeline"]
     ab = DTYPE_BYTES[m.dtype]
@@ -263,11 +312,15 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None) -> Predic
     one_f_one_b = pipelined and cfg.pipeline.schedule == "1f1b"
     micro = replica_tokens(cfg, axes)  # one microbatch: what one layer (or iteration) recomputes
     tokens = micro * held_microbatches(cfg, axes, s.layout.model_cfg.pipeline_repeats)
-    elements = tensor_elements(m, t, cfg.sharding.sequence_parallel)
+    elements = tensor_elements(m, t, cfg.sharding.sequence_parallel, expert_rows(cfg, axes, ragged)[1])
     policy = cfg.remat.policy
     stage_inputs = elements["decoder_layer_input"] * ab * tokens
+    moe = moe_share(m)
+    # Bytes per token of a layer with nothing rematerialised: a MoE layer's routed rows on top.
+    routed = _routed_layer(cfg, axes, ab, ragged) if moe else 0.0
+    layer = _unremat_layer(cfg, t, ab)
     if policy == "none":
-        every = _unremat_layer(cfg, t, ab) * stage_layers
+        every = (layer + moe * routed) * stage_layers
         saved, working, offloaded = (stage_inputs, every * micro, 0.0) if one_f_one_b else (every * tokens, 0.0, 0.0)
         working += _attention_block_working(cfg, micro if one_f_one_b else tokens, t, ab)
     else:
@@ -275,7 +328,7 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None) -> Predic
         named = sum(elements[n] for n, w in where.items() if w == "device")
         host = sum(elements[n] for n, w in where.items() if w == "offload")
         per_layer = (elements["decoder_layer_input"] + named) * ab * stage_layers
-        working = _unremat_layer(cfg, t, ab) * micro + _attention_block_working(cfg, micro, t, ab)
+        working = (layer + routed) * micro + _attention_block_working(cfg, micro, t, ab)
         if one_f_one_b:  # the stage inputs; a recomputed stage's per-layer tensors for one microbatch
             saved, offloaded = stage_inputs, host * ab * micro * stage_layers
             working += per_layer * micro

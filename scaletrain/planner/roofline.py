@@ -11,7 +11,7 @@ the others perfectly. docs/planner.md states every formula and what is not model
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Callable, Mapping, Sequence
 
 from scaletrain import mesh as mesh_lib
@@ -19,7 +19,7 @@ from scaletrain import parallelism, sharding
 from scaletrain import pipeline as pipeline_lib
 from scaletrain import pipeline_1f1b
 from scaletrain.parallelism import microbatches
-from scaletrain.config import MESH_AXES
+from scaletrain.config import MESH_AXES, moe_d_ff
 from scaletrain.kernels import flash_attention
 from scaletrain.planner import comms, flops, memory
 from scaletrain.planner import hardware as hw
@@ -37,19 +37,57 @@ def resolve_mesh(mesh_cfg, topo: hw.Topology) -> mesh_lib.MeshShape:
     return mesh_lib.MeshShape(ici=ici, dcn=dcn)
 
 
-def matmul_shapes(m, tensor: int) -> dict[str, tuple[float, float]]:
-    """(input, output) features per device of each projection of a layer: Megatron splits Q/K/V and gate/up by
-    their outputs, the output and down projections by their inputs (kv heads only where `tensor` divides them)."""
+@dataclass(frozen=True)
+class Matmul:
+    """One projection of a layer on one device: the share of the stack's layers that have it, its rows per
+    token in those (a mixture of experts' k assignments), its features in and out, and the weight elements it
+    reads."""
+
+    layers: float
+    rows: float
+    inputs: float
+    outputs: float
+    weights: float
+
+    @classmethod
+    def dense(cls, layers: float, inputs: float, outputs: float) -> "Matmul":
+        return cls(layers, 1.0, inputs, outputs, inputs * outputs)
+
+    @property
+    def flops(self) -> float:
+        """Forward FLOPs per token, averaged over the stack's layers: 2 x rows x in x out."""
+        return self.layers * 2 * self.rows * self.inputs * self.outputs
+
+    def hbm_bytes(self, tokens: float, dtype_bytes: int) -> float:
+        """One pass over `tokens`, averaged over the layers: it reads its input and weights and writes its output
+        (scaling.md's 2BD + 2DF + 2BF in bf16)."""
+        return self.layers * dtype_bytes * (tokens * self.rows * (self.inputs + self.outputs) + self.weights)
+
+
+def matmuls(m, tensor: int = 1, expert: int = 1) -> dict[str, Matmul]:
+    """A layer's projections on one device, by matmul group: Megatron splits Q/K/V and gate/up by their outputs,
+    the output and down projections by their inputs (kv heads only where `tensor` divides them). A mixture of
+    experts' layers have instead a router (a row per token against the E experts) and their experts' gate/up and
+    down (k rows per token, one per assignment, through the device's E / `expert` experts' weights). Only the
+    groups the stack has."""
     elements = memory.tensor_elements(m, tensor, sequence_parallel=False)
+    d, f, moe = m.d_model, m.d_ff / tensor, memory.moe_share(m)
     qkv = elements["query_proj"] + elements["key_proj"] + elements["value_proj"]
-    return {"qkv": (m.d_model, qkv), "out": (elements["attention_out"], m.d_model),
-            "gate_up": (m.d_model, 2 * elements["mlp_gate"]), "down": (elements["mlp_gate"], m.d_model)}
+    out = {"qkv": Matmul.dense(1, d, qkv), "out": Matmul.dense(1, elements["attention_out"], d)}
+    if moe < 1:
+        out |= {"gate_up": Matmul.dense(1 - moe, d, 2 * f), "down": Matmul.dense(1 - moe, f, d)}
+    if moe:
+        fe, k, local = moe_d_ff(m) / tensor, m.experts_per_token, m.num_experts / expert
+        out |= {"router": Matmul.dense(moe, d, m.num_experts),
+                "expert_gate_up": Matmul(moe, k, d, 2 * fe, local * d * 2 * fe),
+                "expert_down": Matmul(moe, k, fe, d, local * fe * d)}
+    return out
 
 
 def forward_flops(m, seq_len: int, tensor: int = 1) -> dict[str, float]:
-    """Forward FLOPs per token of one layer on one device, by matmul group: 2 x in x out per projection, and
-    causal attention as flops.py counts it (its training FLOPs are 3x the forward's)."""
-    out = {group: 2 * i * o for group, (i, o) in matmul_shapes(m, tensor).items()}
+    """Forward FLOPs per token of one layer on one device, averaged over the stack, by matmul group (`matmuls`),
+    and causal attention as flops.py counts it (its training FLOPs are 3x the forward's)."""
+    out = {group: matmul.flops for group, matmul in matmuls(m, tensor).items()}
     out["attention"] = flops.attention_flops_per_token(m, seq_len) / (3 * m.num_layers * tensor)
     return out
 
@@ -104,14 +142,22 @@ def recomputed(cfg) -> frozenset[str]:
     """Matmul groups the backward pass computes a second time. Attention always - its probabilities are never
     kept - except under policy none without query blocking (blocked attention rematerialises each block
     itself); a projection when its output is not kept: Q/K/V (attention needs them again), the output projection
-    (the MLP's weight gradients read the mid-block sum), gate/up (the MLP's backward); never the down projection,
-    whose output nothing in the backward pass reads (jax leaves it out of the recomputation)."""
+    (the feed-forward's weight gradients read the mid-block sum), gate/up (the MLP's backward); never the down
+    projection, whose output nothing in the backward pass reads (jax leaves it out of the recomputation). A
+    mixture of experts' layer is another matter: the gradients of its routing weights read the experts' outputs
+    and the router's probabilities, neither of them named, so its experts' down projection and its router are
+    computed again under every policy but none (save_dots keeps the router's logits, a dot without batch dims),
+    and its experts' gate/up unless `moe_gate` and `moe_up` are kept (save_dots does not keep them: a grouped
+    matmul is no dot). Only the groups the stack has."""
     if cfg.remat.policy == "none":
         return frozenset({"attention"} if memory.blocked_attention(cfg) else ())
     kept = memory.kept(cfg.remat.policy, cfg.remat.custom).keys()
-    return frozenset({"attention"} | ({"qkv"} if not _QKV <= kept else set())
-                     | ({"out"} if "out_proj" not in kept else set())
-                     | ({"gate_up"} if not {"mlp_gate", "mlp_up"} <= kept else set()))
+    groups = ({"attention", "expert_down"} | ({"qkv"} if not _QKV <= kept else set())
+              | ({"out"} if "out_proj" not in kept else set())
+              | ({"gate_up"} if not {"mlp_gate", "mlp_up"} <= kept else set())
+              | ({"expert_gate_up"} if not {"moe_gate", "moe_up"} <= kept else set())
+              | ({"router"} if cfg.remat.policy != "save_dots" else set()))
+    return frozenset(groups & {"attention", *matmuls(cfg.model)})
 
 
 def recomputed_logits(cfg) -> bool:
@@ -131,7 +177,8 @@ XLA_SCORE_BYTES = 73
 
 def hbm_bytes(cfg, axes: Mapping[str, int], recompute: frozenset[str], state: memory.State) -> float:
     """HBM traffic of one device per step. Each projection reads its input and weights and writes its output
-    (scaling.md: 2BD + 2DF + 2BF bytes in bf16) once forward, twice backward (input and weight gradients) and
+    (scaling.md: 2BD + 2DF + 2BF bytes in bf16; an expert projection reads every expert the device holds, for k
+    rows per token: `matmuls`) once forward, twice backward (input and weight gradients) and
     once more when recomputed; attention reads Q, K, V and writes its output per pass, and XLA's attention moves
     its scores (XLA_SCORE_BYTES each); the output projection writes float32 logits (twice when model.logits_block
     recomputes them), the loss reads them and writes their gradient; the optimizer reads parameters and gradients
@@ -140,8 +187,8 @@ def hbm_bytes(cfg, axes: Mapping[str, int], recompute: frozenset[str], state: me
     t, stages = axes["tensor"], axes["pipeline"]
     ab = memory.DTYPE_BYTES[m.dtype]
     tokens = memory.replica_tokens(cfg, axes)
-    layer = sum((3 + (g in recompute)) * ab * (tokens * i + i * o + tokens * o)
-                for g, (i, o) in matmul_shapes(m, t).items())
+    layer = sum((3 + (g in recompute)) * matmul.hbm_bytes(tokens, ab)
+                for g, matmul in matmuls(m, t, axes["expert"]).items())
     elements = memory.tensor_elements(m, t, sequence_parallel=False)
     qkvo = 2 * elements["query_proj"] + 2 * elements["key_proj"]
     layer += (3 + ("attention" in recompute)) * ab * tokens * qkvo
@@ -153,13 +200,6 @@ def hbm_bytes(cfg, axes: Mapping[str, int], recompute: frozenset[str], state: me
     layer_params, outside = state.weights(state.layout.rules.opt_state)
     update = 3 * (layer_params * m.num_layers / stages + outside) + 2 * state.optimizer
     return microbatches(cfg, axes) * (layer * m.num_layers + head) / stages + update
-
-
-def _moe(m) -> tuple[int, int]:
-    """(MoE layers, experts per token) from Mixtral-style keys model.num_experts / model.experts_per_token; the
-    dense Llama of today has neither: no MoE layer, no expert traffic."""
-    experts = m.get("num_experts", 0)
-    return (m.num_layers if experts else 0), m.get("experts_per_token", 0)
 
 
 def _innermost_first(names) -> list[str]:
@@ -180,6 +220,9 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
     ZeRO-1 (O = data x fsdp) and ZeRO-2 (G = O = data x fsdp) scatter the gradients and gather the updated
     weights. Weights move one layer at a time inside the scanned stack, the rest (embedding, output projection,
     final norm) once; bytes are one device's tensor shard of each, whole over the axes the collective spans.
+    The `expert` axis is a batch axis too, but the mesh axes of the `experts` dim split the model, as `tensor`
+    does: an array split along experts is neither gathered nor reduced over them (each device trains its own
+    experts on every token routed to them), and every other array's gradients are all-reduced over them.
 
     A 1F1B pipeline (pipeline_1f1b.py) sums each device's gradients over the step and all-reduces them once
     over the batch axes that shard no parameter; with pipeline.gather_weights=once over every batch axis, the
@@ -188,15 +231,19 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
     model_cfg = state.layout.model_cfg
     one_f_one_b = model_cfg.pipeline_stages > 1 and model_cfg.pipeline_schedule == "1f1b"
     batch = set(sharding.mesh_axes(rules.activations["batch"]))
+    experts = set(sharding.mesh_axes(rules.params.get("experts")))
 
     def over(table: sharding.RuleTable) -> set[str]:
-        return {a for entry in table.values() for a in sharding.mesh_axes(entry)} & batch
+        return {a for name, entry in table.items() if name != "experts" for a in sharding.mesh_axes(entry)} & batch
 
-    def moves(table, axes_: set[str], kind: str, what: str, count: int) -> list[comms.Transfer]:
+    def moves(table, axes_: set[str], kind: str, what: str, count: int,
+              of_experts: bool | None = None) -> list[comms.Transfer]:
         if not axes_:
             return []
         names = _innermost_first(axes_)
-        layer, rest = state.weights(table, names)
+        layer, rest = state.weights(table, names, of_experts)
+        if not layer + rest:  # no array of the kind `of_experts` asks for
+            return []
         return (comms.collective(kind, f"layer {what}", layer, layers * count, levels(names))
                 + comms.collective(kind, f"embedding and output {what}", rest, count, levels(names)))
 
@@ -214,32 +261,39 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
     return (moves(rules.params, p, "all-gather", "weights, forward", microbatches)
             + moves(rules.params, p, "all-gather", "weights, backward", microbatches)
             + moves(rules.grads, g, "reduce-scatter", "gradients", microbatches)
-            + moves(rules.grads, batch - g - o, "all-reduce", "gradients", microbatches)
+            + moves(rules.grads, batch - g - o, "all-reduce", "gradients", microbatches, of_experts=False)
+            + moves(rules.grads, batch - g - o - experts, "all-reduce", "experts' gradients", microbatches,
+                    of_experts=True)
             + moves(rules.grads, o - g, "all-reduce", "gradients", microbatches - 1)
             + moves(rules.grads, o - g, "reduce-scatter", "gradients", 1)
             + moves(rules.params, o - p, "all-gather", "updated weights", 1))
 
 
 def step_transfers(cfg, axes: Mapping[str, int], links: Mapping[str, list[comms.Link]],
-                   recompute: frozenset[str], state: memory.State) -> list[comms.Transfer]:
+                   recompute: frozenset[str], state: memory.State, ragged: bool = True) -> list[comms.Transfer]:
     """Every collective of one train step: data parallelism as the rule tables shard the state
-    (`data_parallel_transfers`), then tensor, pipeline and expert parallelism (comms.py)."""
+    (`data_parallel_transfers`), then tensor, pipeline and expert parallelism (comms.py). `ragged`: the MoE
+    layers' rows travel by ragged all-to-all (TPU), else padded (memory.expert_rows)."""
     m = cfg.model
     ab = memory.DTYPE_BYTES[m.dtype]
-    accum, t = microbatches(cfg, axes), axes["tensor"]
+    accum, t, shards = microbatches(cfg, axes), axes["tensor"], axes["expert"]
     layers = math.ceil(m.num_layers / axes["pipeline"])
+    moe_layers = state.layout.model_cfg.moe_layers
 
     def levels(names: Sequence[str]) -> list[comms.Link]:
         return [links[a][0] for a in names] + [links[a][1] for a in names]
 
     activations = memory.replica_tokens(cfg, axes) * m.d_model * ab
     sp = cfg.sharding.sequence_parallel
-    moe_layers, top_k = _moe(m)
+    routed = memory.expert_rows(cfg, axes, ragged)[0] * activations * shards
+    dropless = not m.capacity_factor
+    counts = shards * m.num_experts * 4 if dropless else 0  # int32 assignments per expert, from every device
     return (data_parallel_transfers(state, layers, accum, levels)
-            + comms.tensor(activations, layers, accum, sp, recompute, levels(["tensor"]))
+            + comms.tensor(activations, layers, accum, sp, recompute, levels(["tensor"]), moe_layers)
             + comms.pipeline(activations / (t if sp else 1), accum * state.layout.model_cfg.pipeline_repeats,
                              levels(["pipeline"]))
-            + comms.expert(activations * top_k, moe_layers, accum, levels(["expert"])))
+            + comms.expert(routed, counts, moe_layers, accum, "expert_down" in recompute, levels(["expert"]),
+                           "ragged-all-to-all" if ragged and dropless else "all-to-all"))
 
 
 def _criterion(rule: str, threshold: float, value: float, below: bool = False) -> dict:
@@ -269,7 +323,7 @@ def critical_batches(cfg, topo: hw.Topology, axes: Mapping[str, int],
                                           replica_tokens / axes["tensor"])
     if topo.slices > 1:
         out["dcn"] = _criterion("tokens per slice (per microbatch) > C / W_dcn", c / chip.dcn_bandwidth,
-                                replica_tokens * axes["data"] * axes["fsdp"] / topo.slices)
+                                replica_tokens * axes["data"] * axes["fsdp"] * axes["expert"] / topo.slices)
     return out
 
 
@@ -297,13 +351,8 @@ def _warnings(cfg, axes: Mapping[str, int], mem: memory.Prediction, chip: hw.Chi
     """What the trainer would refuse and what makes the plan less than it seems; the plan is made regardless."""
     out = [f"the trainer refuses this mesh: {problem}" for problem in refusals(cfg, axes, state)]
     micro = cfg.train.global_batch / microbatches(cfg, axes)
-    if micro % (axes["data"] * axes["fsdp"]):
+    if micro % (axes["data"] * axes["fsdp"] * axes["expert"]):
         out.append("planned with the book's sequence sharding (token-level data parallelism)")
-    if axes["expert"] > 1:
-        out.append(f"expert={axes['expert']} planned as all-to-all dispatch, with the state as the trainer lays it out "
-                   f"today (not split over expert)")
-    if axes["expert"] > 1 and not _moe(cfg.model)[0]:
-        out.append(f"expert={axes['expert']} with no MoE layers: its devices repeat each other's work")
     if mem.total > chip.hbm_bytes:
         out.append(f"does not fit: {mem.total / GB:.1f} GB per device of {chip.hbm_bytes / GB:.0f} GB HBM")
     return out
@@ -348,19 +397,19 @@ def plan(cfg, hardware: str) -> dict:
                                 + recomputed_logits(cfg) * 2 * m.d_model * m.vocab_size)
     extra_flops = tokens * attention_extra_flops(cfg, chip.name)
     bubble = comms.bubble(axes["pipeline"], microbatches(cfg, axes), state.layout.model_cfg.pipeline_repeats)
-    # The expert axis splits nothing of a dense model (the batch is not sharded over it): its devices repeat work.
-    working_devices = axes["data"] * axes["fsdp"] * axes["tensor"] * axes["pipeline"]
-    transfers = step_transfers(cfg, axes, links, recompute, state)
+    ragged = chip.ragged_all_to_all
+    transfers = step_transfers(cfg, axes, links, recompute, state, ragged)
     sent, seconds = comms.by_axis(transfers)
     hbm = hbm_bytes(cfg, axes, recompute, state)
-    times = {"compute": (step_flops + recompute_flops + extra_flops) / working_devices / chip.bf16_flops
+    # Every chip has its share of the work: the expert axis splits the batch (each device routes its own tokens).
+    times = {"compute": (step_flops + recompute_flops + extra_flops) / topo.num_chips / chip.bf16_flops
              / (1 - bubble),
              "hbm": hbm / chip.hbm_bandwidth,
              "ici": max(seconds[a] for a in MESH_AXES),
              "dcn": max(seconds[f"dcn_{a}"] for a in MESH_AXES)}
     bound = max(times, key=times.get)
     step_time = times[bound]
-    mem = memory.predict(cfg, axes, state)
+    mem = memory.predict(cfg, axes, state, ragged)
     detail = mem.as_dict()
     return {
         "hardware": str(topo), "chip": chip.name, "chips": topo.num_chips, "slices": topo.slices,
@@ -370,6 +419,7 @@ def plan(cfg, hardware: str) -> dict:
                        "switch": links[a][0].switch, "bandwidth": links[a][0].bandwidth}
                    for a in MESH_AXES if links[a][0].size > 1},
         "params": count.total,
+        "active_params": count.active,
         "flops_per_token": per_token,
         "tokens_per_step": tokens,
         "tokens_per_chip": tokens / topo.num_chips,
@@ -427,7 +477,8 @@ def format_table(result: dict) -> str:
     layout = "; ".join(f"{a} over {'memory' if r['chip'] == 'cpu' else 'NVLink'}" if v["switch"] else
                        f"{a} on torus axes {'x'.join(map(str, v['physical_axes']))}"
                        f"{'' if all(v['wraparound']) else ' (not all wrapped)'}" for a, v in r["layout"].items())
-    lines = [f"{_si(r['params'])} parameters on {r['hardware']}: {r['chips']} x {r['chip']}, "
+    active = f" ({_si(r['active_params'])} active per token)" if r["active_params"] != r["params"] else ""
+    lines = [f"{_si(r['params'])} parameters{active} on {r['hardware']}: {r['chips']} x {r['chip']}, "
              f"{r['slices']} slice{'s' if r['slices'] > 1 else ''}; mesh {mesh}" + (f" ({layout})" if layout else ""),
              f"batch {r['tokens_per_step']:,} tokens per step: {r['tokens_per_chip']:.0f} per chip, "
              f"{r['tokens_per_replica']:.0f} per data-parallel replica and microbatch",
