@@ -242,7 +242,9 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     ckpt.set_aside_damaged()
     if main:
         (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
-        print(f"scaletrain: {flops.param_count(setup.model_cfg).total / 1e6:.2f}M parameters on "
+        count = flops.param_count(setup.model_cfg)
+        active = f" ({count.active / 1e6:.2f}M active per token)" if count.active != count.total else ""
+        print(f"scaletrain: {count.total / 1e6:.2f}M parameters{active} on "
               f"{jax.device_count()} {jax.devices()[0].platform} devices ({mesh_lib.describe(setup.mesh.shape)}, "
               f"{cfg.sharding.preset}); {origin}", flush=True)
     if start >= cfg.steps:

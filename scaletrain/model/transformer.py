@@ -143,10 +143,12 @@ class MoEGroup(nnx.Module):
 
         self.dense = make_dense(rngs)
         self.moe = Block(cfg, rngs, moe=True)
+        self.unroll = cfg.unroll_loops
 
     def _dense_scan(self, step, x_btd, xs=None):
         graphdef, stacked = nnx.split(self.dense)
-        return jax.lax.scan(lambda x, p: step(nnx.merge(graphdef, p[0]), x, p[1]), x_btd, (stacked, xs))
+        return jax.lax.scan(lambda x, p: step(nnx.merge(graphdef, p[0]), x, p[1]), x_btd, (stacked, xs),
+                            unroll=self.unroll)
 
     def __call__(self, x_btd, sin_bth, cos_bth, segment_ids_bt):
         x_btd, _ = self._dense_scan(lambda block, x, _: (block(x, sin_bth, cos_bth, segment_ids_bt), None), x_btd)
