@@ -1,14 +1,16 @@
 """Hugging Face checkpoints in and out: `convert from-hf` (config.json + safetensors -> a run directory) and
 `convert to-hf` (a run's checkpoint -> config.json + safetensors). docs/huggingface.md.
 
-One table (TENSORS) maps every Hugging Face tensor to its scaletrain parameter, in both directions. scaletrain's
-RoPE is rotate-half like Hugging Face's and it scales q by head_dim**-0.5 itself, so the weights need no
-permutation and no scaling: linear weights are transposed and reshaped, everything else is copied as is.
+One table (TENSORS, with MOE_TENSORS in place of its MLP rows for a mixture of experts) maps every Hugging Face
+tensor to its scaletrain parameter, in both directions. scaletrain's RoPE is rotate-half like Hugging Face's and it
+scales q by head_dim**-0.5 itself, so the weights need no permutation and no scaling: linear weights are transposed
+and reshaped, everything else is copied as is.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import sys
@@ -28,11 +30,11 @@ from scaletrain import config as config_lib
 from scaletrain import storage
 from scaletrain.errors import UserError, first_line
 
-# (Hugging Face name, scaletrain parameter path, in_dims), in Hugging Face's order. `{i}` is the layer, whose
-# parameters scaletrain stacks on a leading axis. in_dims None: the same array. Otherwise a linear weight
-# [out, in], whose transpose is scaletrain's weight with its first `in_dims` dims flattened (e.g. wq [embed,
-# heads, head_dim] is q_proj.weight.T [embed, heads * head_dim]). A row applies where the model has its parameter
-# (q_norm/k_norm with qk_norm, lm_head without tied embeddings).
+# (Hugging Face name, scaletrain parameter path, in_dims), in Hugging Face's order. `{i}` is the layer and `{j}`
+# the expert, whose parameters scaletrain stacks on leading axes ([layers, experts, ...]). in_dims None: the same
+# array. Otherwise a linear weight [out, in], whose transpose is scaletrain's weight with its first `in_dims` dims
+# flattened (e.g. wq [embed, heads, head_dim] is q_proj.weight.T [embed, heads * head_dim]). A row applies where
+# the model has its parameter (q_norm/k_norm with qk_norm, lm_head without tied embeddings).
 TENSORS: tuple[tuple[str, tuple[str, ...], int | None], ...] = (
     ("model.embed_tokens.weight", ("embed", "table"), None),
     ("model.layers.{i}.input_layernorm.weight", ("layers", "attn_norm", "scale"), None),
@@ -49,6 +51,22 @@ TENSORS: tuple[tuple[str, tuple[str, ...], int | None], ...] = (
     ("model.norm.weight", ("final_norm", "scale"), None),
     ("lm_head.weight", ("lm_head",), 1),
 )
+# A mixture of experts' rows, in place of TENSORS' MLP rows, under each architecture's names: the router
+# ([experts, d] in Hugging Face, [d, experts] in scaletrain) and each expert's SwiGLU.
+MOE_TENSORS = {
+    "MixtralForCausalLM": (
+        ("model.layers.{i}.block_sparse_moe.gate.weight", ("layers", "mlp", "router"), 1),
+        ("model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight", ("layers", "mlp", "w_gate"), 1),
+        ("model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight", ("layers", "mlp", "w_down"), 1),
+        ("model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight", ("layers", "mlp", "w_up"), 1),
+    ),
+    "Qwen3MoeForCausalLM": (
+        ("model.layers.{i}.mlp.gate.weight", ("layers", "mlp", "router"), 1),
+        ("model.layers.{i}.mlp.experts.{j}.gate_proj.weight", ("layers", "mlp", "w_gate"), 1),
+        ("model.layers.{i}.mlp.experts.{j}.up_proj.weight", ("layers", "mlp", "w_up"), 1),
+        ("model.layers.{i}.mlp.experts.{j}.down_proj.weight", ("layers", "mlp", "w_down"), 1),
+    ),
+}
 # Buffers some checkpoints carry that the model recomputes: skipped on the way in.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -61,7 +79,18 @@ CONFIG_KEYS = (("vocab_size", "vocab_size"), ("hidden_size", "d_model"), ("num_h
 LLAMA3_ROPE_KEYS = (("factor", "rope_scaling_factor"), ("low_freq_factor", "rope_low_freq_factor"),
                     ("high_freq_factor", "rope_high_freq_factor"),
                     ("original_max_position_embeddings", "rope_original_max_position"))
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen3ForCausalLM": "qwen3"}
+# A mixture of experts' config.json keys -> model.* keys, where one is the other. The expert count is
+# num_local_experts (Mixtral's; transformers 5 writes it for Qwen3-MoE too) or num_experts (Qwen3-MoE's), the
+# experts' width EXPERT_WIDTH's key; every layer is a mixture (moe_every 1), dropless (capacity_factor 0).
+MOE_CONFIG_KEYS = (("num_experts_per_tok", "experts_per_token"), ("router_aux_loss_coef", "router_aux_loss"))
+EXPERT_COUNT = {"MixtralForCausalLM": "num_local_experts", "Qwen3MoeForCausalLM": "num_experts"}
+EXPERT_WIDTH = {"MixtralForCausalLM": "intermediate_size", "Qwen3MoeForCausalLM": "moe_intermediate_size"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen3ForCausalLM": "qwen3",
+                 "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# The bias switches each architecture's config has, written false (Mixtral has none).
+BIAS_KEYS = {"LlamaForCausalLM": ("attention_bias", "mlp_bias"), "Qwen3ForCausalLM": ("attention_bias",),
+             "Qwen3MoeForCausalLM": ("attention_bias",)}
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Copied into <run>/tokenizer/ and back: whichever exist.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -76,9 +105,9 @@ class Tensor:
     """One Hugging Face tensor and where it lives in scaletrain's parameters."""
     name: str
     path: tuple[str, ...]
-    layer: int | None  # its index on the stacked layer axis
+    index: tuple[int, ...]  # its place on the stacked leading axes: (layer,), (layer, expert) or () for none
     in_dims: int | None
-    shape: tuple[int, ...]  # scaletrain's, without the layer axis
+    shape: tuple[int, ...]  # scaletrain's, without the stacked axes
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -93,20 +122,32 @@ class Tensor:
         return x if self.in_dims is None else x.reshape(*self.hf_shape[::-1]).T
 
 
-def tensors(abstract_params: dict) -> list[Tensor]:
-    """Every Hugging Face tensor of a model with these parameters, in Hugging Face's order: what precedes the
-    layers in TENSORS, the layers one after the other, then the rest."""
-    first_layer_row = next(row for row, (_, path, _) in enumerate(TENSORS) if path[0] == "layers")
+def _table(arch: str) -> tuple[tuple[str, tuple[str, ...], int | None], ...]:
+    """TENSORS for an architecture: a mixture of experts' MOE_TENSORS in place of the MLP's rows."""
+    if arch not in MOE_TENSORS:
+        return TENSORS
+    mlp = [row for row, (_, path, _) in enumerate(TENSORS) if path[:2] == ("layers", "mlp")]
+    return TENSORS[:mlp[0]] + MOE_TENSORS[arch] + TENSORS[mlp[-1] + 1:]
+
+
+def tensors(abstract_params: dict, arch: str) -> list[Tensor]:
+    """Every Hugging Face tensor of a model with these parameters, named as `arch` names them, in Hugging Face's
+    order: what precedes the layers in the table, the layers one after the other (each with its experts' tensors
+    last, expert by expert), then the rest."""
+    rows = _table(arch)
+    first_layer_row = next(row for row, (_, path, _) in enumerate(rows) if path[0] == "layers")
     keyed = []
-    for row, (name, path, in_dims) in enumerate(TENSORS):
+    for row, (name, path, in_dims) in enumerate(rows):
         try:
             shape = _leaf(abstract_params, path).shape
         except KeyError:  # the model has no such parameter
             continue
-        if path[0] == "layers":
-            keyed += [((i, row), Tensor(name.format(i=i), path, i, in_dims, shape[1:])) for i in range(shape[0])]
-        else:
-            keyed.append(((-1 if row < first_layer_row else math.inf, row), Tensor(name, path, None, in_dims, shape)))
+        stacked = ("{i}" in name) + ("{j}" in name)  # leading axes: layers, then experts
+        for index in itertools.product(*map(range, shape[:stacked])):
+            # (layer, expert): -1 for a layer's own tensors; before or after every layer for the rest
+            place = (*index, -1)[:2] if stacked else (-1 if row < first_layer_row else math.inf, -1)
+            keyed.append(((*place, row), Tensor(name.format(**dict(zip("ij", index))), path, index, in_dims,
+                                                shape[stacked:])))
     return [t for _, t in sorted(keyed, key=lambda kt: kt[0])]
 
 
@@ -133,7 +174,7 @@ def model_keys(hf: dict, source: str) -> dict[str, Any]:
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise refuse(f"{key}=true")
-    if arch == "MistralForCausalLM" and hf.get("sliding_window") is not None:
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM") and hf.get("sliding_window") is not None:
         raise refuse(f"sliding_window={hf['sliding_window']} (sliding-window attention)")
     if hf.get("use_sliding_window"):
         raise refuse("use_sliding_window=true (sliding-window attention)")
@@ -146,11 +187,32 @@ def model_keys(hf: dict, source: str) -> dict[str, Any]:
     keys = {ours: hf[theirs] for theirs, ours in CONFIG_KEYS if hf.get(theirs) is not None}
     keys.setdefault("num_kv_heads", hf["num_attention_heads"])
     keys.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
-    keys.setdefault("tie_embeddings", False)  # the three architectures' default
+    keys.setdefault("tie_embeddings", False)  # every supported architecture's default
     keys |= _rope_keys(hf, refuse)
-    if arch == "Qwen3ForCausalLM":  # Qwen3 normalises q and k per head, with the model's eps
+    if arch in QK_NORM_ARCHITECTURES:  # Qwen3 normalises q and k per head, with the model's eps
         keys |= {"qk_norm": True, "qk_norm_eps": keys.get("norm_eps", 1e-6)}
+    if arch in MOE_TENSORS:
+        keys |= _moe_keys(hf, arch, source, refuse)
     return keys
+
+
+def _moe_keys(hf: dict, arch: str, source: str, refuse) -> dict[str, Any]:
+    """A mixture of experts in every layer, routed as scaletrain routes: the top k of the softmax, renormalised
+    to sum to 1 (Mixtral always; Qwen3-MoE with norm_topk_prob)."""
+    if arch == "Qwen3MoeForCausalLM":
+        if not hf.get("norm_topk_prob"):
+            raise refuse("norm_topk_prob=false (top-k router weights not renormalised)")
+        if hf.get("decoder_sparse_step", 1) != 1:
+            raise refuse(f"decoder_sparse_step={hf['decoder_sparse_step']} (dense layers between the mixtures)")
+        if hf.get("mlp_only_layers"):
+            raise refuse(f"mlp_only_layers {hf['mlp_only_layers']} (dense layers between the mixtures)")
+    # transformers reads either name of the expert count for either architecture
+    count = next((k for k in ("num_local_experts", "num_experts") if hf.get(k) is not None), EXPERT_COUNT[arch])
+    for key in (count, "num_experts_per_tok", EXPERT_WIDTH[arch]):
+        if hf.get(key) is None:
+            raise UserError(f"{source}: config.json has no {key}")
+    return {"num_experts": hf[count], "moe_d_ff": hf[EXPERT_WIDTH[arch]],
+            **{ours: hf[theirs] for theirs, ours in MOE_CONFIG_KEYS if hf.get(theirs) is not None}}
 
 
 def _architecture(hf: dict, source: str) -> str:
@@ -184,21 +246,41 @@ def _rope_keys(hf: dict, refuse) -> dict[str, Any]:
 
 def hf_config(model) -> dict:
     """config.json for a run's model (`model`: its config's model section): Qwen3 where Q and K are normalised,
-    else Llama. The rope settings are written as rope_theta and rope_scaling, which transformers 4 and 5 read."""
+    else Llama - Qwen3-MoE and Mixtral with a mixture of experts. The rope settings are written as rope_theta and
+    rope_scaling, which transformers 4 and 5 read."""
     if model.norm_weights != "standard":
         raise UserError(f"model.norm_weights={model.norm_weights}: Hugging Face's Llama keeps its RMSNorm gains; "
                         f"export a run with standard norms")
     if model.qk_norm and model.qk_norm_eps != model.norm_eps:
         raise UserError(f"model.qk_norm_eps={model.qk_norm_eps} differs from model.norm_eps={model.norm_eps}: "
                         f"Qwen3 normalises Q and K with the model's rms_norm_eps")
-    arch = "Qwen3ForCausalLM" if model.qk_norm else "LlamaForCausalLM"
+    if model.num_experts and model.moe_every != 1:
+        raise UserError(f"model.moe_every={model.moe_every}: Hugging Face's Mixtral and Qwen3-MoE have a mixture "
+                        f"of experts in every layer (moe_every 1)")
+    if model.num_experts:
+        arch = "Qwen3MoeForCausalLM" if model.qk_norm else "MixtralForCausalLM"
+    else:
+        arch = "Qwen3ForCausalLM" if model.qk_norm else "LlamaForCausalLM"
     rope_scaling = None
     if model.rope_scaling == "llama3":
         rope_scaling = {"rope_type": "llama3", **{theirs: model[ours] for theirs, ours in LLAMA3_ROPE_KEYS}}
     return {"architectures": [arch], "model_type": ARCHITECTURES[arch],
             **{theirs: model[ours] for theirs, ours in CONFIG_KEYS},
-            "hidden_act": "silu", "attention_bias": False, **({} if model.qk_norm else {"mlp_bias": False}),
-            "rope_theta": model.rope_theta, "rope_scaling": rope_scaling, "dtype": model.param_dtype}
+            "hidden_act": "silu", **dict.fromkeys(BIAS_KEYS.get(arch, ()), False),
+            "rope_theta": model.rope_theta, "rope_scaling": rope_scaling, **_moe_config(model, arch),
+            "dtype": model.param_dtype}
+
+
+def _moe_config(model, arch: str) -> dict[str, Any]:
+    """A mixture of experts' config.json keys (Hugging Face's mixtures are dropless, whatever
+    model.capacity_factor: it does not change the weights)."""
+    if arch not in MOE_TENSORS:
+        return {}
+    keys = {EXPERT_COUNT[arch]: model.num_experts, EXPERT_WIDTH[arch]: config_lib.moe_d_ff(model),
+            **{theirs: model[ours] for theirs, ours in MOE_CONFIG_KEYS}}
+    if arch == "Qwen3MoeForCausalLM":  # transformers' defaults route otherwise
+        keys |= {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    return keys
 
 
 def _dtype(hf: dict, default: str) -> Any:
@@ -219,12 +301,13 @@ def from_hf(hf_dir: str, out: str) -> int:
     source = Path(hf_dir)
     config_json = _read_json(source / "config.json", f"--hf-dir {hf_dir}")
     keys = model_keys(config_json, f"{source / 'config.json'}")
+    arch = _architecture(config_json, hf_dir)
     # Validated against the source's tokenizer (nothing is written yet), then written naming the copy.
     cfg = _run_config(keys, out, _tokenizer(source))
     setup = inference.one_device_setup(cfg)
     with ExitStack() as stack:
         reader = _Reader(source, stack)
-        layout = tensors(setup.abstract_state.params)
+        layout = tensors(setup.abstract_state.params, arch)
         reader.check(layout)
         params = _read_params(reader, layout, setup.abstract_state.params, setup.state_shardings.params)
     run = storage.prepare(out)
@@ -235,7 +318,7 @@ def from_hf(hf_dir: str, out: str) -> int:
     # Last: a run directory without config.yaml is an interrupted conversion, not a run.
     (run / "config.yaml").write_text(config_lib.to_yaml(cfg))
     count = sum(math.prod(x.shape) for x in jax.tree.leaves(setup.abstract_state.params))
-    print(f"converted {hf_dir} ({_architecture(config_json, hf_dir)}, {count / 1e6:.2f}M parameters, "
+    print(f"converted {hf_dir} ({arch}, {count / 1e6:.2f}M parameters, "
           f"{len(reader.files)} safetensors file{'s' if len(reader.files) > 1 else ''}) into {out} (step 0); "
           f"fine-tune it with checkpoint.init_from={out}")
     return 0
@@ -340,7 +423,7 @@ def _read_params(reader: _Reader, layout: list[Tensor], abstract_params: dict, s
         target = _leaf(abstract_params, path)
         host = np.empty(target.shape, target.dtype)
         for t in by_path[path]:
-            host[() if t.layer is None else t.layer] = t.to_scaletrain(reader.read(t))
+            host[t.index] = t.to_scaletrain(reader.read(t))
         return jax.device_put(host, _leaf(shardings, path))
 
     return _map_paths(fill, abstract_params)
@@ -389,12 +472,14 @@ def to_hf(run_dir: str, out: str, step: int | None = None, shard_bytes: int = SH
     cfg = inference.load_config(run_dir)
     built = hf_config(cfg.model)  # refuses what Hugging Face's models cannot represent
     kept = _kept_config(run_dir, cfg)
-    dtype = _dtype(json.loads(kept) if kept else built, cfg.model.param_dtype)
+    hf = json.loads(kept) if kept else built
+    dtype = _dtype(hf, cfg.model.param_dtype)
     setup = inference.one_device_setup(cfg)
     step, params = restore_params(run_dir, setup.abstract_state.params, what="convert to-hf", step=step)
     target = Path(out)
     target.mkdir(exist_ok=True)
-    files = _write_safetensors(params, tensors(setup.abstract_state.params), dtype, target, shard_bytes)
+    files = _write_safetensors(params, tensors(setup.abstract_state.params, _architecture(hf, run_dir)), dtype,
+                               target, shard_bytes)
     (target / "config.json").write_text(kept or json.dumps(built, indent=2) + "\n")
     copied = _copy_tokenizer(run_dir, cfg.data.tokenizer, target)
     print(f"wrote step {step} of {run_dir} to {out}: {files} safetensors file{'s' if files > 1 else ''} "
@@ -440,8 +525,7 @@ def _write_safetensors(params: dict, layout: list[Tensor], dtype, target: Path, 
     for name, shard in zip(names, shards):
         arrays = {}
         for t in shard:
-            x = _leaf(host, t.path)
-            arrays[t.name] = np.ascontiguousarray(t.to_hf(x if t.layer is None else x[t.layer]), dtype)
+            arrays[t.name] = np.ascontiguousarray(t.to_hf(_leaf(host, t.path)[t.index]), dtype)
         save_file(arrays, target / name, metadata={"format": "pt"})
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(math.prod(t.hf_shape) * itemsize for t in layout)},

@@ -17,8 +17,11 @@ from scaletrain import config as config_lib
 from scaletrain import storage
 from scaletrain.errors import UserError
 
-# Norm -> the weights its output feeds (paths under params["layers"]); the final norm feeds lm_head.
-FOLDS = {"attn_norm": (("attn", "wq"), ("attn", "wk"), ("attn", "wv")), "mlp_norm": (("mlp", "w_gate"), ("mlp", "w_up"))}
+# Norm -> the weights its output feeds in a block, each with its number of output dims (those after the input
+# dim d that the gain scales); the final norm feeds lm_head. A mixture of experts' router and experts all take
+# norm(x): its mlp_norm feeds all three (a dense MLP has no router).
+FOLDS = {"attn_norm": (("attn", "wq", 2), ("attn", "wk", 2), ("attn", "wv", 2)),
+         "mlp_norm": (("mlp", "router", 1), ("mlp", "w_gate", 1), ("mlp", "w_up", 1))}
 
 
 def load_config(run_dir: str | Path, overrides: list[str] = (), one_device: bool = True):
@@ -42,17 +45,27 @@ def fold(params: Any, tie_embeddings: bool) -> Any:
     """Parameters with every foldable RMSNorm gain multiplied into the rows of the weights it feeds, in
     float32, then cast back: W*[d, ...] = g[d] W[d, ...]. The gains are removed (weightless norms); with tied
     embeddings the final norm keeps its gain (the table also embeds the input)."""
-    def scaled(w, g):  # g [..., d] against w [..., d, out...]
-        g = np.asarray(g, np.float32).reshape(*g.shape, *(1,) * (w.ndim - g.ndim))
+    def scaled(w, g, out_dims=1):
+        # g [stack..., d] against w [stack..., d, out...], or against an expert's w [stack..., experts, d, out...]:
+        # every expert takes the same gain.
+        g = np.asarray(g, np.float32)
+        between = w.ndim - out_dims - g.ndim
+        g = g.reshape(*g.shape[:-1], *(1,) * between, g.shape[-1], *(1,) * out_dims)
         return (np.asarray(w, np.float32) * g).astype(w.dtype)
 
+    def fold_blocks(layers):  # params["layers"]: a block, or a group of them (dense and moe: model.moe_every > 1)
+        if "attn_norm" not in layers:
+            return {name: fold_blocks(block) for name, block in layers.items()}
+        block = dict(layers)
+        for norm, targets in FOLDS.items():
+            g = block.pop(norm)["scale"]
+            for module, name, out_dims in targets:
+                if name in block[module]:
+                    block[module] = {**block[module], name: scaled(block[module][name], g, out_dims)}
+        return block
+
     params = jax.tree.map(np.asarray, params)
-    layers = dict(params["layers"])
-    for norm, targets in FOLDS.items():
-        g = layers.pop(norm)["scale"]
-        for block, name in targets:
-            layers[block] = {**layers[block], name: scaled(layers[block][name], g)}
-    out = {**params, "layers": layers}
+    out = {**params, "layers": fold_blocks(params["layers"])}
     if not tie_embeddings:
         out["lm_head"] = scaled(params["lm_head"], params["final_norm"]["scale"])
         out.pop("final_norm")

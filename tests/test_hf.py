@@ -1,26 +1,33 @@
 """Hugging Face checkpoints in and out (scaletrain/hf.py), against transformers: tiny random Llama (untied, GQA),
-Llama 3 (llama3 RoPE scaling, tied, head_dim != hidden / heads), Mistral and Qwen3 (QK norms) models, converted
-through the command line. scaletrain's logits equal transformers' (float32); HF -> scaletrain -> HF is bit-exact
-and loads back into transformers; sharded files in and out; bad input is one `error:` line.
+Llama 3 (llama3 RoPE scaling, tied, head_dim != hidden / heads), Mistral, Qwen3 (QK norms), Mixtral and Qwen3-MoE
+(mixtures of experts) models, converted through the command line. scaletrain's logits equal transformers'
+(float32); HF -> scaletrain -> HF is bit-exact and loads back into transformers; sharded files in and out; bad
+input is one `error:` line. Also: folding a mixture of experts' norm gains (convert fold-norms) keeps its logits.
 
-Each model is converted once (module-scoped fixtures) and its logits computed once: the module compiles four
+Each model is converted once (module-scoped fixtures) and its logits computed once: the module compiles six
 forward passes."""
 
 import json
 import shutil
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
 import yaml
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from scaletrain import hf, storage
+from scaletrain import config as config_lib
+from scaletrain import hf, inference, storage
+from scaletrain import model as model_lib
 from scaletrain.__main__ import main
 from scaletrain.checkpoint import check_resumable
 from scaletrain.errors import CheckpointError
+from tests.conftest import tiny_overrides
 
 VOCAB = 320  # at least the byte tokenizer's 259 ids, which config.yaml names where a model comes without a tokenizer
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -34,6 +41,9 @@ MODELS = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
     "mistral": (transformers.MistralConfig, dict(sliding_window=None)),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=16, rms_norm_eps=1e-5)),
+    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                    moe_intermediate_size=48, norm_topk_prob=True)),
 }
 TOKENS = np.random.RandomState(0).randint(0, VOCAB, (2, 16))
 
@@ -156,7 +166,9 @@ def test_tokenizer_files_go_with_the_run(converted, source, tmp_path):
         assert (tmp_path / "out" / name).read_bytes() == (folder / name).read_bytes()
 
 
-@pytest.mark.parametrize("name, architecture", [("llama3", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
+@pytest.mark.parametrize("name, architecture", [("llama3", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM"),
+                                                ("mixtral", "MixtralForCausalLM"),
+                                                ("qwen3_moe", "Qwen3MoeForCausalLM")])
 def test_config_built_from_the_run(name, architecture, converted, source, tmp_path):
     """A run with no kept config.json (trained in scaletrain) gets one built from its config.yaml."""
     run = tmp_path / "run"
@@ -252,6 +264,13 @@ def _garbled(folder: Path) -> None:
     ("mistral", _configured(sliding_window=4096), "MistralForCausalLM with sliding_window=4096"),
     ("qwen3", _configured(use_sliding_window=True), "Qwen3ForCausalLM with use_sliding_window=true"),
     ("llama", _configured(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "with rope_type yarn"),
+    ("mixtral", _without("model.layers.1.block_sparse_moe.experts.3.w2.weight"),
+     "no tensor model.layers.1.block_sparse_moe.experts.3.w2.weight (expected [64, 128])"),
+    ("mixtral", _configured(sliding_window=4096), "MixtralForCausalLM with sliding_window=4096"),
+    ("mixtral", _configured(architectures=["DeepseekV3ForCausalLM"]), "architecture DeepseekV3ForCausalLM is not"),
+    ("qwen3_moe", _configured(norm_topk_prob=False), "Qwen3MoeForCausalLM with norm_topk_prob=false"),
+    ("qwen3_moe", _configured(decoder_sparse_step=2), "Qwen3MoeForCausalLM with decoder_sparse_step=2"),
+    ("qwen3_moe", _configured(mlp_only_layers=[1]), "Qwen3MoeForCausalLM with mlp_only_layers [1]"),
 ])
 def test_bad_checkpoints_are_one_error_line(base, change, message, source, tmp_path, capsys):
     folder = tmp_path / "bad"
@@ -264,16 +283,49 @@ def test_bad_checkpoints_are_one_error_line(base, change, message, source, tmp_p
     assert not (tmp_path / "run").exists()
 
 
-def test_folded_norms_are_refused(converted, tmp_path, capsys):
+@pytest.mark.parametrize("base, key, value", [("llama", "norm_weights", "folded"), ("mixtral", "moe_every", 2)])
+def test_what_hugging_face_cannot_hold_is_refused(base, key, value, converted, tmp_path, capsys):
+    """Folded norms; dense layers between the mixtures of experts (Mixtral has a mixture in every layer)."""
     run = tmp_path / "run"
-    shutil.copytree(converted("llama"), run)
-    config = run / "config.yaml"
-    config.write_text(config.read_text().replace("norm_weights: standard", "norm_weights: folded"))
+    shutil.copytree(converted(base), run)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["model"][key] = value
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
     capsys.readouterr()
     assert main(["convert", "to-hf", "--run-dir", str(run), "--out", str(tmp_path / "out")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: model.norm_weights=folded"), lines
+    assert len(lines) == 1 and lines[0].startswith(f"error: model.{key}={value}"), lines
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("moe_every", [1, 2])
+def test_folding_a_mixture_of_experts_keeps_its_logits(moe_every):
+    """`convert fold-norms` (inference.fold): a mixture of experts' mlp_norm gain goes into its router and each
+    expert's w_gate and w_up; with moe_every 2 the dense blocks of each group fold too (two groups, so that a gain
+    misplaced on the experts' axis shows). Gains far from 1, the same logits within 1e-5, for standard and fused
+    norms."""
+    moe = {"model.num_experts": 4, "model.moe_d_ff": 48, "model.moe_every": moe_every,
+           "model.num_layers": 2 * moe_every}  # two mixtures of experts
+    cfg = config_lib.load(None, tiny_overrides("unused", **moe))
+    model_cfg = model_lib.ModelConfig.from_config(cfg.model)
+    rng = np.random.RandomState(0)  # random weights from the shapes alone: no (slow, eager) initialisation
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: (1 + 0.5 * rng.randn(*x.shape) if "scale" in jax.tree_util.keystr(p) else
+                      0.05 * rng.randn(*x.shape)).astype(np.float32), model_lib.abstract(model_cfg)[1])
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 32), 0, cfg.model.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(32), tokens.shape)
+
+    def logits(model_cfg, params):
+        graphdef = model_lib.abstract(model_cfg)[0]
+        forward = jax.jit(lambda params: nnx.merge(graphdef, params)(tokens, positions, jnp.ones_like(tokens)))
+        return np.asarray(forward(params))
+
+    folded = inference.fold(params, False)
+    assert "scale" not in str(jax.tree_util.tree_structure(folded))
+    want = logits(model_cfg, params)
+    for norm in ("standard", "fused"):
+        folded_cfg = model_lib.ModelConfig.from_config(cfg.model, norm_weights="folded", norm=norm)
+        np.testing.assert_allclose(logits(folded_cfg, folded), want, rtol=1e-5, atol=1e-5)
 
 
 def test_in_and_out_of_a_bucket(source, bucket, tmp_path):
