@@ -39,6 +39,28 @@ def stats_size(num_experts: int) -> int:
     return LOAD + num_experts
 
 
+def capacity(capacity_factor: float, seq_len: int, k: int, experts: int) -> int:
+    """C: the assignments each expert takes from a sequence, with capacity buffers."""
+    return math.ceil(capacity_factor * seq_len * k / experts)
+
+
+def rows_per_token(k: int, experts: int, shards: int, capacity_factor: float, seq_len: int,
+                   ragged: bool) -> tuple[float, float]:
+    """Rows of d_model per token of a device's share of the batch, in each MoE layer: (those the device sends to
+    its tokens' experts, those its experts receive and compute - the buffer the transport fills). Dropless: its
+    k assignments per token; across `shards` expert devices, received into a buffer of shards x its tokens x
+    min(k, experts per device) rows by the ragged all-to-all (`ragged`), or, padded, sent and received as
+    `shards` blocks of all its assignments. With capacity buffers: experts x C per sequence, both ways."""
+    if capacity_factor:
+        rows = experts * capacity(capacity_factor, seq_len, k, experts) / seq_len
+        return rows, rows
+    if shards == 1:
+        return k, k
+    if ragged:
+        return k, shards * min(k, experts // shards)
+    return shards * k, shards * k
+
+
 class MoE(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         d, f, e, pd = cfg.d_model, cfg.expert_d_ff, cfg.num_experts, cfg.param_dtype
@@ -128,7 +150,8 @@ def _dropless(h_td, top_e, experts, expert_axes, ragged_transport) -> jax.Array:
     if shards == 1:
         out = _grouped_swiglu(rows, counts, experts)
     else:
-        out = _expert_parallel(rows, counts, experts, expert_axes, ragged_transport, t * min(k, num_local))
+        received = rows_per_token(k, num_local * shards, shards, 0.0, 1, ragged_transport)[1]
+        out = _expert_parallel(rows, counts, experts, expert_axes, ragged_transport, int(t * received))
     return jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)
 
 
@@ -144,10 +167,10 @@ def _axis_size(axes) -> int:
     return math.prod(jax.lax.axis_size(a) for a in axes) if axes else 1
 
 
-def _expert_parallel(rows, counts, experts, axes, ragged_transport, most_per_source):
+def _expert_parallel(rows, counts, experts, axes, ragged_transport, buffer_rows):
     """Rows sorted by (global) expert, `counts` per expert, computed by the devices along `axes` that hold their
-    experts, and returned in the same order. `most_per_source`: the most rows one device can send another (its
-    tokens times min(k, experts per device): a token goes to k different experts)."""
+    experts, and returned in the same order. `buffer_rows`: the most rows a device can receive, the ragged
+    transport's buffer (rows_per_token's)."""
     num_local, shards = experts[0].shape[0], _axis_size(axes)
     me = jax.lax.axis_index(axes)
     all_counts = jax.lax.all_gather(counts, axes, tiled=False).reshape(shards, shards, num_local)  # [src, dst, e]
@@ -155,7 +178,7 @@ def _expert_parallel(rows, counts, experts, axes, ragged_transport, most_per_sou
     send_offsets = _exclusive_cumsum(sizes[me])
     mine = all_counts[:, me]  # [src, e]: the rows for my experts, from each device
     if ragged_transport:
-        received = _ragged_exchange(rows, send_offsets, sizes, me, shards * most_per_source, axes, back=False)
+        received = _ragged_exchange(rows, send_offsets, sizes, me, buffer_rows, axes, back=False)
         starts = _exclusive_cumsum(sizes[:, me])
     else:
         received = _padded_exchange(rows, send_offsets, sizes[me], axes)
@@ -215,23 +238,23 @@ def _with_capacity(h_btd, top_e_btk, experts, capacity_factor, expert_axes):
     num_local, d = experts[0].shape[0], h_btd.shape[-1]
     shards = _axis_size(expert_axes)
     e = num_local * shards
-    capacity = math.ceil(capacity_factor * t * k / e)
+    most = capacity(capacity_factor, t, k, e)
     # Rank each expert's assignments within a sequence: first choices first, then by position.
     choice_major = jax.nn.one_hot(top_e_btk.swapaxes(1, 2).reshape(b, k * t), e, dtype=jnp.int32)
     rank = jnp.sum((jnp.cumsum(choice_major, axis=1) - 1) * choice_major, axis=-1)
     rank_btk = rank.reshape(b, k, t).swapaxes(1, 2)
-    kept = rank_btk < capacity
+    kept = rank_btk < most
     seq = jnp.broadcast_to(jnp.arange(b)[:, None, None], (b, t, k))
-    slot = jnp.where(kept, rank_btk, capacity)  # out of bounds: dropped by the scatter
-    buffers = jnp.zeros((b, e, capacity, d), h_btd.dtype).at[seq, top_e_btk, slot].set(
+    slot = jnp.where(kept, rank_btk, most)  # out of bounds: dropped by the scatter
+    buffers = jnp.zeros((b, e, most, d), h_btd.dtype).at[seq, top_e_btk, slot].set(
         jnp.broadcast_to(h_btd[:, :, None], (b, t, k, d)), mode="drop")
-    rows = buffers.swapaxes(0, 1).reshape(e, b * capacity, d)  # [E, rows, d]
+    rows = buffers.swapaxes(0, 1).reshape(e, b * most, d)  # [E, rows, d]
     if shards > 1:  # each device's experts take every device's rows for them: [E_l, shards x rows, d]
         rows = jax.lax.all_to_all(rows, expert_axes, 0, 1, tiled=True)
     out = _swiglu(rows, *experts, lambda x, w: jnp.einsum("erd,edf->erf", x, w))
     if shards > 1:
         out = jax.lax.all_to_all(out, expert_axes, 1, 0, tiled=True)
-    out = out.reshape(e, b, capacity, d).swapaxes(0, 1)
-    gathered = out[seq, top_e_btk, jnp.minimum(slot, capacity - 1)]
+    out = out.reshape(e, b, most, d).swapaxes(0, 1)
+    gathered = out[seq, top_e_btk, jnp.minimum(slot, most - 1)]
     gathered = jnp.where(kept[..., None], gathered, 0)
     return gathered.reshape(b * t, k, d), jnp.sum(~kept)

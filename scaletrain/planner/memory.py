@@ -8,7 +8,6 @@ them -, and the float32 logits and their gradient, which dominate small models. 
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
 
@@ -17,6 +16,7 @@ from jax.sharding import AbstractMesh
 
 from scaletrain import layout as layout_lib
 from scaletrain import model as model_lib
+from scaletrain.model import moe
 from scaletrain import pipeline_1f1b, remat, sharding
 from scaletrain.config import moe_d_ff
 from scaletrain.errors import ConfigError
@@ -161,22 +161,10 @@ def tensor_elements(m, tensor: int, sequence_parallel: bool, received_rows: floa
 
 
 def expert_rows(cfg, axes: Mapping[str, int], ragged: bool = True) -> tuple[float, float]:
-    """Rows of d_model per token of a device's microbatch in each MoE layer (model/moe.py): (those the device
-    sends to its tokens' experts, those its experts receive and compute - the buffer the transport fills).
-    Dropless: its k assignments per token; across `expert` devices (S of them) received into a buffer of
-    S x its tokens x min(k, E / S) rows by a ragged all-to-all (`ragged`: on TPU), or, padded, sent and received
-    as S blocks of all its assignments. With capacity buffers: E x C rows per sequence both ways,
-    C = ceil(capacity_factor x seq_len x k / E)."""
-    m, seq, shards = cfg.model, cfg.data.seq_len, axes["expert"]
-    k, experts = m.experts_per_token, m.num_experts
-    if m.capacity_factor:
-        rows = experts * math.ceil(m.capacity_factor * seq * k / experts) / seq
-        return rows, rows
-    if shards == 1:
-        return k, k
-    if ragged:
-        return k, shards * min(k, experts // shards)
-    return shards * k, shards * k
+    """moe.rows_per_token for this config and mesh: the rows per token a MoE layer sends and receives."""
+    m = cfg.model
+    return moe.rows_per_token(m.experts_per_token, m.num_experts, axes["expert"], m.capacity_factor,
+                              cfg.data.seq_len, ragged)
 
 
 def _routed_layer(cfg, axes: Mapping[str, int], dtype_bytes: int, ragged: bool) -> float:
