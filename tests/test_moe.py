@@ -16,7 +16,7 @@ from scaletrain import config, remat, trainer
 from scaletrain.model import moe
 from scaletrain.model.layers import RMSNorm
 from scaletrain.model.transformer import ModelConfig
-from scaletrain.planner import hlo
+from scaletrain.planner import hlo, roofline
 from tests.conftest import tiny_overrides
 from tests.test_parallel import assert_params_close
 
@@ -216,6 +216,10 @@ def test_all_to_alls_per_moe_layer_move_the_predicted_bytes():
     assert sum(c.count for c in exchanges) == 4 * cfg.model.num_layers
     assert {c.full_bytes for c in exchanges} == {expert * tokens * K * cfg.model.d_model * 4}
     assert {c.phase for c in exchanges} == {"forward", "backward"} and {c.loops for c in exchanges} == {(2,)}
+    # The planner predicts them: the same count, V the expert axis's devices' buffers together.
+    (planned,) = [t for t in roofline.plan(cfg, "cpu:8")["collectives"]
+                  if t["axis"] == "expert" and t["kind"] == "all-to-all"]
+    assert (planned["count"], planned["full_bytes"]) == (4 * cfg.model.num_layers, expert * exchanges[0].full_bytes)
 
 
 @pytest.mark.parametrize("overrides, message", [
