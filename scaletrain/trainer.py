@@ -299,7 +299,8 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
             agreed = control.propose()
             save = step % cfg.checkpoint.every_steps == 0 or step == cfg.steps
             if pending is not None:
-                read(*pending[:2], last=False)
+                if pending[1] is not None:
+                    read(*pending[:2], last=False)
                 decision = control.decide(pending[2])
                 stop, save = decision.stop, save or decision.save or decision.stop
             pending = (step, metrics, agreed)
@@ -310,8 +311,12 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
                 ckpt.save(step, on_disk, iterator.get_state(), meta)
                 state = setup.from_disk(on_disk)
                 control.saved()
+                # This step's record goes out with the checkpoint: a resume from it must find it (the read
+                # waits for the step, which the save has waited for already).
+                read(step, metrics, last=stop or step == cfg.steps)
+                pending = (step, None, agreed)
                 log.sync()
-        if pending is not None:
+        if pending is not None and pending[1] is not None:
             read(*pending[:2], last=True)
         ckpt.wait()
     finally:

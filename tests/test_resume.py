@@ -298,3 +298,21 @@ def test_nonfinite_loss_stops_or_skips_as_configured(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 6 and any(r["update_skipped"] for r in records)
     assert "update dropped" in skip.stderr
+
+
+def test_each_checkpoint_syncs_the_metrics_of_its_step(tmp_path, monkeypatch):
+    """A run directory in a bucket gets metrics.jsonl when a checkpoint is saved (and once a minute): the saved
+    step's own record must be in it, or a run killed before the next sync resumes from that step without it."""
+    from scaletrain import config, metrics, storage, trainer
+
+    synced = []
+
+    def sync(mirror):
+        synced.append([json.loads(line)["step"] for line in (mirror.local / "metrics.jsonl").read_text().splitlines()])
+
+    monkeypatch.setattr(storage.Mirror, "sync", sync)
+    monkeypatch.setattr(metrics, "SYNC_EVERY_S", float("inf"))
+    cfg = config.load(None, tiny_overrides(tmp_path / "run", steps=8, **{"mesh.fsdp": -1, "checkpoint.every_steps": 4,
+                                                                          "checkpoint.async_save": False}))
+    assert trainer.run(cfg) == 0
+    assert [steps[-1] for steps in synced[:2]] == [4, 8]
