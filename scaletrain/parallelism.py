@@ -82,9 +82,9 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
     ways = axis_sizes["data"] * axis_sizes["fsdp"] * axis_sizes["expert"]
     if cfg.train.global_batch % n or (cfg.train.global_batch // n) % ways:
         what = "pipeline.microbatches" if stages > 1 else "train.grad_accum_steps"
+        axes = "mesh.data x mesh.fsdp" + " x mesh.expert" * (axis_sizes["expert"] > 1)
         out.append(f"the microbatch train.global_batch / {what} = {cfg.train.global_batch / n:g} is not divisible "
-                   f"by mesh.data x mesh.fsdp{' x mesh.expert' * (axis_sizes['expert'] > 1)} = {ways} (with DCN degrees), "
-                   f"which shard the batch")
+                   f"by {axes} = {ways} (with DCN degrees), which shard the batch")
     return out
 
 

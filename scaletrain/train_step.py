@@ -183,8 +183,8 @@ def make_train_step(graphdef: nnx.GraphDef, update: optim.Update, lr: optax.Sche
                 zeros = place(jax.tree.map(jnp.zeros_like, state.params))
                 micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum_steps), batch)
                 first = jax.tree.map(lambda x: x[0], micro)
-                no_sums = jax.tree.map(jnp.zeros_like,
-                                       jax.eval_shape(lambda: objective(graphdef, fetch_params(state.params), first)[1]))
+                shapes = jax.eval_shape(lambda: objective(graphdef, fetch_params(state.params), first)[1])
+                no_sums = jax.tree.map(jnp.zeros_like, shapes)
                 (total, sums, grads), _ = jax.lax.scan(accumulate, (jnp.zeros(()), no_sums, zeros), micro)
         # `grads` are sums over tokens: the mean is folded into the scale the update applies, so no
         # normalised copy of the gradients is ever written.

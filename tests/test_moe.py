@@ -253,3 +253,11 @@ def test_decoding_with_a_kv_cache_equals_the_forward_pass():
         step, cache = decode(model, tokens[:, i:i + 1], jnp.int32(i), cache)
         logits = jnp.concatenate([logits, step], axis=1)
     np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_accumulated_microbatches_equal_the_batch(batches, reference):
+    """The router's losses are sums over tokens like the cross-entropy: microbatches add up to their batch."""
+    losses, state, metrics, _, _ = _train(batches, jax.devices()[:2], "mesh.expert=2", "train.grad_accum_steps=2")
+    np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
+    assert_params_close(state.params, reference[1].params)
+    np.testing.assert_allclose(metrics["router_aux_loss"], reference[2]["router_aux_loss"], rtol=1e-5)
