@@ -172,8 +172,7 @@ def capacity_reference(batches):
     return _train(batches, jax.devices()[:1], *CAPACITY)
 
 
-MESHES = {  # on as many devices as the mesh has
-    "expert=2": ["mesh.expert=2"],
+MESHES = {  # on as many devices as the mesh has; expert=2 alone is test_accumulated_microbatches_equal_the_batch's
     "expert=4": ["mesh.expert=4"],
     "expert=8": ["mesh.expert=8"],
     "expert=4 x tensor=2": ["mesh.expert=4", "mesh.tensor=2"],
@@ -256,7 +255,8 @@ def test_decoding_with_a_kv_cache_equals_the_forward_pass():
 
 
 def test_accumulated_microbatches_equal_the_batch(batches, reference):
-    """The router's losses are sums over tokens like the cross-entropy: microbatches add up to their batch."""
+    """The router's losses are sums over tokens like the cross-entropy: microbatches add up to their batch (on
+    expert=2 alone, which this also proves equal to one device)."""
     losses, state, metrics, _, _ = _train(batches, jax.devices()[:2], "mesh.expert=2", "train.grad_accum_steps=2")
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
     assert_params_close(state.params, reference[1].params)
