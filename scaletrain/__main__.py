@@ -73,6 +73,8 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling: the smallest set of "
                      "tokens whose probabilities sum to P (1: all)")
     gen.add_argument("--seed", type=int, default=0, help="the sampling seed")
+    gen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override the run's config, e.g. --set model.norm=fused")
     data = sub.add_parser("data", help="prepare training data")
     data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=Parser)
     prepare = data_sub.add_parser("prepare", help="tokenize a corpus into ArrayRecord shards (data.source: prepared)")
@@ -238,7 +240,7 @@ def generate(args: argparse.Namespace) -> int:
     from scaletrain import generate as generate_lib
 
     return generate_lib.main(args.run_dir, args.step, args.prompt, args.max_new_tokens, args.temperature,
-                             args.top_p, args.seed)
+                             args.top_p, args.seed, args.set)
 
 
 def data(args: argparse.Namespace) -> int:

@@ -1,8 +1,10 @@
 """`generate`: continue a prompt with a run's checkpoint, one token at a time through a KV cache.
 
 The prompt is run once (prefill), filling the cache; then each new token is one position through every layer
-(Llama.decode), inside one jitted loop. Temperature 0 is greedy: each token is the argmax of the logits that
-`logits` gives for the sequence so far.
+(Llama.decode), inside one jitted loop, for one or many prompts at once. Temperature 0 is greedy: each token is
+the argmax of the logits that `logits` gives for the sequence so far. model.norm (standard, deferred, fused) and
+folded weights (model.norm_weights) serve decoding as they serve training: the same function, computed three
+ways (docs/flashnorm.md).
 """
 
 from __future__ import annotations
@@ -36,37 +38,51 @@ def pick(logits_v: jax.Array, key: jax.Array, temperature: float, top_p: float) 
     return jax.random.categorical(key, scaled).astype(jnp.int32)
 
 
+def compute_dtype_params(params: dict, dtype) -> dict:
+    """`params` with every weight but the norms' gains in the compute dtype. The model casts each weight to it
+    at every use (training keeps float32 masters); decoding one token at a time would cast every weight once
+    per token, so the decode loop takes them cast once. Norm gains stay float32, as the norms compute in it."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: a if path[-1].key == "scale" else a.astype(dtype), params)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_p"))
-def generate_tokens(graphdef: nnx.GraphDef, params, prompt_t: jax.Array, key: jax.Array, eos_id: int | jax.Array,
+def generate_tokens(graphdef: nnx.GraphDef, params, prompt_bt: jax.Array, key: jax.Array, eos_id: int | jax.Array,
                     max_new_tokens: int, temperature: float, top_p: float) -> tuple[jax.Array, jax.Array]:
-    """(tokens [max_new_tokens], how many are real): the continuation of one prompt, ending at the first EOS
-    (kept) or after max_new_tokens."""
+    """(tokens [batch, max_new_tokens], how many of each row are real): the continuations of prompts of one
+    length, one per row, each ending at its first EOS (kept) or after max_new_tokens. The loop stops when every
+    row has ended; a row that ended early keeps decoding, and its tokens past the EOS are not counted."""
     model = nnx.merge(graphdef, params)
-    t = prompt_t.shape[0]
-    cache = model.init_cache(1, t + max_new_tokens)
-    logits_btv, cache = model.decode(prompt_t[None], jnp.int32(0), cache)
+    b, t = prompt_bt.shape
+    cache = model.init_cache(b, t + max_new_tokens)
+    logits_btv, cache = model.decode(prompt_bt, jnp.int32(0), cache)
+    pick_rows = jax.vmap(pick, (0, 0, None, None))
 
     def step(carry):
-        i, logits_v, cache, key, out, _ = carry
+        i, logits_bv, cache, key, out, done = carry
         key, sub = jax.random.split(key)
-        token = pick(logits_v, sub, temperature, top_p)
-        logits_btv, cache = model.decode(token[None, None], t + i, cache)
-        return i + 1, logits_btv[0, -1], cache, key, out.at[i].set(token), token == eos_id
+        token_b = pick_rows(logits_bv, jax.random.split(sub, b), temperature, top_p)
+        logits_btv, cache = model.decode(token_b[:, None], t + i, cache)
+        return i + 1, logits_btv[:, -1], cache, key, out.at[:, i].set(token_b), done | (token_b == eos_id)
 
     def more(carry):
         i, *_, done = carry
-        return (i < max_new_tokens) & ~done
+        return (i < max_new_tokens) & ~done.all()
 
-    out = jnp.zeros(max_new_tokens, jnp.int32)
-    n, *_ = carry = jax.lax.while_loop(more, step, (jnp.int32(0), logits_btv[0, -1], cache, key, out, jnp.array(False)))
-    return carry[4], n
+    out = jnp.zeros((b, max_new_tokens), jnp.int32)
+    n, _, _, _, out, _ = jax.lax.while_loop(more, step, (jnp.int32(0), logits_btv[:, -1], cache, key, out,
+                                                         jnp.zeros(b, bool)))
+    is_eos = (out == eos_id) & (jnp.arange(max_new_tokens) < n)
+    return out, jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1) + 1, n)
 
 
 def main(run_dir: str, step: int | None, prompt: str, max_new_tokens: int, temperature: float, top_p: float,
-         seed: int) -> int:
+         seed: int, overrides: list[str] = ()) -> int:
+    """The `generate` command; `overrides` change how the model computes (model.norm, model.dtype), not its
+    shapes."""
     from scaletrain.checkpoint import restore_params
 
-    cfg = inference.load_config(run_dir)
+    cfg = inference.load_config(run_dir, overrides)
     tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
     prompt_ids = tokenizer.encode(prompt)
     if tokenizer.bos_id is not None:
@@ -76,8 +92,9 @@ def main(run_dir: str, step: int | None, prompt: str, max_new_tokens: int, tempe
     setup = inference.one_device_setup(cfg)
     step, params = restore_params(run_dir, setup.abstract_state.params, what="generate", step=step)
     graphdef = model_lib.abstract(setup.model_cfg)[0]
-    tokens, n = generate_tokens(graphdef, params, jnp.asarray(prompt_ids, jnp.int32), jax.random.PRNGKey(seed),
+    tokens, n = generate_tokens(graphdef, compute_dtype_params(params, setup.model_cfg.dtype),
+                                jnp.asarray(prompt_ids, jnp.int32)[None], jax.random.PRNGKey(seed),
                                 tokenizer.eos_id, max_new_tokens, temperature, top_p)
-    new = np.asarray(tokens)[: int(n)]
+    new = np.asarray(tokens)[0, : int(n[0])]
     print(prompt + tokenizer.decode(new[new != tokenizer.eos_id]), flush=True)
     return 0

@@ -16,9 +16,9 @@ from tests.conftest import tiny_overrides, train_steps
 
 EPS = 1e-5
 # Small blocks, so that every grid axis and every in-kernel loop has several steps; no dimension below is a
-# block multiple.
-BLOCKS = nm.Blocks(m=16, n=128, k=128, compiled=False)
-KERNELS = {"tpu": BLOCKS, "gpu": nm.GpuBlocks(m=16, n=32, k=16, compiled=False)}
+# block multiple. At most 8 rows take the decode kernel (tests/test_flashnorm_decode.py); more, the tiled one.
+BLOCKS = nm.Blocks(m=16, n=128, k=128, compiled=False, decode_rows=8, decode_n=128)
+KERNELS = {"tpu": BLOCKS, "gpu": nm.GpuBlocks(m=16, n=32, k=16, compiled=False, decode_rows=8)}
 
 
 def _operands(m, k, n, dtype, seed=0):

@@ -27,6 +27,13 @@ def model():
     return graphdef, model_lib.init_params(cfg, jax.random.PRNGKey(0))
 
 
+def greedy(graphdef, params, prompt_t, eos=-1, new=NEW):
+    """One prompt's greedy continuation and its length."""
+    tokens, n = generate_tokens(graphdef, params, jnp.asarray(prompt_t)[None], jax.random.PRNGKey(0), eos, new, 0.0,
+                                1.0)
+    return np.asarray(tokens[0]), int(n[0])
+
+
 def full_logits(graphdef, params, tokens_t):
     tokens_bt = jnp.asarray(tokens_t, jnp.int32)[None]
     positions = jnp.arange(tokens_bt.shape[1], dtype=jnp.int32)[None]
@@ -35,23 +42,37 @@ def full_logits(graphdef, params, tokens_t):
 
 def test_greedy_is_the_argmax_of_the_full_forward_pass_at_every_step(model):
     graphdef, params = model
-    tokens, n = generate_tokens(graphdef, params, jnp.asarray(PROMPT), jax.random.PRNGKey(0), -1, NEW, 0.0, 1.0)
-    assert int(n) == NEW
-    sequence = np.concatenate([PROMPT, np.asarray(tokens)])
+    tokens, n = greedy(graphdef, params, PROMPT)
+    assert n == NEW
+    sequence = np.concatenate([PROMPT, tokens])
     logits = full_logits(graphdef, params, sequence)
     expected = logits[len(PROMPT) - 1: -1].argmax(-1)
-    np.testing.assert_array_equal(np.asarray(tokens), expected)
+    np.testing.assert_array_equal(tokens, expected)
     assert len(set(expected.tolist())) > 1  # a loop that repeats one token would prove little
 
 
 def test_the_continuation_stops_at_eos(model):
     graphdef, params = model
-    tokens, _ = generate_tokens(graphdef, params, jnp.asarray(PROMPT), jax.random.PRNGKey(0), -1, NEW, 0.0, 1.0)
+    tokens, _ = greedy(graphdef, params, PROMPT)
     eos = int(tokens[3])  # pretend the fourth greedy token is the end of the text
-    first = int(np.flatnonzero(np.asarray(tokens) == eos)[0])
-    stopped, n = generate_tokens(graphdef, params, jnp.asarray(PROMPT), jax.random.PRNGKey(0), eos, NEW, 0.0, 1.0)
-    assert int(n) == first + 1
-    np.testing.assert_array_equal(np.asarray(stopped)[: first + 1], np.asarray(tokens)[: first + 1])
+    first = int(np.flatnonzero(tokens == eos)[0])
+    stopped, n = greedy(graphdef, params, PROMPT, eos)
+    assert n == first + 1
+    np.testing.assert_array_equal(stopped[: first + 1], tokens[: first + 1])
+
+
+def test_a_batch_of_prompts_decodes_each_as_alone(model):
+    """Rows of a batch are independent: each continues as it would alone, and ends at its own EOS."""
+    graphdef, params = model
+    prompts = np.stack([PROMPT, PROMPT[::-1], (PROMPT + 7) % 259])
+    alone = [greedy(graphdef, params, p)[0] for p in prompts]
+    eos = int(alone[1][2])  # the second row's third token ends that row early
+    tokens, n = generate_tokens(graphdef, params, jnp.asarray(prompts), jax.random.PRNGKey(0), eos, NEW, 0.0, 1.0)
+    for row, want, got_n in zip(np.asarray(tokens), alone, np.asarray(n)):
+        ends = np.flatnonzero(want == eos)
+        length = int(ends[0]) + 1 if len(ends) else NEW
+        assert got_n == length
+        np.testing.assert_array_equal(row[:length], want[:length])
 
 
 def test_sampling_follows_the_seed_and_top_p():
@@ -97,13 +118,12 @@ def test_greedy_equals_transformers_generate(converted):
     cfg = inference.load_config(run, ["model.dtype=float32"])
     setup = inference.one_device_setup(cfg)
     _, params = restore_params(str(run), setup.abstract_state.params)
-    tokens, n = generate_tokens(model_lib.abstract(setup.model_cfg)[0], params, jnp.asarray(PROMPT),
-                                jax.random.PRNGKey(0), -1, NEW, 0.0, 1.0)
+    tokens, n = greedy(model_lib.abstract(setup.model_cfg)[0], params, PROMPT)
     with torch.no_grad():
         expected = hf_model.generate(torch.tensor(PROMPT[None], dtype=torch.long), max_new_tokens=NEW,
                                      do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].numpy()
-    assert int(n) == NEW
-    np.testing.assert_array_equal(np.asarray(tokens), expected)
+    assert n == NEW
+    np.testing.assert_array_equal(tokens, expected)
 
 
 def test_the_command_continues_a_prompt(converted, capsys):

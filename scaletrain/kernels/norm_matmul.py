@@ -6,7 +6,7 @@ never exist in memory, and the backward pass needs only x, g and W (plus r, M fl
 
 `norm_matmul(x, g, w, eps)` takes x [M, K], g [K], w [K, N]; it is differentiable in all three (jax.custom_vjp)
 through Pallas kernels for the forward, dx/dg and dW: Mosaic ones on TPU (norm_matmul_tpu.py), Triton ones on
-GPU (norm_matmul_gpu.py); the block sizes say which. `reference` is the plain jnp twin every kernel is tested
+GPU (norm_matmul_gpu.py); the block sizes say which. A few rows (decode) take a decode-shaped forward kernel. `reference` is the plain jnp twin every kernel is tested
 against. Elsewhere the kernels run in Pallas' interpreter, so the same code is tested on a CPU.
 """
 
@@ -48,14 +48,22 @@ def _backend(blocks: Blocks | GpuBlocks):
     return gpu if isinstance(blocks, GpuBlocks) else tpu
 
 
+def _forward(x, g, w, eps, blocks, out_dtype):
+    """The decode-shaped kernel for a few rows (decode: one per sequence), the tiled one otherwise."""
+    backend = _backend(blocks)
+    if x.shape[0] <= blocks.decode_rows:
+        return backend.decode_forward(x, g, w, eps, blocks, out_dtype)
+    return backend.forward(x, g, w, eps, blocks, out_dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _norm_matmul(x, g, w, eps, blocks, out_dtype):
-    return _backend(blocks).forward(x, g, w, eps, blocks, out_dtype)
+    return _forward(x, g, w, eps, blocks, out_dtype)
 
 
 def _norm_matmul_fwd(x, g, w, eps, blocks, out_dtype):
     # Residuals: x, g and W only - no normalised copy of x, no r (recomputed: one read of x).
-    return _backend(blocks).forward(x, g, w, eps, blocks, out_dtype), (x, g, w)
+    return _forward(x, g, w, eps, blocks, out_dtype), (x, g, w)
 
 
 def _norm_matmul_bwd(eps, blocks, out_dtype, residuals, dz):

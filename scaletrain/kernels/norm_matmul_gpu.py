@@ -38,6 +38,13 @@ class GpuBlocks:
     num_warps: int = 8
     num_stages: int = 3
     compiled: bool = True
+    # Decode (at most `decode_rows` rows: one token per sequence) reads W once and does little arithmetic on
+    # it: narrow column tiles give the GPU's ~130 SMs enough programs (N/64: 48 for Llama-3.2-1B's Q/K/V), and
+    # a deeper contraction step with fewer warps keeps each program's loads large.
+    decode_rows: int = 64
+    decode_n: int = 64
+    decode_k: int = 128
+    decode_warps: int = 4
 
 
 def _call(kernel, blocks: GpuBlocks, grid, in_specs, out_specs, out_shape, estimate):
@@ -81,6 +88,13 @@ def forward(x, g, w, eps: float, blocks: GpuBlocks, out_dtype):
         estimate=cost(2 * m * n * k + 3 * m * k * (np_ // bn), m, (m * k + k * n + m * n) * x.dtype.itemsize),
     )(pad(x, (mp, kp)), pad(g, (kp,)), pad(w, (kp, np_)))
     return crop(out, (m, n))
+
+
+def decode_forward(x, g, w, eps: float, blocks: GpuBlocks, out_dtype):
+    """The forward for x with at most blocks.decode_rows rows: the same kernel (the K loop is inside it
+    already, and programs share nothing), with tiles for few rows (the row tile is the next power of two)."""
+    small = dataclasses.replace(blocks, n=blocks.decode_n, k=blocks.decode_k, num_warps=blocks.decode_warps)
+    return forward(x, g, w, eps, small, out_dtype)
 
 
 # --- backward --------------------------------------------------------------------------------------------

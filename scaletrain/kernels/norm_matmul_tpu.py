@@ -10,6 +10,9 @@ TensorCores). Here:
 - dx, grid (M/bm, N/bn): the N axis accumulates dz.W^T for full rows, which the RMSNorm backward needs whole
   -> arbitrary. Rows of K = d_model fit VMEM at every Llama width (the row block shrinks with K).
 - dW, grid (N/bn, K/bk, M/bm): the M axis accumulates x^T.dz -> arbitrary.
+- decode (few rows: one token per sequence), grid (N/bn,): all of x stays in VMEM, each step reads one whole-K
+  panel of W and loops over K inside the kernel, accumulating x.W and sum(x^2) in registers; nothing crosses
+  from one step to the next -> parallel.
 """
 
 from __future__ import annotations
@@ -36,17 +39,23 @@ class Blocks:
     k: int = 2048
     vmem_limit_bytes: int = 32 * 2**20
     compiled: bool = True
+    # The decode kernel serves x with at most `decode_rows` rows, reading W in panels of `decode_n` columns
+    # (fewer where a double-buffered whole-K panel would take more than half the VMEM budget).
+    decode_rows: int = 64
+    decode_n: int = 512
 
 
 # Per TPU generation. VMEM per TensorCore: v4 16 MiB, v5e/v6e 128 MiB, v5p 64 MiB (reference/scaling.md).
 # The MXU is 128 wide on v4/v5e/v5p and 256 on v6e, so blocks are multiples of 256 throughout. K is tiled at
 # 2048 on v4 (a (256, 2048) bf16 block and its double buffer fit with room) and taken whole up to 8192 on
 # the others, so the forward reads x once per output column block.
+# Decode reads W once per token and does almost no arithmetic on it: the larger panels halve the grid steps
+# (each costs ~0.35 us of overhead) where VMEM allows.
 GENERATIONS = {
-    "v4": Blocks(m=256, n=256, k=2048, vmem_limit_bytes=14 * 2**20),
-    "v5e": Blocks(m=512, n=512, k=8192, vmem_limit_bytes=96 * 2**20),
-    "v5p": Blocks(m=512, n=512, k=4096, vmem_limit_bytes=48 * 2**20),
-    "v6e": Blocks(m=512, n=1024, k=8192, vmem_limit_bytes=96 * 2**20),
+    "v4": Blocks(m=256, n=256, k=2048, vmem_limit_bytes=14 * 2**20, decode_n=256),
+    "v5e": Blocks(m=512, n=512, k=8192, vmem_limit_bytes=96 * 2**20, decode_n=1024),
+    "v5p": Blocks(m=512, n=512, k=4096, vmem_limit_bytes=48 * 2**20, decode_n=1024),
+    "v6e": Blocks(m=512, n=1024, k=8192, vmem_limit_bytes=96 * 2**20, decode_n=1024),
 }
 
 
@@ -60,7 +69,8 @@ def blocks_for(device_kind: str) -> Blocks:
     return GENERATIONS.get(_KINDS.get(device_kind, ""), Blocks())
 
 
-# Small blocks for interpret mode off TPU (every grid axis gets several steps at test sizes).
+# Small blocks for interpret mode off TPU (every grid axis gets several steps at test sizes); decode keeps the
+# default panels (the interpreter's cost is per grid step).
 INTERPRETED = Blocks(m=16, n=128, k=128, compiled=False)
 
 
@@ -132,6 +142,53 @@ def forward(x, g, w, eps: float, blocks: Blocks, out_dtype, semantics=("parallel
         cost_estimate=cost(2 * m * n * k + 3 * m * k * (np_ // bn), m, (m * k + k * n + m * n) * x.dtype.itemsize),
         interpret=_interpret(blocks),
     )(x_p, g_p, w_p)
+    return crop(out, (m, n))
+
+
+# --- decode: a few rows ----------------------------------------------------------------------------------
+
+# The K loop's step inside the decode kernel: a (rows, 512) slice of x against a (512, bn) slice of the panel.
+DECODE_STEP = 512
+
+
+def _decode_kernel(x_ref, g_ref, w_ref, out_ref, *, eps: float, k_true: int, step: int):
+    def body(kk, carry):
+        acc, ss = carry
+        cols = pl.ds(pl.multiple_of(kk * step, step), step)
+        x = x_ref[:, cols].astype(F32)
+        xg = (x * g_ref[:, cols].astype(F32)).astype(w_ref.dtype)
+        acc = acc + jnp.dot(xg, w_ref[cols, :], preferred_element_type=F32)
+        return acc, ss + jnp.sum(x * x, axis=1, keepdims=True)
+
+    m, bn = out_ref.shape
+    acc, ss = jax.lax.fori_loop(0, x_ref.shape[1] // step, body, (jnp.zeros((m, bn), F32), jnp.zeros((m, 1), F32)))
+    out_ref[...] = (acc * jax.lax.rsqrt(ss / k_true + eps)).astype(out_ref.dtype)
+
+
+def decode_forward(x, g, w, eps: float, blocks: Blocks, out_dtype):
+    """The forward for x [M, K] with M <= blocks.decode_rows. Every grid step recomputes its rows' sum of
+    squares (M x K, against its M x K x bn of matmul) rather than carrying r from the first step: a carried r
+    would make the column axis "arbitrary", and a megacore chip would then read all of W on one TensorCore."""
+    (m, k), n = x.shape, w.shape[1]
+    step = fit(k, DECODE_STEP, 128)
+    kp = round_up(k, step)
+    panel = max(128, min(blocks.decode_n, blocks.vmem_limit_bytes // 2 // (2 * kp * w.dtype.itemsize) // 128 * 128))
+    bn = fit(n, panel, 128)
+    np_ = round_up(n, bn)
+    out = pl.pallas_call(
+        functools.partial(_decode_kernel, eps=eps, k_true=k, step=step),
+        grid=(np_ // bn,),
+        # x's rows are few: its block is the whole array (any row count is a legal block then).
+        in_specs=[pl.BlockSpec((m, kp), lambda j: (0, 0)), pl.BlockSpec((1, kp), lambda j: (0, 0)),
+                  pl.BlockSpec((kp, bn), lambda j: (0, j))],
+        out_specs=pl.BlockSpec((m, bn), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((m, np_), out_dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                             vmem_limit_bytes=blocks.vmem_limit_bytes),
+        cost_estimate=cost(2 * m * n * k + 3 * m * k * (np_ // bn), m * (np_ // bn),
+                           (m * k + k * n + m * n) * x.dtype.itemsize),
+        interpret=_interpret(blocks),
+    )(pad(x, (m, kp)), pad(g.reshape(1, k), (1, kp)), pad(w, (kp, np_)))
     return crop(out, (m, n))
 
 

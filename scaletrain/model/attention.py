@@ -65,15 +65,16 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")
             self.k_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")
 
-    def _project_qkv(self, x_btd: jax.Array, norm) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _project_qkv(self, x_btd: jax.Array, norm, one_matmul: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Q, K and V of norm(x) (`norm` an RMSNorm, applied by its `project`). Fused, they are one matmul against [embed, kv_heads, q_per_kv + 2, head_dim] (kv-head
         major, so a tensor-parallel shard of kv heads holds whole groups): the backward pass then sums the three
         input gradients before they leave the device - one reduce-scatter instead of three under tensor
-        parallelism. Separate projections serve kv heads replicated over `tensor` (fewer than its ways)."""
+        parallelism. Separate projections serve kv heads replicated over `tensor` (fewer than its ways), and
+        decoding (`one_matmul` False: no backward pass, and joining the weights would copy them every token)."""
         n, k = self.cfg.num_heads, self.cfg.num_kv_heads
         if self.cfg.norm_cancellation:
             return self._project_qkv_cancelled(x_btd, norm)
-        if not self.cfg.fuse_qkv:
+        if not (self.cfg.fuse_qkv and one_matmul):
             return (checkpoint_name(norm.project(x_btd, self.wq[...], ("embed", "heads", "head_dim")), "query_proj"),
                     checkpoint_name(norm.project(x_btd, self.wk[...], ("embed", "kv_heads", "head_dim")), "key_proj"),
                     checkpoint_name(norm.project(x_btd, self.wv[...], ("embed", "kv_heads", "head_dim")),
@@ -96,11 +97,12 @@ class Attention(nnx.Module):
         v = (norm.project_unscaled(x_btd, self.wv[...]) * norm.row_scale(x_btd, 2)).astype(x_btd.dtype)
         return checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
 
-    def _queries_keys_values(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array):
+    def _queries_keys_values(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array,
+                             one_matmul: bool = True):
         """Q (scaled by head_dim**-0.5), K and V of norm(x), Q and K rotated by RoPE: the input norm is applied
         with the projection (model.norm)."""
         cfg = self.cfg
-        q_btnh, k_btkh, v_btkh = self._project_qkv(x_btd, norm)
+        q_btnh, k_btkh, v_btkh = self._project_qkv(x_btd, norm, one_matmul)
         if cfg.qk_norm:
             q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
         q_btnh = constrain(rope.apply(q_btnh, sin_bth, cos_bth), ("batch", "seq", "heads", "head_dim"))
@@ -136,7 +138,7 @@ class Attention(nnx.Module):
         """Attention of the t positions [start, start + t) of one sequence per row, over the keys and values
         cached for the positions before them (the KV cache, [b, max_len, kv_heads, head_dim] each). Returns the
         output and the cache with these positions' keys and values written in."""
-        q_btnh, k_btkh, v_btkh = self._queries_keys_values(x_btd, norm, sin_bth, cos_bth)
+        q_btnh, k_btkh, v_btkh = self._queries_keys_values(x_btd, norm, sin_bth, cos_bth, one_matmul=False)
         k_cache, v_cache = (jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, axis=1)
                             for c, new in zip(cache_bskh, (k_btkh, v_btkh)))
         b, t, n, h = q_btnh.shape

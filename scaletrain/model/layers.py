@@ -62,8 +62,11 @@ class RMSNorm(nnx.Module):
         return jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
 
     def project_unscaled(self, x_btd: jax.Array, w: jax.Array) -> jax.Array:
-        """(x * g) @ w in float32: the projection of RMSNorm(x) before its rows are scaled by 1/rms(x)."""
-        xg = (x_btd.astype(jnp.float32) * self._gain().astype(jnp.float32)).astype(x_btd.dtype)
+        """(x * g) @ w in float32: the projection of RMSNorm(x) before its rows are scaled by 1/rms(x). With
+        folded weights (no gain) it is x @ W*: the matmul reads x as it is."""
+        if self.scale is None:
+            return project(x_btd, w, out_dtype=jnp.float32)
+        xg = (x_btd.astype(jnp.float32) * self.scale[...].astype(jnp.float32)).astype(x_btd.dtype)
         return project(xg, w, out_dtype=jnp.float32)
 
     def row_scale(self, x_btd: jax.Array, out_dims: int) -> jax.Array:

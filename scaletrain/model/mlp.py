@@ -18,15 +18,19 @@ class MLP(nnx.Module):
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), pd, cfg.init_std)
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), pd, cfg.out_std)
 
-    def __call__(self, x_btd: jax.Array, norm) -> jax.Array:
-        """The MLP of norm(x): the norm is applied with the gate/up projection (model.norm)."""
-        # Gate and up as one matmul against [embed, mlp, 2] (mlp-major, so a tensor-parallel shard holds both
-        # halves of its columns): the backward pass sums the two input gradients before they leave the device -
-        # one reduce-scatter instead of two under tensor parallelism.
-        w_df2 = jnp.stack([self.w_gate[...], self.w_up[...]], axis=-1)
-        gate_up_btf2 = norm.project(x_btd, w_df2, ("embed", "mlp", None))
-        gate_btf = checkpoint_name(gate_up_btf2[..., 0], "mlp_gate")
-        up_btf = checkpoint_name(gate_up_btf2[..., 1], "mlp_up")
+    def __call__(self, x_btd: jax.Array, norm, one_matmul: bool = True) -> jax.Array:
+        """The MLP of norm(x): the norm is applied with the gate/up projection (model.norm). With `one_matmul`,
+        gate and up are one matmul against [embed, mlp, 2] (mlp-major, so a tensor-parallel shard holds both
+        halves of its columns): the backward pass sums the two input gradients before they leave the device -
+        one reduce-scatter instead of two under tensor parallelism. Without it, two: decoding has no backward
+        pass, and stacking the weights would copy them at every token."""
+        if one_matmul:
+            gate_up_btf2 = norm.project(x_btd, jnp.stack([self.w_gate[...], self.w_up[...]], axis=-1),
+                                        ("embed", "mlp", None))
+            gate_btf, up_btf = gate_up_btf2[..., 0], gate_up_btf2[..., 1]
+        else:
+            gate_btf, up_btf = (norm.project(x_btd, w[...], ("embed", "mlp")) for w in (self.w_gate, self.w_up))
+        gate_btf, up_btf = checkpoint_name(gate_btf, "mlp_gate"), checkpoint_name(up_btf, "mlp_up")
         h_btf = constrain(jax.nn.silu(gate_btf) * up_btf, ("batch", "seq", "mlp"))
         out_btd = project(h_btf, self.w_down[...])
         return checkpoint_name(constrain(out_btd, ("batch", "residual_seq", "embed")), "mlp_out")

@@ -118,16 +118,18 @@ class Block(nnx.Module):
         x_btd = x_btd + self.attn(x_btd, self.attn_norm, sin_bth, cos_bth, segment_ids_bt)
         return self._feed_forward(x_btd)
 
-    def _feed_forward(self, x_btd):
-        out = self.mlp(x_btd, self.mlp_norm)
+    def _feed_forward(self, x_btd, one_matmul: bool = True):
         if isinstance(self.mlp, MoE):
-            return x_btd + out[0], out[1]
-        return x_btd + out
+            out, stats = self.mlp(x_btd, self.mlp_norm)
+            return x_btd + out, stats
+        return x_btd + self.mlp(x_btd, self.mlp_norm, one_matmul)
 
     def decode(self, x_btd, sin_bth, cos_bth, start, cache):
-        """The block for positions [start, start + t) against this layer's KV cache (Attention.decode)."""
+        """The block for positions [start, start + t) against this layer's KV cache (Attention.decode). Q, K, V
+        and gate, up are separate matmuls here: joining their weights into one (for the backward pass) would
+        copy them at every token."""
         attn_btd, cache = self.attn.decode(x_btd, self.attn_norm, sin_bth, cos_bth, start, cache)
-        out = self._feed_forward(x_btd + attn_btd)
+        out = self._feed_forward(x_btd + attn_btd, one_matmul=False)
         return (out[0] if isinstance(self.mlp, MoE) else out), cache
 
 
@@ -259,7 +261,7 @@ class Llama(nnx.Module):
             block = nnx.merge(graphdef, _placed(cfg, layer_params))
             return block.decode(x_btd, sin_bth, cos_bth, start, (k_cache, v_cache))
 
-        x_btd, cache = jax.lax.scan(layer, x_btd, (stacked, *cache))
+        x_btd, cache = jax.lax.scan(layer, x_btd, (stacked, *cache), unroll=cfg.unroll_loops)
         return self.logits(self.final_stream(x_btd)), cache
 
     def logits(self, x_btd: jax.Array) -> jax.Array:
