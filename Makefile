@@ -28,10 +28,13 @@ test: $(STAMP)
 bench: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) benchmarks/train_throughput.py
 
-# On a machine with an NVIDIA GPU: JAX's CUDA plugin, then FlashNorm's Triton kernels timed against XLA.
+# On a machine with an NVIDIA GPU: JAX's CUDA plugin, then FlashNorm's Triton kernels timed against XLA - in
+# training (forward + backward) and in decode (one norm + projection, then whole-model tokens/s).
 bench-gpu: $(STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[gpu]'
 	$(PY) benchmarks/flashnorm.py gpu
+	$(PY) benchmarks/decode.py norm --dtype bfloat16
+	$(PY) benchmarks/decode.py e2e --dtype bfloat16 --new-tokens 64
 
 clean:
 	rm -rf $(VENV) runs

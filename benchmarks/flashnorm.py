@@ -37,13 +37,15 @@ TOKENS = 8192
 EPS = 1e-5
 
 
-def _norm_projection(mode: str):
-    """(x, g, w) -> RMSNorm(x) @ w, the way model.norm=mode computes it."""
+def _norm_projection(mode: str, weightless: bool = False):
+    """(x, g, w) -> RMSNorm(x) @ w, the way model.norm=mode computes it; `weightless`: w has the gain folded
+    in (model.norm_weights=folded), and g is not used."""
     from scaletrain.model.layers import RMSNorm
 
     def fn(x, g, w):
-        norm = RMSNorm(x.shape[-1], EPS, g.dtype, mode)
-        norm.scale.value = g
+        norm = RMSNorm(x.shape[-1], EPS, g.dtype, mode, weightless)
+        if not weightless:
+            norm.scale.value = g
         return norm.project(x[None], w, ("embed", "mlp"))[0]
 
     return fn
