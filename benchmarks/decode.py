@@ -96,9 +96,9 @@ def norm(batches: list[int], dtype: str, repeats: int) -> None:
                 fn = jax.jit(_norm_projection(mode, weightless=is_folded))
                 us[label] = 1e6 * _median_seconds(fn, (x, g, folded if is_folded else w), repeats)
             base = us["standard"]
+            gains = [f"{100 * (base / us[v] - 1):+.1f}%" for v in ("deferred-folded", "fused-folded")]
             print(f"| {model} {site} ({k} x {n}) | {b} | " + " | ".join(f"{us[v]:.0f}" for v in labels) +
-                  f" | {100 * (base / us['deferred-folded'] - 1):+.1f}% | {100 * (base / us['fused-folded'] - 1):+.1f}% |",
-                  flush=True)
+                  " | " + " | ".join(gains) + " |", flush=True)
 
 
 def _model_config(model: str, overrides: list[str]):

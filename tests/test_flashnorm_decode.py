@@ -22,7 +22,8 @@ from tests.test_flashnorm import EPS, MEGACORE, _operands, _races_found, _relati
 
 F32 = jnp.float32
 # Small panels and in-kernel steps, so that the decode grid and its K loop take several steps at test sizes.
-KERNELS = {"tpu": nm.Blocks(compiled=False, decode_n=128), "gpu": nm.GpuBlocks(compiled=False, decode_n=32, decode_k=32)}
+KERNELS = {"tpu": nm.Blocks(compiled=False, decode_n=128),
+           "gpu": nm.GpuBlocks(compiled=False, decode_n=32, decode_k=32)}
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
@@ -158,12 +159,12 @@ def test_the_gpu_decode_kernel_lowers_to_triton_at_llama_widths():
 MODES = [(norm, weights) for weights in ("standard", "folded") for norm in ("standard", "deferred", "fused")]
 
 
-def _greedy_in_every_mode(model_cfg, params, prompts, new):
+def _greedy_in_every_mode(model_cfg, params, prompts, new, modes=MODES):
     """{(model.norm, model.norm_weights): greedy tokens [batch, new]} from the same checkpoint, folded for the
     folded modes as `convert fold-norms` folds it."""
     folded = inference.fold(params, model_cfg.tie_embeddings)
     out = {}
-    for norm, weights in MODES:
+    for norm, weights in modes:
         cfg = dataclasses.replace(model_cfg, norm=norm, norm_weights=weights)
         tokens, n = generate_tokens(model_lib.abstract(cfg)[0],
                                     compute_dtype_params(folded if weights == "folded" else params, cfg.dtype),
@@ -220,4 +221,6 @@ def test_greedy_tokens_are_identical_in_every_mode_on_a_converted_llama_3_2_1b_s
     setup = inference.one_device_setup(inference.load_config(tmp_path / "run", ["model.dtype=float32"]))
     _, params = restore_params(str(tmp_path / "run"), setup.abstract_state.params)
     prompts = np.array([[128000, 791, 6864, 315], [128000, 9906, 1917, 11]], np.int32)
-    _assert_all_equal(_greedy_in_every_mode(setup.model_cfg, params, prompts, 6))
+    # Every mode but a weightless norm before a plain matmul (the tiny model covers it).
+    modes = [m for m in MODES if m != ("standard", "folded")]
+    _assert_all_equal(_greedy_in_every_mode(setup.model_cfg, params, prompts, 6, modes))

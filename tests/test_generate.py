@@ -133,6 +133,12 @@ def test_the_command_continues_a_prompt(converted, capsys):
     assert main(["generate", "--run-dir", str(run), "--prompt", "Hello", "--max-new-tokens", "5"]) == 0
     greedy = capsys.readouterr().out
     assert greedy.startswith("Hello")
+    texts = set()
+    for norm in ("standard", "fused"):  # FlashNorm serves decoding: the same text in fp32
+        assert main(["generate", "--run-dir", str(run), "--prompt", "Hello", "--max-new-tokens", "5",
+                     "--set", f"model.norm={norm}", "--set", "model.dtype=float32"]) == 0
+        texts.add(capsys.readouterr().out)
+    assert len(texts) == 1
     assert main(["generate", "--run-dir", str(run), "--prompt", "Hello", "--max-new-tokens", "5",
                  "--temperature", "1", "--seed", "3"]) == 0
     assert capsys.readouterr().out.startswith("Hello")

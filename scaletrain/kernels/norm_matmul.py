@@ -6,8 +6,9 @@ never exist in memory, and the backward pass needs only x, g and W (plus r, M fl
 
 `norm_matmul(x, g, w, eps)` takes x [M, K], g [K], w [K, N]; it is differentiable in all three (jax.custom_vjp)
 through Pallas kernels for the forward, dx/dg and dW: Mosaic ones on TPU (norm_matmul_tpu.py), Triton ones on
-GPU (norm_matmul_gpu.py); the block sizes say which. A few rows (decode) take a decode-shaped forward kernel. `reference` is the plain jnp twin every kernel is tested
-against. Elsewhere the kernels run in Pallas' interpreter, so the same code is tested on a CPU.
+GPU (norm_matmul_gpu.py); the block sizes say which. A few rows (decode) take a decode-shaped forward kernel.
+`reference` is the plain jnp twin every kernel is tested against. Elsewhere the kernels run in Pallas'
+interpreter, so the same code is tested on a CPU.
 """
 
 from __future__ import annotations
