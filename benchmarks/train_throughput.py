@@ -9,7 +9,7 @@ over mesh.expert=4); `maxtext` is MaxText's tiny Llama (4 layers, d_model
 model of the project's CPU throughput target (benchmarks/vs_maxtext.py runs it beside MaxText). Step time is
 the mean of the timed steps dispatched back to back; `median_step_s` is the median of the same steps timed
 one by one (each waited for). `--json` prints one JSON object per model instead of a line; `--plain-loss`
-turns off the CPU's fused output projection + loss (train_step.FUSED_LOSS), to measure what it gains. Results belong in
+turns off the CPU's fused output projection + loss (loss.FUSED_LOSS), to measure what it gains. Results belong in
 docs/benchmarks.md with the command and machine.
 """
 
@@ -97,9 +97,9 @@ def main() -> int:
     p.add_argument("--plain-loss", action="store_true", help="logits, then the loss (no fused path)")
     args = p.parse_args()
     if args.plain_loss:
-        from scaletrain import train_step
+        from scaletrain import loss
 
-        train_step.FUSED_LOSS = False
+        loss.FUSED_LOSS = False
     runtime.configure(args.cpu_devices)
     import jax
 

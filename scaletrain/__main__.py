@@ -202,7 +202,8 @@ def ckpt(args: argparse.Namespace) -> int:
         print(json.dumps({"step": step, **meta}, indent=1))
         return 0
     print(f"step {step}  scaletrain {meta['scaletrain_version']}  config {meta['config_hash']}  "
-          f"mesh {describe(meta['mesh']['axes'])} ({meta['mesh']['devices']} devices, {meta['mesh']['processes']} processes)")
+          f"mesh {describe(meta['mesh']['axes'])} ({meta['mesh']['devices']} devices, "
+          f"{meta['mesh']['processes']} processes)")
     width = max(len(p) for p in meta["arrays"])
     for path, a in meta["arrays"].items():
         shape = "x".join(map(str, a["shape"])) or "scalar"

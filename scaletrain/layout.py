@@ -1,6 +1,6 @@
 """The training state as the trainer lays it out, for a mesh of given axis sizes: the model's and the optimizer's
-abstract arrays, their logical axes, the rule tables that place each kind of array, and where each lives (device
-or pinned host memory).
+abstract arrays, their logical axes, the rule tables that place each kind of array, where each lives (device
+or pinned host memory), and the stack runner that runs the model on that mesh (runner.choose).
 
 One derivation for both of its readers: `trainer.build` turns it into shardings on the devices it trains on, and
 the planner counts the bytes each device of a planned slice would hold by applying the same tables on an
@@ -19,9 +19,9 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from scaletrain import model as model_lib
-from scaletrain import optim, sharding
+from scaletrain import optim, runner, sharding
 from scaletrain.config import MESH_AXES
-from scaletrain.parallelism import microbatches, shards_kv_heads
+from scaletrain.parallelism import shards_kv_heads
 
 HOST = "pinned_host"
 
@@ -29,6 +29,7 @@ HOST = "pinned_host"
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
     model_cfg: model_lib.ModelConfig
+    runner: runner.Runner
     graphdef: nnx.GraphDef
     rules: sharding.Rules
     tx: optax.GradientTransformation
@@ -54,10 +55,7 @@ def of(cfg, axis_sizes: Mapping[str, int], unroll_loops: bool = False) -> StateL
     rules = sharding.rules_for(cfg.sharding.preset, cfg.sharding.sequence_parallel, shard_kv)
     model_cfg = model_lib.ModelConfig.from_config(
         cfg.model, fuse_qkv=shard_kv, remat=cfg.remat.policy, remat_custom=tuple(cfg.remat.custom.items()),
-        unroll_loops=unroll_loops, pipeline_stages=axis_sizes["pipeline"],
-        pipeline_microbatches=microbatches(cfg, axis_sizes), pipeline_schedule=cfg.pipeline.schedule,
-        pipeline_repeats=cfg.pipeline.repeats if axis_sizes["pipeline"] > 1 else 1,
-        pipeline_gather_once=axis_sizes["pipeline"] > 1 and cfg.pipeline.gather_weights == "once")
+        unroll_loops=unroll_loops)
     graphdef, params, logical = model_lib.abstract(model_cfg)
     tx, lr = optim.make(cfg.optim, cfg.steps, logical)
     opt_state = jax.eval_shape(tx.init, params)
@@ -65,7 +63,7 @@ def of(cfg, axis_sizes: Mapping[str, int], unroll_loops: bool = False) -> StateL
     opt_logical = optax.tree_utils.tree_map_params(
         tx, lambda _, names: names, opt_state, logical,
         transform_non_params=lambda x: (None,) * x.ndim, is_leaf=sharding.is_logical)
-    return StateLayout(model_cfg=model_cfg, graphdef=graphdef, rules=rules, tx=tx, lr=lr, params=params,
+    return StateLayout(model_cfg=model_cfg, runner=runner.choose(cfg, axis_sizes), graphdef=graphdef, rules=rules, tx=tx, lr=lr, params=params,
                        logical=logical, opt_state=opt_state, opt_logical=opt_logical,
                        params_home=HOST if cfg.params.offload else None,
                        opt_home=HOST if cfg.optim.offload or cfg.params.offload else None)

@@ -6,7 +6,7 @@ the scatter that differentiating the label gather would produce (on CPU that sca
 much as the output projection's matmuls). `optax.softmax_cross_entropy_with_integer_labels` is its slow twin in
 tests.
 
-`linear_cross_entropy` goes one step further, for CPUs (train_step.py decides where): the output projection and
+`linear_cross_entropy` goes one step further, for CPUs (`head_loss` decides where): the output projection and
 the loss together, a chunk of the vocabulary at a time, with the gradient formed in the forward pass, so that the
 [tokens, vocab] logits are never written and read back as a whole. `cross_entropy` of the logits is its twin.
 """
@@ -14,9 +14,17 @@ the loss together, a chunk of the vocabulary at a time, with the gradient formed
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+from scaletrain.sharding import active_device, ways
+
+# The CPU's fast path for the output projection + loss (linear_cross_entropy); False: always the plain path, its
+# slow twin in tests.
+FUSED_LOSS = True
 
 
 def _is_label(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -47,7 +55,7 @@ def _backward(residuals, g):
 cross_entropy.defvjp(_forward, _backward)
 
 
-# The output projection and the loss in one pass over vocabulary chunks: the CPU's fast path (train_step.py).
+# The output projection and the loss in one pass over vocabulary chunks: the CPU's fast path (`head_loss`).
 
 
 def vocab_chunk(vocab: int, target: int = 2000) -> int:
@@ -132,7 +140,7 @@ linear_cross_entropy.defvjp(_lce_forward, _lce_backward)
 
 
 # The output projection and the loss a block of positions at a time, the gradient formed in the forward pass: the
-# path of model.logits_block (train_step.py), for accelerators. XLA partitions it, any vocabulary sharding
+# path of model.logits_block (`head_loss`), for accelerators. XLA partitions it, any vocabulary sharding
 # included.
 
 
@@ -190,3 +198,52 @@ def _blocked_backward(block, unroll, residuals, g):
 
 blocked_linear_cross_entropy.defvjp(_blocked_forward, _blocked_backward)
 
+
+def head_loss(graphdef: nnx.GraphDef, params: Any, x_btd: jax.Array, targets_bt: jax.Array,
+              mask_bt: jax.Array) -> jax.Array:
+    """The summed loss of `hidden`'s stream (Llama.final_stream's) through the output projection.
+
+    With model.logits_block, the float32 logits - at Llama 3's vocabulary the largest activation by far - exist
+    one block of positions at a time: blocked_linear_cross_entropy forms each block's gradient as it goes
+    (an untied output projection of the normalised stream); otherwise each block's projection and loss is a
+    checkpointed step of a scan, and the backward pass recomputes that block's logits."""
+    model = nnx.merge(graphdef, params)
+
+    def block_loss(params, x_btd, targets_bt, mask_bt):
+        return jnp.sum(cross_entropy(nnx.merge(graphdef, params).logits(x_btd), targets_bt) * mask_bt)
+
+    block, seq = model.cfg.logits_block, x_btd.shape[1]
+    if (not block or block >= seq) and _fused_loss(model, x_btd):
+        return linear_cross_entropy(x_btd, model.lm_head[...], targets_bt, mask_bt.astype(jnp.float32),
+                                    vocab_chunk(model.cfg.vocab_size))
+    if not block or block >= seq:
+        return block_loss(params, x_btd, targets_bt, mask_bt)
+
+    if projects_the_stream(model.cfg):
+        return blocked_linear_cross_entropy(x_btd, model.lm_head[...], targets_bt, mask_bt.astype(jnp.float32),
+                                            block, model.cfg.unroll_loops)
+
+    def blocks(a):  # [b, t, ...] -> [t / block, b, block, ...]: a view along the unsharded sequence
+        return a.reshape(a.shape[0], seq // block, block, *a.shape[2:]).swapaxes(0, 1)
+
+    recomputed = jax.checkpoint(block_loss)
+    total, _ = jax.lax.scan(lambda total, xs: (total + recomputed(params, *xs), None), jnp.zeros((), jnp.float32),
+                            (blocks(x_btd), blocks(targets_bt), blocks(mask_bt)), unroll=model.cfg.unroll_loops)
+    return total
+
+
+def projects_the_stream(cfg) -> bool:
+    """Whether the logits are `hidden`'s stream times lm_head, nothing else (untied, the final norm applied
+    before): what the fused losses compute. FUSED_LOSS False keeps the plain paths, their twins in tests."""
+    return FUSED_LOSS and not cfg.tie_embeddings and cfg.norm == "standard"
+
+
+def _fused_loss(model, x_btd) -> bool:
+    """Whether the whole sequences' loss takes loss.linear_cross_entropy: on CPU, where it saves the passes
+    over the [tokens, vocab] logits (10-25% over the projection's matmuls per device, docs/benchmarks.md), for a
+    float32 untied output projection of the standard-norm stream over an unsharded vocabulary. Elsewhere (TPU,
+    GPU) whole sequences take the plain path - its logits stay one fused XLA pass, and no measurement there
+    backs the change - and model.logits_block the blocked fused one."""
+    cfg = model.cfg
+    return (projects_the_stream(cfg) and active_device().platform == "cpu" and x_btd.dtype == jnp.float32
+            and ways("vocab") == 1 and vocab_chunk(cfg.vocab_size) >= 128)

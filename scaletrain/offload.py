@@ -115,15 +115,28 @@ def _streamed_norm(param_roles: Any, grads: Any) -> jax.Array:
     return jnp.sqrt(layers + sum_squares(None))
 
 
+def _streamed_add(param_roles: Any, total: Any, new: Any) -> Any:
+    """total + new for gradients in host memory, a layer at a time on the device (gradient accumulation's sum;
+    XLA computes on the device only)."""
+    def add_part(layer, total):
+        both = (to_device(_view(t, param_roles, layer)) for t in (total, new))
+        return _put(total, to_host(jax.tree.map(jnp.add, *both)), param_roles, layer, keep=False)
+
+    total = jax.lax.fori_loop(0, _num_layers(total, param_roles), add_part, total)
+    return add_part(None, total)
+
+
 def streamed(tx: optax.GradientTransformation, logical_params: Any, abstract_opt_state: Any,
              params_on_host: bool) -> Update:
     """The update for `optim.offload` (moments in host memory) and `params.offload` (parameters too; their
-    gradients then land in host memory, and are read a layer at a time for the norm and the update).
-    `tx` must be elementwise (optim.make's is)."""
+    gradients then land in host memory, and are read a layer at a time for the norm, the update and
+    gradient accumulation's sum, whose zeros are made there). `tx` must be elementwise (optim.make's is)."""
     param_roles = roles(logical_params)
     apply = functools.partial(_streamed_update, tx, param_roles, opt_roles(tx, abstract_opt_state, param_roles),
                               params_on_host)
     if not params_on_host:
         return Update(apply=apply)
     return Update(apply=apply, norm=functools.partial(_streamed_norm, param_roles),
-                  fetch_params=functools.partial(fetch_whole, param_roles, logical_params))
+                  fetch_params=functools.partial(fetch_whole, param_roles, logical_params),
+                  zeros=lambda params: to_host(jax.tree.map(jnp.zeros_like, params)),
+                  add=functools.partial(_streamed_add, param_roles))

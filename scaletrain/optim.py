@@ -111,6 +111,10 @@ class Update:
     # With parameters in host memory: the model's view of them, fetched to the device where used (their
     # gradients land in host memory).
     fetch_params: Callable[[Any], Any] | None = None
+    # Gradient accumulation's running sum: its zeros, shaped like the parameters, and a microbatch's gradients
+    # added to it - wherever the gradients live.
+    zeros: Callable[[Any], Any] = functools.partial(jax.tree.map, jnp.zeros_like)
+    add: Callable[[Any, Any], Any] = functools.partial(jax.tree.map, jnp.add)
 
 
 def on_device(tx: optax.GradientTransformation) -> Update:

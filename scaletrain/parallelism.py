@@ -8,6 +8,7 @@ from typing import Mapping
 
 from scaletrain.config import moe_d_ff
 from scaletrain.errors import ConfigError
+from scaletrain.sharding import batch_ways
 
 
 def shards_kv_heads(num_kv_heads: int, tensor: int) -> bool:
@@ -27,7 +28,7 @@ def microbatches(cfg, axis_sizes: Mapping[str, int]) -> int:
 
 def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
     """What the trainer would refuse about a mesh of these axis sizes (ICI x DCN), said plainly: the divisibility
-    users trip over most, and the parallelisms not built yet. Empty when it would train."""
+    users trip over most, and the pairings that do not compose (docs/parallelism.md's table says why). Empty when it would train."""
     out = []
     m, tensor = cfg.model, axis_sizes["tensor"]
     for key in ("num_heads", "d_ff", "vocab_size"):
@@ -58,10 +59,10 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
         if cfg.train.grad_accum_steps > 1:
             out.append("with mesh.pipeline > 1 the pipeline's microbatches replace gradient accumulation: set "
                        "pipeline.microbatches and train.grad_accum_steps=1")
-        for setting, on in (("params.offload=true", cfg.params.offload), ("optim.offload=true", cfg.optim.offload),
-                            ("model.attention=flash", cfg.model.attention == "flash")):
-            if on:
-                out.append(f"{setting} with mesh.pipeline > 1 is not supported yet")
+        if cfg.params.offload:
+            out.append("params.offload=true with mesh.pipeline > 1 is not supported: JAX does not yet carry the "
+                       "gradient of a weight in host memory out of the pipeline's stage loop (vmap/shard_map); use "
+                       "optim.offload=true, which does compose with a pipeline")
     experts = m.num_experts
     if axis_sizes["expert"] > 1 and not experts:
         out.append(f"mesh.expert={axis_sizes['expert']} needs a mixture-of-experts model (model.num_experts > 0): "
@@ -72,14 +73,8 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
     if experts and moe_d_ff(m) % tensor:
         out.append(f"the experts' hidden width {moe_d_ff(m)} (model.moe_d_ff, else model.d_ff) is not divisible by "
                    f"mesh.tensor={tensor}")
-    if experts and stages > 1:
-        out.append("model.num_experts > 0 with mesh.pipeline > 1 is not supported yet: the router's losses do not "
-                   "cross the pipeline's stages")
-    if cfg.params.offload and cfg.train.grad_accum_steps > 1:
-        out.append("params.offload=true needs train.grad_accum_steps=1: the gradients of offloaded parameters land "
-                   "in host memory, where microbatches cannot be summed")
     n = microbatches(cfg, axis_sizes)
-    ways = axis_sizes["data"] * axis_sizes["fsdp"] * axis_sizes["expert"]
+    ways = batch_ways(axis_sizes)
     if cfg.train.global_batch % n or (cfg.train.global_batch // n) % ways:
         what = "pipeline.microbatches" if stages > 1 else "train.grad_accum_steps"
         axes = "mesh.data x mesh.fsdp" + " x mesh.expert" * (axis_sizes["expert"] > 1)

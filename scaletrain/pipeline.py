@@ -28,15 +28,16 @@ STAGE_INPUT = "pipeline_stage_input"  # the checkpoint name of an iteration's in
 BUBBLE_FILL = 0.0
 
 
-def scan(body: Callable, x: jax.Array, stacked: Any, extras: tuple, unroll: bool = False):
-    """`body(x, layer_params, *extras) -> x` for every layer in turn. A body that returns (x, stats) - a
-    mixture of experts' router statistics - has them stacked along the layers: (x, stats [layers, ...])."""
-    def step(x, p):
-        out = body(x, p, *extras)
-        return out if isinstance(out, tuple) else (out, None)
+def scan(body: Callable, x: jax.Array, stacked: Any, extras: tuple, unroll: bool = False) -> tuple[jax.Array, dict]:
+    """`body(x, layer_params, *extras) -> (x, aux)` for every layer in turn: (x after the last, each layer's
+    auxiliary sums stacked along the layers, [layers, ...] - an empty dict where the blocks have none)."""
+    return jax.lax.scan(lambda x, p: body(x, p, *extras), x, stacked, unroll=unroll)
 
-    x, stats = jax.lax.scan(step, x, stacked, unroll=unroll)
-    return x if stats is None else (x, stats)
+
+def add_where(valid: jax.Array, total: Any, new: Any) -> Any:
+    """`total` + `new` where `valid` (a slot that did work), else `total`: auxiliary sums across microbatches,
+    never a bubble's."""
+    return jax.tree.map(lambda t, n: t + jnp.where(valid, n, jnp.zeros_like(n)), total, new)
 
 
 def split_microbatches(a: jax.Array, n: int) -> jax.Array:
@@ -84,11 +85,13 @@ def memory_order(layers: int, stages: int, repeats: int) -> np.ndarray:
 
 
 def gpipe(body: Callable, x: jax.Array, stacked: Any, extras: tuple, stages: int, microbatches: int,
-          unroll: bool = False, remat_policy: str = "none", remat_custom: tuple = (), repeats: int = 1) -> jax.Array:
+          unroll: bool = False, remat_policy: str = "none", remat_custom: tuple = (),
+          repeats: int = 1) -> tuple[jax.Array, dict]:
     """The layer stack as a GPipe pipeline of `stages` stages over `microbatches` microbatches of the batch rows
     of `x` [B, T, D] (and of each of `extras`, per-row arrays such as RoPE's tables and the segment ids): the
     forward pass takes microbatches + stages - 1 iterations, stage p working on microbatch i - p at iteration i;
-    jax.grad runs them backwards. Returns `x` after every layer, rows in their order. Under a remat policy other
+    jax.grad runs them backwards. Returns `x` after every layer, rows in their order, and the layers' auxiliary
+    sums (scan's, [layers, ...] in canonical order, summed over the microbatches). Under a remat policy other
     than none each iteration is rematerialised from its stage inputs (remat.around_stages).
 
     With `repeats` R > 1, the circular schedule: `stacked` in memory_order, each stage holds R blocks of layers and
@@ -114,13 +117,13 @@ def gpipe(body: Callable, x: jax.Array, stacked: Any, extras: tuple, stages: int
 
     def run_stages(params, inputs, microbatch, repeat):
         inputs = checkpoint_name(inputs, STAGE_INPUT)
-        return constrain(jax.vmap(stage, spmd_axis_name=stage_axis or None)(params, inputs, microbatch, repeat),
-                         where)
+        out, aux = jax.vmap(stage, spmd_axis_name=stage_axis or None)(params, inputs, microbatch, repeat)
+        return constrain(out, where), aux
 
     run_stages = remat.around_stages(run_stages, remat_policy, remat_custom, STAGE_INPUT)
 
     def iteration(carry, i):
-        state, outputs = carry
+        state, outputs, aux = carry
         mb, r, valid = work_at(i, jnp.arange(stages), microbatches, repeats)
         # Stage 0 takes microbatch i mod M, fresh or (circular) back from the last stage; stage p > 0 what stage
         # p - 1 made in the iteration before. Selects, not an update of row 0: elementwise on the stage-split arrays.
@@ -131,14 +134,23 @@ def gpipe(body: Callable, x: jax.Array, stacked: Any, extras: tuple, stages: int
                                                                                       False))
         inputs = jnp.where(first, taken[None], jnp.roll(state, 1, axis=0))
         inputs = constrain(jnp.where(valid[:, None, None, None], inputs, 0), where)
-        state = run_stages(per_stage, inputs, mb, jnp.clip(r, 0, repeats - 1))
+        r = jnp.clip(r, 0, repeats - 1)
+        state, stage_aux = run_stages(per_stage, inputs, mb, r)
+        # Each stage's sums [stages, layers per block, ...] land in its repeat's block of [stages, repeats, ...].
+        at_repeat = valid[:, None] & (jnp.arange(repeats)[None, :] == r[:, None])
+        aux = jax.tree.map(lambda t, n: t + jnp.where(at_repeat.reshape(at_repeat.shape + (1,) * (n.ndim - 1)),
+                                                      n[:, None], 0), aux, stage_aux)
         # The last stage finishes microbatch i - (stages - 1) (of some repeat); before the first one, slot 0 takes a
         # bubble's zeros, overwritten when microbatch 0 finishes - before a circular schedule reads it back.
         done = jnp.maximum(i - (stages - 1), 0) % microbatches
         outputs = jax.lax.dynamic_update_index_in_dim(outputs, state[stages - 1], done, 0)
-        return (state, outputs), None
+        return (state, outputs, aux), None
 
     state = jnp.full((stages, *xs.shape[1:]), BUBBLE_FILL, x.dtype)
-    (_, outputs), _ = jax.lax.scan(iteration, (constrain(state, where), jnp.zeros_like(xs)),
-                                   jnp.arange(repeats * microbatches + stages - 1), unroll=unroll)
-    return _join(outputs)
+    aux_shape = jax.eval_shape(lambda: run_stages(per_stage, state, jnp.zeros(stages, jnp.int32),
+                                                  jnp.zeros(stages, jnp.int32))[1])
+    aux = jax.tree.map(lambda a: jnp.zeros((stages, repeats, *a.shape[1:]), a.dtype), aux_shape)
+    (_, outputs, aux), _ = jax.lax.scan(iteration, (constrain(state, where), jnp.zeros_like(xs), aux),
+                                        jnp.arange(repeats * microbatches + stages - 1), unroll=unroll)
+    # Stage p's repeat r holds canonical block r P + p (memory_order): [repeats, stages, ...] is canonical.
+    return _join(outputs), jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(layers, *a.shape[3:]), aux)

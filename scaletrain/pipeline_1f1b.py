@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from scaletrain.pipeline import BUBBLE_FILL
+from scaletrain.pipeline import BUBBLE_FILL, add_where
 from scaletrain.sharding import active_axes, active_mesh, replica_axes
 
 
@@ -63,13 +63,20 @@ def timeline(stages: int, microbatches: int) -> list[list[str]]:
 
 
 def loss(stage: Callable, head: Callable, stages: int, microbatches: int, gather_once: bool, unroll: bool,
-         x: jax.Array, stacked: Any, head_params: Any, extras: tuple, rows: tuple) -> jax.Array:
-    """The summed loss of a batch through the layer stack as a 1F1B pipeline and the head.
+         x: jax.Array, stacked: Any, head_params: Any, extras: tuple, rows: tuple,
+         aux_weights: Any) -> tuple[jax.Array, Any]:
+    """(The summed loss of a batch through the layer stack as a 1F1B pipeline and the head, the stack's auxiliary
+    sums [layers, ...] summed over the microbatches).
 
-    `stage(stacked, x, extras) -> x` runs a stage's layers (its block of `stacked` [layers, ...]) on a microbatch
-    [b, T, D] with its rows of `extras`; `head(head_params, stacked, x, rows) -> summed loss` runs the head on a
-    stage output with its rows of `rows` (targets, mask). `x` is the embedded batch [B, T, D]; `extras` and `rows`
-    are per-row arrays [B, ...]. Differentiable in x, stacked and head_params.
+    `stage(stacked, x, extras) -> (x, aux)` runs a stage's layers (its block of `stacked` [layers, ...]) on a
+    microbatch [b, T, D] with its rows of `extras`; `head(head_params, stacked, x, rows) -> summed loss` runs the
+    head on a stage output with its rows of `rows` (targets, mask). `x` is the embedded batch [B, T, D]; `extras`
+    and `rows` are per-row arrays [B, ...]. Differentiable in x, stacked and head_params.
+
+    The gradient formed is that of loss + penalty(aux) for a penalty linear in the auxiliary sums (a router's
+    losses), `aux_weights` being its gradient (shaped like aux): each backward slot pulls them through its layers
+    beside the stream's cotangent. The caller's objective must be exactly that sum - its cotangent for the loss
+    scales the gradients; the one for aux is taken to be aux_weights times it.
 
     The loop runs per device along the pipeline axis and along the batch axes whose devices hold the same
     weights (data parallelism: each sums its own gradients, reduced once after the loop). `gather_once` makes it
@@ -77,23 +84,28 @@ def loss(stage: Callable, head: Callable, stages: int, microbatches: int, gather
     reduced once on the way out, at the memory of a whole stage's weights and gradients on every device;
     otherwise FSDP gathers each weight where a slot uses it, as everywhere else. `unroll` unrolls the ticks (for
     XLA's cost estimate only, as model.unroll_loops)."""
-    return _loss(stage, head, stages, microbatches, gather_once, unroll, x, stacked, head_params, extras, rows)
+    return _loss(stage, head, stages, microbatches, gather_once, unroll, x, stacked, head_params, extras, rows,
+                 aux_weights)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
-def _loss(stage, head, stages, microbatches, gather_once, unroll, x, stacked, head_params, extras, rows):
+def _loss(stage, head, stages, microbatches, gather_once, unroll, x, stacked, head_params, extras, rows,
+          aux_weights):
     return _program(stage, head, stages, microbatches, gather_once, unroll, False, x, stacked, head_params, extras,
-                    rows)
+                    rows, aux_weights)
 
 
-def _loss_forward(stage, head, stages, microbatches, gather_once, unroll, x, stacked, head_params, extras, rows):
-    return _program(stage, head, stages, microbatches, gather_once, unroll, True, x, stacked, head_params, extras,
-                    rows)
+def _loss_forward(stage, head, stages, microbatches, gather_once, unroll, x, stacked, head_params, extras, rows,
+                  aux_weights):
+    (total, aux), grads = _program(stage, head, stages, microbatches, gather_once, unroll, True, x, stacked,
+                                   head_params, extras, rows, aux_weights)
+    return (total, aux), (grads, aux_weights)
 
 
-def _loss_backward(stage, head, stages, microbatches, gather_once, unroll, grads, g):
-    dx, dstacked, dhead = jax.tree.map(lambda a: (g * a).astype(a.dtype), grads)
-    return dx, dstacked, dhead, None, None
+def _loss_backward(stage, head, stages, microbatches, gather_once, unroll, residuals, g):
+    (grads, aux_weights), (g_total, _) = residuals, g
+    dx, dstacked, dhead = jax.tree.map(lambda a: (g_total * a).astype(a.dtype), grads)
+    return dx, dstacked, dhead, None, None, jax.tree.map(jnp.zeros_like, aux_weights)
 
 
 _loss.defvjp(_loss_forward, _loss_backward)
@@ -106,7 +118,7 @@ def _zeros(a: jax.Array) -> jax.Array:
 
 
 def _program(stage, head, stages, microbatches, gather_once, unroll, with_grads, x, stacked, head_params, extras,
-             rows):
+             rows, aux_weights):
     axis = active_axes("stage")
     own = active_axes("batch") if gather_once else replica_axes()  # batch axes along which each device sums
     everywhere = axis + own
@@ -115,7 +127,7 @@ def _program(stage, head, stages, microbatches, gather_once, unroll, with_grads,
     send_on = [(i, i + 1) for i in range(stages - 1)]
     send_back = [(i + 1, i) for i in range(stages - 1)]
 
-    def per_stage(x, stacked, head_params, extras, rows):
+    def per_stage(x, stacked, head_params, extras, rows, aux_weights):
         s = jax.lax.axis_index(axis)
         first, last = s == 0, s == stages - 1
         # Microbatch i is rows i, m + i, 2m + i, ... (pipeline.split_microbatches'), read and written in place
@@ -144,7 +156,8 @@ def _program(stage, head, stages, microbatches, gather_once, unroll, with_grads,
             f = forward_microbatch(t, s)
             valid = (0 <= f) & (f < m)
             inputs = jnp.where(valid, jnp.where(first, at(xs, f), c["from_before"]), 0)
-            out = stage(stacked, inputs, at(extras_m, f))
+            out, aux = stage(stacked, inputs, at(extras_m, f))
+            c = dict(c, aux=add_where(valid, c["aux"], aux))
             slot = jnp.mod(f, keep)
             kept = c["kept"]
             c = dict(c, kept=jax.lax.dynamic_update_index_in_dim(
@@ -159,7 +172,8 @@ def _program(stage, head, stages, microbatches, gather_once, unroll, with_grads,
             inputs = jnp.where(valid, jnp.where(last, fresh, kept), 0)
             cotangent = jnp.where(valid, jnp.where(last, dy, c["from_after"]), 0)
             _, pull = jax.vjp(lambda p, x: stage(p, x, at(extras_m, b)), stacked, inputs)
-            dstacked, dx = pull(cotangent.astype(inputs.dtype))
+            dstacked, dx = pull((cotangent.astype(inputs.dtype),
+                                 jax.tree.map(lambda w: jnp.where(valid, w, 0), aux_weights)))
             i = jnp.clip(b, 0, m - 1)
             dxs = c["dxs"]
             dxs = jax.lax.dynamic_update_index_in_dim(
@@ -191,10 +205,14 @@ def _program(stage, head, stages, microbatches, gather_once, unroll, with_grads,
         dx_like = at(xs, 0)
         fill = jnp.full(dx_like.shape, BUBBLE_FILL, dx_like.dtype)
         c = {"from_before": fill, "kept": jnp.full((keep, *dx_like.shape), BUBBLE_FILL, x.dtype),
-             "total": jnp.zeros((), jnp.float32)}
+             "total": jnp.zeros((), jnp.float32), "aux": jax.tree.map(_zeros, aux_weights)}
+
+        def sums(c):  # the loss, whole; each stage's auxiliary sums, over the devices' own rows
+            return jax.lax.psum(c["total"], everywhere), jax.lax.psum(c["aux"], own) if own else c["aux"]
+
         if not with_grads:
             c, _ = jax.lax.scan(forward_only, c, jnp.arange(m + stages - 1), unroll=unroll)
-            return jax.lax.psum(c["total"], everywhere)
+            return sums(c)
         c |= {"from_after": fill, "dxs": _zeros(xs), "dstacked": jax.tree.map(_zeros, stacked),
               "dhead": jax.tree.map(_zeros, head_params)}
         c, _ = jax.lax.scan(warmup, c, jnp.arange(stages - 1), unroll=unroll)
@@ -202,14 +220,18 @@ def _program(stage, head, stages, microbatches, gather_once, unroll, with_grads,
         c, _ = jax.lax.scan(cooldown, c, jnp.arange(m + stages - 1, m + 2 * stages - 2), unroll=unroll)
         dx = jax.lax.psum(c["dxs"].reshape(x.shape), axis)
         dstacked = jax.lax.psum(c["dstacked"], own) if own else c["dstacked"]
-        return jax.lax.psum(c["total"], everywhere), (dx, dstacked, jax.lax.psum(c["dhead"], everywhere))
+        return sums(c), (dx, dstacked, jax.lax.psum(c["dhead"], everywhere))
 
     # The per-row arrays are split along the devices' own batch axes, whole along the pipeline; the head's
     # weights whole, the stacked layers split by stage - along the manual axes, that is: over the others (FSDP's
     # when per use, tensor's) XLA splits them as everywhere else.
     rows_spec = lambda tree: jax.tree.map(lambda _: P(own or None), tree)
-    in_specs = (P(own or None), jax.tree.map(lambda _: P(axis), stacked), jax.tree.map(lambda _: P(), head_params),
-                rows_spec(extras), rows_spec(rows))
-    out_specs = P() if not with_grads else (P(), (in_specs[0], in_specs[1], in_specs[2]))
+    by_stage = lambda tree: jax.tree.map(lambda _: P(axis), tree)
+    in_specs = (P(own or None), by_stage(stacked), jax.tree.map(lambda _: P(), head_params), rows_spec(extras),
+                rows_spec(rows), by_stage(aux_weights))
+    out_specs = (P(), by_stage(aux_weights))
+    if with_grads:
+        out_specs = (out_specs, (in_specs[0], in_specs[1], in_specs[2]))
     return jax.shard_map(per_stage, mesh=active_mesh(), in_specs=in_specs, out_specs=out_specs,
-                         axis_names=set(everywhere), check_vma=False)(x, stacked, head_params, extras, rows)
+                         axis_names=set(everywhere), check_vma=False)(x, stacked, head_params, extras, rows,
+                                                                      aux_weights)

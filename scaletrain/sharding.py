@@ -95,6 +95,17 @@ def mesh_axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def split_ways(logical: str, table: RuleTable, axis_sizes: Mapping[str, int]) -> int:
+    """Into how many shards rule table `table` splits a logical axis on a mesh of these axis sizes (ICI x DCN):
+    what the trainer's placement gives, for the checks and the planner to read rather than restate."""
+    return math.prod(axis_sizes[a] for a in mesh_axes(table.get(logical)))
+
+
+def batch_ways(axis_sizes: Mapping[str, int]) -> int:
+    """The batch's shards: every preset's activation rules split it alike (data x fsdp x expert today)."""
+    return split_ways("batch", _ACTIVATIONS, axis_sizes)
+
+
 def spec(logical: tuple[str | None, ...], table: RuleTable, mesh: Mesh) -> P:
     """Logical names -> PartitionSpec; mesh axes of size 1 are dropped so specs stay readable, and so are the
     axes traced code sees as manual (inside shard_map: each device holds its own shard along them)."""
@@ -227,26 +238,25 @@ def constrain_param(x: jax.Array, logical: tuple[str | None, ...], dtype=None) -
     if not _ACTIVE:
         return x if dtype is None else x.astype(dtype)
     mesh, (_, rules, params_on_host) = _traced_mesh(), _ACTIVE[-1]
+    if params_on_host:  # differentiated as a copy: the gradient goes back to host memory
+        x = jax.device_put(x, jax.memory.Space.Device)
     return _place(x, NamedSharding(mesh, spec(logical, rules.params, mesh)),
-                  NamedSharding(mesh, spec(logical, rules.grads, mesh)), params_on_host,
+                  NamedSharding(mesh, spec(logical, rules.grads, mesh)),
                   None if dtype is None else jax.numpy.dtype(dtype), x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _place(x, forward: NamedSharding, backward: NamedSharding, fetch: bool, dtype, x_dtype):
-    if fetch:
-        x = jax.device_put(x, jax.memory.Space.Device)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _place(x, forward: NamedSharding, backward: NamedSharding, dtype, x_dtype):
     x = jax.lax.with_sharding_constraint(x, forward)
     return x if dtype is None else x.astype(dtype)
 
 
-def _place_forward(x, forward, backward, fetch, dtype, x_dtype):
-    return _place(x, forward, backward, fetch, dtype, x_dtype), None
+def _place_forward(x, forward, backward, dtype, x_dtype):
+    return _place(x, forward, backward, dtype, x_dtype), None
 
 
-def _place_backward(forward, backward, fetch, dtype, x_dtype, _, g):
-    g = jax.lax.with_sharding_constraint(g, backward).astype(x_dtype)
-    return (jax.device_put(g, jax.memory.Space.Host) if fetch else g,)
+def _place_backward(forward, backward, dtype, x_dtype, _, g):
+    return (jax.lax.with_sharding_constraint(g, backward).astype(x_dtype),)
 
 
 _place.defvjp(_place_forward, _place_backward)

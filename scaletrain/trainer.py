@@ -23,15 +23,16 @@ from scaletrain import config as config_lib
 from scaletrain import data as data_lib
 from scaletrain import mesh as mesh_lib
 from scaletrain import model as model_lib
-from scaletrain import layout, offload, optim, parallelism, pipeline, sharding, storage
+from scaletrain import layout, offload, optim, parallelism, sharding, storage
 from scaletrain.checkpoint import Checkpointer, check_resumable, params_source, restore_params
 from scaletrain.control import Control, Preemption
-from scaletrain.errors import ConfigError, UserError, first_line
+from scaletrain.errors import UserError, first_line
 from scaletrain.evaluation import Evaluator
 from scaletrain.metrics import MetricsLog
 from scaletrain.planner import flops, hardware, memory
 from scaletrain.profiler import Profiler
 from scaletrain.run_lock import RunLock
+from scaletrain.runner import Runner
 from scaletrain.train_step import TrainState, make_eval_step, make_train_step
 
 EXIT_DIVERGED = 1
@@ -45,6 +46,7 @@ class Setup:
     cfg: Any
     mesh: Mesh
     model_cfg: model_lib.ModelConfig
+    runner: Runner
     state_shardings: TrainState
     grad_shardings: Any  # where the step places the gradients (ZeRO-2 and FSDP: scattered)
     logical_state: TrainState  # the logical axis names of every array
@@ -79,8 +81,7 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
     state_shardings = TrainState(params=params_shardings, opt_state=opt_shardings, step=sharding.replicated(mesh),
                                  rng=sharding.replicated(mesh))
 
-    stages, repeats = mesh.shape["pipeline"], model_cfg.pipeline_repeats
-    order = pipeline.memory_order(model_cfg.num_layers, stages, repeats) if repeats > 1 else None
+    order = lay.runner.memory_order(model_cfg.num_layers)
 
     def init(key: jax.Array) -> TrainState:
         params_key, rng = jax.random.split(key)
@@ -94,17 +95,17 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
     batch_sharding = NamedSharding(mesh, sharding.spec(("batch", "seq"), rules.activations, mesh))
     update = optim.on_device(tx) if lay.opt_home is None else offload.streamed(tx, lay.logical, lay.opt_state,
                                                                                cfg.params.offload)
-    step = make_train_step(lay.graphdef, update, lr, cfg.optim.grad_clip_norm, cfg.train.grad_accum_steps, mesh,
+    step = make_train_step(lay.graphdef, lay.runner, update, lr, cfg.optim.grad_clip_norm, cfg.train.grad_accum_steps, mesh,
                            rules, grad_shardings)
     return Setup(
-        cfg=cfg, mesh=mesh, model_cfg=model_cfg, state_shardings=state_shardings, grad_shardings=grad_shardings,
+        cfg=cfg, mesh=mesh, model_cfg=model_cfg, runner=lay.runner, state_shardings=state_shardings, grad_shardings=grad_shardings,
         logical_state=logical_state,
         abstract_state=abstract_state,
         batch_sharding=batch_sharding,
         init=jax.jit(init, out_shardings=state_shardings),
         step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0),
-        eval_step=jax.jit(make_eval_step(lay.graphdef, update.fetch_params, mesh, rules),
+        eval_step=jax.jit(make_eval_step(lay.graphdef, lay.runner, update.fetch_params, mesh, rules),
                           in_shardings=(state_shardings.params, batch_sharding),
                           out_shardings=sharding.replicated(mesh)),
         **({} if order is None else {"to_disk": _reorder(np.argsort(order), logical_state, state_shardings),
@@ -132,7 +133,10 @@ def _layers_taken(take: Callable, logical: Any, tree: Any, shardings: Any) -> An
 
 @functools.cache
 def _take(out_sharding: NamedSharding) -> Callable:
-    return jax.jit(lambda x, order: jnp.take(x, order, axis=0), out_shardings=out_sharding, donate_argnums=0)
+    # Taken on the device (XLA computes nothing in host memory): an array kept in host memory (offloaded state)
+    # comes in, and goes back as `out_sharding` says.
+    return jax.jit(lambda x, order: jnp.take(jax.device_put(x, jax.memory.Space.Device), order, axis=0),
+                   out_shardings=out_sharding, donate_argnums=0)
 
 
 def run(cfg) -> int:

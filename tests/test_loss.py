@@ -11,7 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
-from scaletrain import config, train_step, trainer
+from scaletrain import config, trainer
 from scaletrain.loss import blocked_linear_cross_entropy, cross_entropy, linear_cross_entropy, vocab_chunk
 from scaletrain.model import Llama, ModelConfig
 from scaletrain.train_step import loss_sum
@@ -136,7 +136,7 @@ def test_fused_loss_trains_like_the_plain_path_on_8_devices(monkeypatch):
                         "loss_mask": (rng.random((16, 32)) > 0.2).astype(np.float32)})
 
     def run(fused):
-        monkeypatch.setattr(train_step, "FUSED_LOSS", fused)
+        monkeypatch.setattr("scaletrain.loss.FUSED_LOSS", fused)
         setup = trainer.build(cfg, jax.devices())
         state = setup.init(jax.random.PRNGKey(0))
         hlo = setup.step.lower(setup.abstract_state, setup.abstract_batch()).as_text()

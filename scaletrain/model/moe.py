@@ -30,13 +30,35 @@ from jax.ad_checkpoint import checkpoint_name
 from scaletrain.model.layers import param
 from scaletrain.sharding import active_axes, active_device, constrain, local
 
-# Per-layer router statistics, summed over the batch (`stats` of MoE.__call__): the load-balancing loss (per
+# Per-layer router statistics, summed over the batch (`router_stats`'s vector): the load-balancing loss (per
 # sequence, times its length), the z-loss (per token), the dropped assignments, then the assignments per expert.
 AUX, Z, DROPPED, LOAD = 0, 1, 2, 3
 
 
-def stats_size(num_experts: int) -> int:
-    return LOAD + num_experts
+def sums(stats: jax.Array, tokens: int) -> dict:
+    """A layer's auxiliary sums (what MoE.__call__ returns beside the stream, the runners stack along the layers
+    and add across microbatches): the statistics vector by name, and the tokens it sums over."""
+    return {"aux": stats[AUX], "z": stats[Z], "dropped": stats[DROPPED], "load": stats[LOAD:],
+            "tokens": jnp.float32(tokens)}
+
+
+def penalty(router_aux_loss: float, router_z_loss: float, stacked: dict) -> jax.Array:
+    """What the objective adds for the router: router_aux_loss x the load-balancing loss + router_z_loss x the
+    z-loss, each summed over the tokens like the cross-entropy (so that microbatches add up to their batch and the
+    step's division by the token count makes both means) and averaged over the MoE layers. `stacked`: `sums`
+    stacked along the MoE layers. Linear in the sums, as a pipeline's hand-written backward pass needs."""
+    layers = stacked["aux"].shape[0]
+    return (router_aux_loss * jnp.sum(stacked["aux"]) + router_z_loss * jnp.sum(stacked["z"])) / layers
+
+
+def metrics(stacked: dict) -> dict:
+    """What metrics.jsonl logs of the router: its two losses (means over tokens and MoE layers), the busiest
+    expert's load over the mean load (1 when balanced; the worst layer's), and the share of assignments dropped
+    for want of capacity."""
+    load, tokens = stacked["load"], jnp.sum(stacked["tokens"])
+    return {"router_aux_loss": jnp.sum(stacked["aux"]) / tokens, "router_z_loss": jnp.sum(stacked["z"]) / tokens,
+            "expert_load_max": jnp.max(jnp.max(load, axis=1) / jnp.maximum(jnp.mean(load, axis=1), 1e-9)),
+            "dropped_fraction": jnp.sum(stacked["dropped"]) / jnp.sum(load)}
 
 
 def capacity(capacity_factor: float, seq_len: int, k: int, experts: int) -> int:
@@ -70,8 +92,8 @@ class MoE(nnx.Module):
         self.w_up = param(rngs, (e, d, f), ("experts", "embed", "moe_mlp"), pd, cfg.init_std)
         self.w_down = param(rngs, (e, f, d), ("experts", "moe_mlp", "embed"), pd, cfg.out_std)
 
-    def __call__(self, x_btd: jax.Array, norm) -> tuple[jax.Array, jax.Array]:
-        """(the block's output [b, t, d] for norm(x), router statistics [stats_size(experts)])."""
+    def __call__(self, x_btd: jax.Array, norm) -> tuple[jax.Array, dict]:
+        """(the block's output [b, t, d] for norm(x), the router's `sums` over these rows)."""
         # The norm runs here, whole (any model.norm computes the same RMSNorm): the experts see their tokens
         # permuted, past where a norm could be fused into their matmul.
         h_btd = constrain(norm(x_btd), ("batch", "seq", "embed"))
@@ -82,7 +104,7 @@ class MoE(nnx.Module):
                                (("batch", "seq", "embed"), ("batch", None)))(
             h_btd, self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...])
         out_btd = checkpoint_name(constrain(out_btd, ("batch", "residual_seq", "embed")), "mlp_out")
-        return out_btd, jnp.sum(stats, axis=0)
+        return out_btd, sums(jnp.sum(stats, axis=0), x_btd.shape[0] * x_btd.shape[1])
 
 
 def route(h_td: jax.Array, router_de: jax.Array, k: int):

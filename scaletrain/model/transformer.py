@@ -13,6 +13,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain import config, pipeline, remat
+from scaletrain.model import moe
 from scaletrain.model import rope
 from scaletrain.model.attention import Attention
 from scaletrain.model.layers import Embed, RMSNorm, param, project
@@ -24,7 +25,8 @@ from scaletrain.sharding import constrain, constrain_param
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The `model` config section as the model reads it (its defaults are config.defaults()'s, nowhere else),
-    plus what the trainer derives from other sections."""
+    plus what the trainer derives from other sections. How the layer stack is run (a pipeline's stages and
+    schedule) is not the model's business: runner.py's."""
 
     vocab_size: int
     d_model: int
@@ -63,11 +65,6 @@ class ModelConfig:
     remat: str = "none"  # a remat.POLICIES name
     remat_custom: tuple[tuple[str, str], ...] = ()  # (checkpoint name, remat|device|offload) for "custom"
     fuse_qkv: bool = True  # False where kv heads are replicated over `tensor`
-    pipeline_stages: int = 1  # > 1: the layer stack runs as a pipeline (pipeline.py) of this many stages
-    pipeline_microbatches: int = 1
-    pipeline_schedule: str = "gpipe"  # gpipe | circular | 1f1b
-    pipeline_gather_once: bool = False  # 1f1b: pipeline.gather_weights=once
-    pipeline_repeats: int = 1  # circular: blocks of layers per stage, the weights in pipeline.memory_order
     # Unroll the layer scan and the attention block loop. Only for XLA's cost estimate, which counts a loop's
     # body once (planner/aot.py); never for training (compile time and code size grow with the depth).
     unroll_loops: bool = False
@@ -103,34 +100,38 @@ class ModelConfig:
                                         self.rope_original_max_position)
 
 
-class Block(nnx.Module):
-    """Attention then a feed-forward: the SwiGLU MLP, or with `moe` a mixture of experts - whose call returns
-    the router's statistics beside the stream."""
+# The key of a mixture of experts' router sums in a block's auxiliary dict.
+ROUTER = "router"
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
+
+class Block(nnx.Module):
+    """Attention then a feed-forward: the SwiGLU MLP, or with `routed` a mixture of experts. A call returns the
+    stream and the block's auxiliary sums: {ROUTER: moe.sums} for a mixture of experts, {} otherwise."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, routed: bool = False):
         weightless = cfg.norm_weights != "standard"
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm, weightless)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm, weightless)
-        self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
+        self.routed = routed
+        self.mlp = MoE(cfg, rngs) if routed else MLP(cfg, rngs)
 
-    def __call__(self, x_btd, sin_bth, cos_bth, segment_ids_bt):
+    def __call__(self, x_btd, sin_bth, cos_bth, segment_ids_bt) -> tuple[jax.Array, dict]:
         x_btd = x_btd + self.attn(x_btd, self.attn_norm, sin_bth, cos_bth, segment_ids_bt)
         return self._feed_forward(x_btd)
 
-    def _feed_forward(self, x_btd, one_matmul: bool = True):
-        if isinstance(self.mlp, MoE):
-            out, stats = self.mlp(x_btd, self.mlp_norm)
-            return x_btd + out, stats
-        return x_btd + self.mlp(x_btd, self.mlp_norm, one_matmul)
+    def _feed_forward(self, x_btd, one_matmul: bool = True) -> tuple[jax.Array, dict]:
+        if self.routed:
+            out, sums = self.mlp(x_btd, self.mlp_norm)
+            return x_btd + out, {ROUTER: sums}
+        return x_btd + self.mlp(x_btd, self.mlp_norm, one_matmul), {}
 
     def decode(self, x_btd, sin_bth, cos_bth, start, cache):
         """The block for positions [start, start + t) against this layer's KV cache (Attention.decode). Q, K, V
         and gate, up are separate matmuls here: joining their weights into one (for the backward pass) would
         copy them at every token."""
         attn_btd, cache = self.attn.decode(x_btd, self.attn_norm, sin_bth, cos_bth, start, cache)
-        out = self._feed_forward(x_btd + attn_btd, one_matmul=False)
-        return (out[0] if isinstance(self.mlp, MoE) else out), cache
+        return self._feed_forward(x_btd + attn_btd, one_matmul=False)[0], cache
 
 
 class MoEGroup(nnx.Module):
@@ -144,7 +145,7 @@ class MoEGroup(nnx.Module):
             return Block(cfg, rngs)
 
         self.dense = make_dense(rngs)
-        self.moe = Block(cfg, rngs, moe=True)
+        self.moe = Block(cfg, rngs, routed=True)
         self.unroll = cfg.unroll_loops
 
     def _dense_scan(self, step, x_btd, xs=None):
@@ -152,8 +153,9 @@ class MoEGroup(nnx.Module):
         return jax.lax.scan(lambda x, p: step(nnx.merge(graphdef, p[0]), x, p[1]), x_btd, (stacked, xs),
                             unroll=self.unroll)
 
-    def __call__(self, x_btd, sin_bth, cos_bth, segment_ids_bt):
-        x_btd, _ = self._dense_scan(lambda block, x, _: (block(x, sin_bth, cos_bth, segment_ids_bt), None), x_btd)
+    def __call__(self, x_btd, sin_bth, cos_bth, segment_ids_bt) -> tuple[jax.Array, dict]:
+        """The stream and the group's auxiliary sums: its MoE block's (the dense blocks have none)."""
+        x_btd, _ = self._dense_scan(lambda block, x, _: block(x, sin_bth, cos_bth, segment_ids_bt), x_btd)
         return self.moe(x_btd, sin_bth, cos_bth, segment_ids_bt)
 
     def decode(self, x_btd, sin_bth, cos_bth, start, cache):
@@ -176,7 +178,7 @@ class Llama(nnx.Module):
         def make_layers(rngs):
             if cfg.num_experts and cfg.moe_every > 1:
                 return MoEGroup(cfg, rngs)
-            return Block(cfg, rngs, moe=cfg.num_experts > 0)
+            return Block(cfg, rngs, routed=cfg.num_experts > 0)
 
         self.layers = make_layers(rngs)
         # With tied embeddings the final norm's gain cannot be folded: the table also embeds the input.
@@ -195,28 +197,16 @@ class Llama(nnx.Module):
 
     def hidden(self, tokens_bt: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
         """The stream [b, t, d] that `logits` projects, whole along the sequence: after the final norm where
-        that is a standard RMSNorm, before it where the norm is deferred or fused into the projection."""
-        return self.hidden_and_router(tokens_bt, positions_bt, segment_ids_bt)[0]
-
-    def hidden_and_router(self, tokens_bt: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array):
-        """(`hidden`'s stream, the router statistics of each mixture-of-experts layer [moe layers, ...] -
-        moe.stats_size's, summed over the batch - or None for a dense model)."""
-        cfg = self.cfg
+        that is a standard RMSNorm, before it where the norm is deferred or fused into the projection. The layer
+        stack as a plain scan (inference's; training's runner is runner.py's)."""
         x_btd, body, stacked, extras = self.stack_inputs(tokens_bt, positions_bt, segment_ids_bt)
-        stats = None
-        if cfg.pipeline_stages > 1:
-            x_btd = pipeline.gpipe(body, x_btd, stacked, extras, cfg.pipeline_stages, cfg.pipeline_microbatches,
-                                   cfg.unroll_loops, cfg.remat, cfg.remat_custom, cfg.pipeline_repeats)
-        elif cfg.num_experts:
-            x_btd, stats = pipeline.scan(body, x_btd, stacked, extras, cfg.unroll_loops)
-        else:
-            x_btd = pipeline.scan(body, x_btd, stacked, extras, cfg.unroll_loops)
-        return self.final_stream(x_btd), stats
+        return self.final_stream(pipeline.scan(body, x_btd, stacked, extras, self.cfg.unroll_loops)[0])
 
     def stack_inputs(self, tokens_bt: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array):
-        """What a runner of the layer stack (pipeline.py) takes: the embedded stream [b, t, d], the layer body
-        `body(x, layer_params, *extras) -> x` (remat applied), the stacked layer weights [layers, ...] and the
-        per-row arrays every layer reads (RoPE's tables, the segment ids)."""
+        """The model's pieces as a runner of the layer stack (runner.py) takes them: the embedded stream
+        [b, t, d], the layer body `body(x, layer_params, *extras) -> (x, aux)` (remat applied; `aux` the layer's
+        auxiliary sums, Block's), the stacked layer weights [layers, ...] and the per-row arrays every layer reads
+        (RoPE's tables, the segment ids)."""
         cfg = self.cfg
         x_btd = self.embed(tokens_bt, cfg.dtype)
         sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies())
@@ -236,6 +226,17 @@ class Llama(nnx.Module):
         if self._norm_first():
             x_btd = constrain(self.final_norm(x_btd), ("batch", "residual_seq", "embed"))
         return constrain(x_btd, ("batch", "seq", "embed"))
+
+    def penalty(self, aux: dict) -> jax.Array:
+        """What the objective adds for the layer stack's auxiliary sums (the runner's: [layers, ...], summed
+        over the batch): a mixture of experts' router losses, at the config's coefficients. Linear in `aux`."""
+        if not self.cfg.num_experts:
+            return jnp.zeros((), jnp.float32)
+        return moe.penalty(self.cfg.router_aux_loss, self.cfg.router_z_loss, aux[ROUTER])
+
+    def aux_metrics(self, aux: dict) -> dict:
+        """What metrics.jsonl logs of the auxiliary sums: a mixture of experts' router metrics."""
+        return moe.metrics(aux[ROUTER]) if self.cfg.num_experts else {}
 
     def init_cache(self, batch: int, max_len: int) -> tuple[jax.Array, jax.Array]:
         """An empty KV cache for `decode`: keys and values [layers, batch, max_len, kv_heads, head_dim]

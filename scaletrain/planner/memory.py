@@ -21,6 +21,7 @@ from scaletrain import pipeline_1f1b, remat, sharding
 from scaletrain.config import moe_d_ff
 from scaletrain.errors import ConfigError
 from scaletrain.parallelism import microbatches, shards_kv_heads
+from scaletrain.runner import Runner
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -254,19 +255,19 @@ def replica_tokens(cfg, axes: Mapping[str, int]) -> float:
     """Tokens of one microbatch of one data-parallel replica (data x fsdp x expert ways: the expert axis's
     devices each route their own share of the batch, model/moe.py): the batch its devices' matmuls see (tensor
     devices share it)."""
-    ways = axes["data"] * axes["fsdp"] * axes["expert"]
+    ways = sharding.batch_ways(axes)
     return cfg.train.global_batch * cfg.data.seq_len / (microbatches(cfg, axes) * ways)
 
 
-def held_microbatches(cfg, axes: Mapping[str, int], repeats: int = 1) -> int:
-    """Microbatches whose activations one device holds at the peak: one without pipelining; with it, every one
-    under GPipe (a stage keeps each until its backward pass) - once per repeat under a circular schedule -, at
-    most 2 P - 1 under 1F1B (pipeline_1f1b.depth)."""
-    if axes["pipeline"] == 1:
+def held_microbatches(runner: Runner) -> int:
+    """Microbatches whose activations one device holds at the peak under the trainer's stack runner: one
+    without pipelining; with it, every one under GPipe (a stage keeps each until its backward pass) - once per
+    repeat under a circular schedule -, at most 2 P - 1 under 1F1B (pipeline_1f1b.depth)."""
+    if runner.stages == 1:
         return 1
-    if cfg.pipeline.schedule == "1f1b":
-        return pipeline_1f1b.depth(axes["pipeline"], microbatches(cfg, axes))
-    return microbatches(cfg, axes) * repeats
+    if runner.schedule == "1f1b":
+        return pipeline_1f1b.depth(runner.stages, runner.microbatches)
+    return runner.microbatches * runner.repeats
 
 
 def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: bool = True) -> Prediction:
@@ -294,12 +295,13 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     ab = DTYPE_BYTES[m.dtype]
     s = state_ or state(cfg, axes)
     params, moments = s.params, s.optimizer
-    pipelined = axes["pipeline"] > 1
+    runner = s.layout.runner
+    pipelined = runner.stages > 1
     sums = cfg.train.grad_accum_steps > 1 or pipelined  # gradients summed over microbatches
     grads = s.gradients * (2 if sums else 1)
-    one_f_one_b = pipelined and cfg.pipeline.schedule == "1f1b"
+    one_f_one_b = runner.schedule == "1f1b"
     micro = replica_tokens(cfg, axes)  # one microbatch: what one layer (or iteration) recomputes
-    tokens = micro * held_microbatches(cfg, axes, s.layout.model_cfg.pipeline_repeats)
+    tokens = micro * held_microbatches(runner)
     elements = tensor_elements(m, t, cfg.sharding.sequence_parallel, expert_rows(cfg, axes, ragged)[1])
     policy = cfg.remat.policy
     stage_inputs = elements["decoder_layer_input"] * ab * tokens
@@ -330,7 +332,7 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
         working += PIPELINE_STREAM_COPIES * elements["decoder_layer_input"] * ab * micro * microbatches(cfg, axes)
     logits_tokens = micro * (microbatches(cfg, axes) if pipelined and not one_f_one_b else 1)
     logits = 2 * logits_tokens * logits_block(cfg) / cfg.data.seq_len * m.vocab_size / t * 4
-    if s.layout.model_cfg.pipeline_gather_once:  # a whole stage's weights and gradient sums on every device
+    if runner.gather_once:  # a whole stage's weights and gradient sums on every device
         batch = sharding.mesh_axes(s.layout.rules.activations["batch"])
         for table, role in ((s.layout.rules.params, "params"), (s.layout.rules.grads, "grads")):
             layer, rest = s.weights(table, batch)

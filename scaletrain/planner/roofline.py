@@ -21,8 +21,11 @@ from scaletrain import pipeline_1f1b
 from scaletrain.parallelism import microbatches
 from scaletrain.config import MESH_AXES, moe_d_ff
 from scaletrain.kernels import flash_attention
+from scaletrain.loss import projects_the_stream
 from scaletrain.planner import comms, flops, memory
+from scaletrain.planner.thresholds import critical_batches, fsdp_tensor_split
 from scaletrain.planner import hardware as hw
+from scaletrain.runner import Runner
 
 GB = 1e9
 TIMELINE_TICKS = 32  # the longest pipeline timeline the table prints
@@ -162,9 +165,7 @@ def recomputed(cfg) -> frozenset[str]:
 
 def recomputed_logits(cfg) -> bool:
     """model.logits_block: the backward pass runs the output projection of each block again - unless the loss
-    forms each block's gradient in the forward pass (train_step.projects_the_stream)."""
-    from scaletrain.train_step import projects_the_stream
-
+    forms each block's gradient in the forward pass (loss.projects_the_stream)."""
     return memory.logits_block(cfg) < cfg.data.seq_len and not projects_the_stream(cfg.model)
 
 
@@ -228,8 +229,7 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
     over the batch axes that shard no parameter; with pipeline.gather_weights=once over every batch axis, the
     weights then gathered once on the way in."""
     rules = state.layout.rules
-    model_cfg = state.layout.model_cfg
-    one_f_one_b = model_cfg.pipeline_stages > 1 and model_cfg.pipeline_schedule == "1f1b"
+    runner = state.layout.runner
     batch = set(sharding.mesh_axes(rules.activations["batch"]))
     experts = set(sharding.mesh_axes(rules.params.get("experts")))
 
@@ -248,11 +248,11 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
                 + comms.collective(kind, f"embedding and output {what}", rest, count, levels(names)))
 
     p, g, o = over(rules.params), over(rules.grads), over(rules.opt_state)
-    if model_cfg.pipeline_gather_once:
+    if runner.gather_once:
         return (moves(rules.params, p, "all-gather", "weights, once a step", 1)
                 + moves(rules.grads, batch, "all-reduce", "gradients, once a step", 1)
                 + moves(rules.params, o - p, "all-gather", "updated weights", 1))
-    if one_f_one_b:
+    if runner.schedule == "1f1b":
         return (moves(rules.params, p, "all-gather", "weights, forward", microbatches)
                 + moves(rules.params, p, "all-gather", "weights, backward", microbatches)
                 + moves(rules.grads, g, "reduce-scatter", "gradients", microbatches)
@@ -290,55 +290,10 @@ def step_transfers(cfg, axes: Mapping[str, int], links: Mapping[str, list[comms.
     counts = shards * m.num_experts * 4 if dropless else 0  # int32 assignments per expert, from every device
     return (data_parallel_transfers(state, layers, accum, levels)
             + comms.tensor(activations, layers, accum, sp, recompute, levels(["tensor"]), moe_layers)
-            + comms.pipeline(activations / (t if sp else 1), accum * state.layout.model_cfg.pipeline_repeats,
+            + comms.pipeline(activations / (t if sp else 1), accum * state.layout.runner.repeats,
                              levels(["pipeline"]))
             + comms.expert(routed, counts, moe_layers, accum, "expert_down" in recompute, levels(["expert"]),
                            "ragged-all-to-all" if ragged and dropless else "all-to-all"))
-
-
-def _criterion(rule: str, threshold: float, value: float, below: bool = False) -> dict:
-    met = value < threshold if below else value > threshold
-    return {"rule": rule, "threshold": threshold, "value": value, "met": met}
-
-
-def critical_batches(cfg, topo: hw.Topology, axes: Mapping[str, int],
-                     links: Mapping[str, list[comms.Link]]) -> dict[str, dict]:
-    """scaling.md's conditions for staying compute-bound, each with its threshold, this plan's value and whether
-    it is met. W is the mesh axis's ICI bandwidth as comms.Link gives it (M_X x W_ici with wraparound, so the
-    thresholds read alpha / M_X etc. with alpha = C / W_ici)."""
-    chip, m = topo.chip, cfg.model
-    c = chip.bf16_flops
-    replica_tokens = memory.replica_tokens(cfg, axes)
-    out = {"hbm": _criterion("tokens per data-parallel replica (per microbatch) > C / W_hbm",
-                             c / chip.hbm_bandwidth, replica_tokens)}
-    w_x = sum(links[a][0].bandwidth for a in ("data", "fsdp") if links[a][0].size > 1)
-    w_y = links["tensor"][0].bandwidth if links["tensor"][0].size > 1 else 0.0
-    if w_x:
-        out["data_parallel"] = _criterion("tokens per data-parallel device > alpha / M_X = C / (M_X W_ici)",
-                                          c / w_x, replica_tokens)
-    if w_y:
-        out["tensor"] = _criterion("tensor ways < M_Y F / alpha", m.d_ff * w_y / c, axes["tensor"], below=True)
-    if w_x and w_y:
-        out["fsdp_x_tensor"] = _criterion("tokens per chip > alpha^2 / (M_X M_Y F)", c**2 / (w_x * w_y * m.d_ff),
-                                          replica_tokens / axes["tensor"])
-    if topo.slices > 1:
-        out["dcn"] = _criterion("tokens per slice (per microbatch) > C / W_dcn", c / chip.dcn_bandwidth,
-                                replica_tokens * axes["data"] * axes["fsdp"] * axes["expert"] / topo.slices)
-    return out
-
-
-def fsdp_tensor_split(cfg, topo: hw.Topology) -> dict:
-    """The book's best FSDP degree for FSDP x tensor on one slice of N chips, X_opt = sqrt((B/F)(M_X/M_Y) N)
-    (scaling.md), B the slice's tokens per microbatch, laid out as the book does: tensor on one torus axis,
-    FSDP on the rest (M_X = torus dims - 1, M_Y = 1; a GPU node 1 and 1). Rounded to the power-of-two tensor
-    degree nearest N / X_opt (in log scale) that divides N and the heads."""
-    chip, m, n = topo.chip, cfg.model, topo.chips_per_slice
-    m_x, m_y = (1, 1) if chip.is_gpu else (chip.torus_dims - 1, 1)
-    tokens = cfg.train.global_batch * cfg.data.seq_len / (cfg.train.grad_accum_steps * topo.slices)
-    x_opt = math.sqrt(tokens / m.d_ff * m_x / m_y * n)
-    ways = [2**k for k in range(n.bit_length()) if n % 2**k == 0 and m.num_heads % 2**k == 0]
-    y = min(ways, key=lambda w: abs(math.log2(w) - math.log2(n / x_opt)))
-    return {"x_opt": x_opt, "m_x": m_x, "m_y": m_y, "fsdp": n // y, "tensor": y}
 
 
 def refusals(cfg, axes: Mapping[str, int], state: memory.State) -> list[str]:
@@ -351,25 +306,24 @@ def _warnings(cfg, axes: Mapping[str, int], mem: memory.Prediction, chip: hw.Chi
     """What the trainer would refuse and what makes the plan less than it seems; the plan is made regardless."""
     out = [f"the trainer refuses this mesh: {problem}" for problem in refusals(cfg, axes, state)]
     micro = cfg.train.global_batch / microbatches(cfg, axes)
-    if micro % (axes["data"] * axes["fsdp"] * axes["expert"]):
+    if micro % sharding.batch_ways(axes):
         out.append("planned with the book's sequence sharding (token-level data parallelism)")
     if mem.total > chip.hbm_bytes:
         out.append(f"does not fit: {mem.total / GB:.1f} GB per device of {chip.hbm_bytes / GB:.0f} GB HBM")
     return out
 
 
-def _pipeline(cfg, axes: Mapping[str, int], bubble: float, repeats: int) -> dict | None:
+def _pipeline(runner: Runner, bubble: float) -> dict | None:
     """The pipeline's schedule where there are stages: its timeline per stage (ticks of `F3`, `B3`, `.`: the
     trainer's own, pipeline.timeline or pipeline_1f1b.timeline)."""
-    stages = axes["pipeline"]
+    stages, n, repeats = runner.stages, runner.microbatches, runner.repeats
     if stages == 1:
         return None
-    n = microbatches(cfg, axes)
-    if cfg.pipeline.schedule == "1f1b":
+    if runner.schedule == "1f1b":
         timeline = pipeline_1f1b.timeline(stages, n)
     else:
         timeline = pipeline_lib.timeline(stages, n, repeats)
-    return {"schedule": cfg.pipeline.schedule, "stages": stages, "microbatches": n, "repeats": repeats,
+    return {"schedule": runner.schedule, "stages": stages, "microbatches": n, "repeats": repeats,
             "bubble": bubble,
             "timeline": [[tick[p] for tick in timeline] for p in range(stages)]}
 
@@ -396,7 +350,7 @@ def plan(cfg, hardware: str) -> dict:
     recompute_flops = tokens * (m.num_layers * sum(forward[g] for g in recompute)
                                 + recomputed_logits(cfg) * 2 * m.d_model * m.vocab_size)
     extra_flops = tokens * attention_extra_flops(cfg, chip.name)
-    bubble = comms.bubble(axes["pipeline"], microbatches(cfg, axes), state.layout.model_cfg.pipeline_repeats)
+    bubble = comms.bubble(axes["pipeline"], microbatches(cfg, axes), state.layout.runner.repeats)
     ragged = chip.ragged_all_to_all
     transfers = step_transfers(cfg, axes, links, recompute, state, ragged)
     sent, seconds = comms.by_axis(transfers)
@@ -433,7 +387,7 @@ def plan(cfg, hardware: str) -> dict:
         "bound": bound,
         "time_s": times,
         "pipeline_bubble": bubble,
-        "pipeline": _pipeline(cfg, axes, bubble, state.layout.model_cfg.pipeline_repeats),
+        "pipeline": _pipeline(state.layout.runner, bubble),
         "tokens_per_second": tokens / step_time,
         "mfu_upper_bound": step_flops / (topo.num_chips * chip.bf16_flops * step_time),
         "memory_per_device_bytes": {k: detail[k] for k in ("params", "optimizer", "gradients", "activations",

@@ -1,0 +1,96 @@
+"""The stack runner: how embed -> layer stack -> head -> loss runs for a config on a mesh - a plain scan over the
+layers, or a pipeline over the `pipeline` mesh axis with one of the schedules (GPipe, circular, 1F1B) - chosen once,
+here (`choose`, which layout.of keeps beside the state it lays out), from the config and the mesh.
+
+The model only gives its pieces: Llama.stack_inputs (the embedded stream, one layer's body, the stacked layer
+weights in their canonical `[layers, ...]` layout, the per-row arrays every layer reads), final_stream and
+loss.head_loss (final norm, output projection, loss). It never learns how it is pipelined, and the step only asks
+the runner for the loss. A new schedule is taught here and in its own module (pipeline.py, pipeline_1f1b.py).
+
+Every runner returns the summed cross-entropy and the layer stack's auxiliary sums - each block's dict (a
+router's statistics; empty for a dense block), stacked along the layers in canonical order and summed over the
+batch's rows and the pipeline's microbatches - so that the step can add the model's penalty for them and log
+them, whatever the schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from scaletrain import pipeline, pipeline_1f1b
+from scaletrain.loss import head_loss
+from scaletrain.parallelism import microbatches
+
+SCAN = "scan"
+
+
+@dataclasses.dataclass(frozen=True)
+class Runner:
+    schedule: str = SCAN  # scan, or a pipeline.schedule: gpipe | circular | 1f1b
+    stages: int = 1
+    microbatches: int = 1  # the pipeline's (gradient accumulation's are the step's)
+    repeats: int = 1  # circular: blocks of layers per stage, the weights kept in pipeline.memory_order
+    gather_once: bool = False  # 1f1b: pipeline.gather_weights=once
+
+    def memory_order(self, layers: int) -> np.ndarray | None:
+        """The canonical index of the layer at each position of the stacked weights as this runner keeps them
+        in memory (pipeline.memory_order), or None where that is the canonical order: checkpoints keep the
+        canonical one (trainer.Setup.to_disk, from_disk)."""
+        return pipeline.memory_order(layers, self.stages, self.repeats) if self.repeats > 1 else None
+
+    def loss(self, graphdef: nnx.GraphDef, params: Any, batch: Mapping[str, jax.Array],
+             penalty: Callable[[dict], jax.Array]) -> tuple[jax.Array, dict]:
+        """(The summed cross-entropy of `batch`, the layer stack's auxiliary sums [layers, ...]).
+
+        `penalty(aux)` is what the caller's objective adds for the auxiliary sums, linear in them: the 1F1B
+        schedule forms the gradients itself, inside its loop, so it pulls the penalty's through each stage there;
+        the other runners leave it to the caller's differentiation."""
+        model = nnx.merge(graphdef, params)
+        unroll = model.cfg.unroll_loops
+        x_btd, body, stacked, extras = model.stack_inputs(batch["tokens"], batch["positions"], batch["segment_ids"])
+        rows = (batch["targets"], batch["loss_mask"])
+        if self.schedule == "1f1b":
+            return self._one_f_one_b(graphdef, params, x_btd, body, stacked, extras, rows, penalty, unroll)
+        if self.stages > 1:
+            x_btd, aux = pipeline.gpipe(body, x_btd, stacked, extras, self.stages, self.microbatches, unroll,
+                                        model.cfg.remat, model.cfg.remat_custom, self.repeats)
+        else:
+            x_btd, aux = pipeline.scan(body, x_btd, stacked, extras, unroll)
+        return head_loss(graphdef, params, model.final_stream(x_btd), *rows), aux
+
+    def _one_f_one_b(self, graphdef, params, x_btd, body, stacked, extras, rows, penalty, unroll):
+        """The layer stack as a 1F1B pipeline, which runs the head on each microbatch as it leaves the last
+        stage."""
+        def stage(stacked, x_btd, extras):
+            return pipeline.scan(body, x_btd, stacked, extras, unroll)
+
+        def head(head_params, layers, x_btd, rows):
+            p = {**head_params, "layers": nnx.to_pure_dict(layers)}
+            return head_loss(graphdef, p, nnx.merge(graphdef, p).final_stream(x_btd), *rows)
+
+        # The penalty's gradient with respect to each layer's sums (constant: it is linear in them).
+        rows_per_microbatch = x_btd.shape[0] // self.microbatches
+        aux_shape = jax.eval_shape(lambda: stage(stacked, x_btd[:rows_per_microbatch],
+                                                 tuple(e[:rows_per_microbatch] for e in extras))[1])
+        aux_weights = jax.grad(penalty)(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape))
+        head_params = {k: v for k, v in params.items() if k != "layers"}
+        return pipeline_1f1b.loss(stage, head, self.stages, self.microbatches, self.gather_once, unroll, x_btd,
+                                  stacked, head_params, extras, rows, aux_weights)
+
+
+def choose(cfg, axis_sizes: Mapping[str, int]) -> Runner:
+    """The runner of config `cfg` on a mesh of these axis sizes (ICI x DCN): a plain scan without pipeline
+    stages, else the pipeline.schedule the config names."""
+    stages = axis_sizes["pipeline"]
+    if stages == 1:
+        return Runner()
+    schedule = cfg.pipeline.schedule
+    return Runner(schedule=schedule, stages=stages, microbatches=microbatches(cfg, axis_sizes),
+                  repeats=cfg.pipeline.repeats if schedule == "circular" else 1,
+                  gather_once=schedule == "1f1b" and cfg.pipeline.gather_weights == "once")

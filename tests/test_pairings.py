@@ -1,0 +1,73 @@
+"""Features compose: every pairing that docs/parallelism.md's table says composes trains 4 steps on 8 simulated
+devices exactly like one device (loss, gradient norm, parameters and Adam's first moment within 1e-5, fp32), and
+every pairing it refuses is refused with its reason.
+
+The pairings here are the ones that were refused before the stack runner was chosen once (runner.py): a pipeline
+of every schedule with flash attention, with a mixture of experts (its router losses and statistics summed across
+stages and microbatches exactly as without stages) and with the optimizer state in host memory; parameters in
+host memory with gradient accumulation."""
+
+import jax
+import pytest
+
+from scaletrain import config, trainer
+from scaletrain.errors import ConfigError
+from tests import equivalence
+from tests.conftest import tiny_overrides
+
+STEPS = 4
+LAYERS = ["model.num_layers=4"]
+# Router losses far above their defaults, so that a penalty's gradient lost or doubled in a schedule's hand-written
+# backward pass shows in the gradient norm.
+MOE = ["model.num_experts=4", "model.experts_per_token=2", "model.moe_d_ff=64", "model.router_aux_loss=0.5",
+       "model.router_z_loss=0.2"]
+ROUTER_METRICS = ("router_aux_loss", "router_z_loss", "expert_load_max", "dropped_fraction")
+
+SCHEDULES = {
+    "gpipe": ["mesh.pipeline=2", "pipeline.microbatches=4"],
+    "circular": ["mesh.pipeline=2", "pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.microbatches=4"],
+    "1f1b": ["mesh.pipeline=2", "pipeline.schedule=1f1b", "pipeline.microbatches=4"],
+}
+# (the feature's overrides, the rest of the 8-device mesh beside the 2 pipeline stages: 2 ways of the batch - a
+# microbatch of the 8 rows is 2 - and 2 of tensor)
+FEATURES = {
+    "flash attention": (["model.attention=flash"], ["mesh.data=2", "mesh.tensor=2"]),
+    "mixture of experts": (MOE, ["mesh.expert=2", "mesh.tensor=2"]),
+    "optimizer offload": (["optim.offload=true"], ["mesh.fsdp=2", "mesh.tensor=2"]),
+}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("feature", FEATURES)
+def test_a_pipeline_composes_with(batches, feature, schedule):
+    overrides, mesh = FEATURES[feature]
+    want = equivalence.reference(batches, *LAYERS, *overrides)
+    got = equivalence.run(batches, *LAYERS, *overrides, *SCHEDULES[schedule], *mesh)
+    metrics = ("loss", "grad_norm") + (ROUTER_METRICS if overrides is MOE else ())
+    equivalence.assert_same(got, want, metrics=metrics)
+
+
+def test_the_router_penalty_shows_in_the_gradient_norm(batches):
+    """What makes the mixture-of-experts pairings able to fail: a schedule that lost the penalty's gradient (1F1B
+    pulls it through its hand-written backward slots, pipeline_1f1b.py) would train on the cross-entropy alone,
+    whose gradient norm differs from the penalised one's by more than the tests' 1e-5."""
+    plain = equivalence.reference(batches, *LAYERS, *MOE[:3], "model.router_aux_loss=0", "model.router_z_loss=0")
+    penalised = equivalence.reference(batches, *LAYERS, *MOE)
+    assert abs(penalised.grad_norms[0] - plain.grad_norms[0]) > 1e-3 * plain.grad_norms[0]
+
+
+def test_parameter_offload_composes_with_gradient_accumulation(batches):
+    want = equivalence.reference(batches)
+    got = equivalence.run(batches, "params.offload=true", "train.grad_accum_steps=2", "mesh.fsdp=4",
+                          "mesh.tensor=2")
+    equivalence.assert_same(got, want)
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (["params.offload=true", "mesh.pipeline=2"], "params.offload=true with mesh.pipeline > 1 is not supported"),
+    (["train.grad_accum_steps=2", "mesh.pipeline=2"], "the pipeline's microbatches replace gradient accumulation"),
+])
+def test_refused_pairings_say_why(overrides, reason):
+    cfg = config.load(None, tiny_overrides("unused") + LAYERS + overrides)
+    with pytest.raises(ConfigError, match=reason):
+        trainer.build(cfg, jax.devices()[:2])
