@@ -44,7 +44,8 @@ def main() -> int:
 
     devices = jax.devices() if args.topology == "cpu" else \
         topologies.get_topology_desc(topology_name=args.topology, platform="tpu").devices
-    print(f"# {time.strftime('%Y-%m-%d')}  {args.config} on {args.topology} ({len(devices)} chips)  {' '.join(args.set)}")
+    print(f"# {time.strftime('%Y-%m-%d')}  {args.config} on {args.topology} ({len(devices)} chips)  "
+          f"{' '.join(args.set)}")
     print("| policy | offload | HBM per device GiB | of which temporaries GiB | host GiB | XLA optimal_seconds | "
           "compile s |")
     print("|---|---|---|---|---|---|---|")

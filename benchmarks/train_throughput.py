@@ -1,7 +1,7 @@
 """Training throughput: tokens/s, step time and MFU of the real train step, with the roofline prediction.
 
-    python benchmarks/train_throughput.py [--model tiny|mixtral_tiny|maxtext|all] [--steps N] [--cpu-devices 8] [--set K=V]...
-                                          [--json] [--plain-loss]
+    python benchmarks/train_throughput.py [--model tiny|mixtral_tiny|maxtext|all] [--steps N] [--cpu-devices 8]
+                                          [--set K=V]... [--json] [--plain-loss]
 
 `tiny` is configs/llama_tiny.yaml on the built-in corpus, `mixtral_tiny` configs/mixtral_tiny.yaml (8 experts
 over mesh.expert=4); `maxtext` is MaxText's tiny Llama (4 layers, d_model
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path

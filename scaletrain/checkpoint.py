@@ -17,9 +17,9 @@ import threading
 from typing import Any
 
 import jax
-from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 from scaletrain import integrity, storage
 from scaletrain.errors import CheckpointError, first_line

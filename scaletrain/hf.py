@@ -439,8 +439,8 @@ def _save_params(setup, params: dict, run: epath.Path) -> None:
     restore_params (logits, to-hf, checkpoint.init_from) reads it like any other. No optimizer state: Adam's
     moments would triple the memory and the files, and a fine-tuning run starts them afresh anyway."""
     from scaletrain.checkpoint import Checkpointer
-    from scaletrain.trainer import checkpoint_metadata
     from scaletrain.train_step import TrainState
+    from scaletrain.trainer import checkpoint_metadata
 
     state = TrainState(params=params, opt_state=None, step=jnp.zeros((), jnp.int32), rng=None)
     saved = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]}

@@ -5,13 +5,13 @@ Orbax checks that a checkpoint is complete, not that its bytes are the ones writ
 training from it would poison every later checkpoint. So every save records a fingerprint of each array, and a
 restore recomputes it on the restored arrays and compares.
 
-The fingerprint is computed where the arrays are, on the devices, inside one jitted function: each device mixes
-each element's bits with its global position (a per-axis salt, then MurmurHash3's finaliser) and sums the mixed
-words of its own blocks modulo 2^32 in two lanes (64 bits): the words, and the words times themselves. Addition modulo 2^32 is exact and
-order-free, so the result does not depend on the sharding: a checkpoint saved on one mesh verifies on any other,
-and the all-reduce that combines the shards moves 8 bytes per array. The finaliser is a bijection, so one changed
-element always changes the first lane; changes to many elements escape both lanes with a probability of the order
-of 2^-64. Elements moved to other positions (a shard restored in the wrong place) change the salt, so they are
+The fingerprint is computed where the arrays are, on the devices, inside one jitted function: each device mixes each
+element's bits with its global position (a per-axis salt, then MurmurHash3's finaliser) and sums the mixed words of
+its own blocks modulo 2^32 in two lanes (64 bits): the words, and the words times themselves. Addition modulo 2^32
+is exact and order-free, so the result does not depend on the sharding: a checkpoint saved on one mesh verifies on
+any other, and the all-reduce that combines the shards moves 8 bytes per array. The finaliser is a bijection, so one
+changed element always changes the first lane; changes to many elements escape both lanes with a probability of the
+order of 2^-64. Elements moved to other positions (a shard restored in the wrong place) change the salt, so they are
 caught too.
 
 Arrays in host memory (`optim.offload`, `params.offload`) are fingerprinted a slice of their leading axis at a

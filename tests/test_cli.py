@@ -14,9 +14,11 @@ def _args(tmp_path, *extra):
     (["mesh.fdsp=4"], "unknown config key 'mesh.fdsp'; did you mean 'mesh.fsdp'?"),
     (["steps=abc"], "steps must be a number"),
     (["mesh.fsdp=4"], "multiply to 4"),
-    (["mesh.tensor=4", "model.num_heads=6", "model.num_kv_heads=6"], "model.num_heads=6 is not divisible by mesh.tensor=4"),
+    (["mesh.tensor=4", "model.num_heads=6", "model.num_kv_heads=6"],
+     "model.num_heads=6 is not divisible by mesh.tensor=4"),
     (["mesh.pipeline=8", "model.num_layers=2"], "model.num_layers=2 is not divisible by mesh.pipeline=8"),
-    (["data.source=files", "data.path=/nonexistent/corpus.jsonl"], "data.path '/nonexistent/corpus.jsonl' matches no files"),
+    (["data.source=files", "data.path=/nonexistent/corpus.jsonl"],
+     "data.path '/nonexistent/corpus.jsonl' matches no files"),
     (["train.global_batch=12"], "not divisible by mesh.data x mesh.fsdp = 8"),
 ])
 def test_invalid_input_exits_2_with_one_error_line(tmp_path, extra, message):

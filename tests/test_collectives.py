@@ -120,7 +120,7 @@ ENTRY %main (a: f32[8]) -> (s32[], f32[8]) {
   %init = (s32[], f32[8]) tuple(%zero, %a)
   ROOT %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body
 }
-"""
+"""  # noqa: E501 - HLO as XLA prints it: one instruction a line
 
 
 def test_tpu_loop_spelling_and_combined_all_reduces():

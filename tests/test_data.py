@@ -42,7 +42,8 @@ def test_processes_read_disjoint_rows_that_make_up_the_global_batch(stdlib_datas
 
 
 def test_process_rows_follow_the_batch_sharding():
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     m = mesh.make_mesh(config.load(None, ["mesh.data=2", "mesh.fsdp=4"]).mesh)
     for spec in (P(("data", "fsdp")), P("data"), P()):  # sharded, partly replicated, replicated

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from scaletrain import config, trainer
+from scaletrain import config
 from scaletrain.kernels import norm_matmul as nm
 from scaletrain.kernels import norm_matmul_tpu as tpu
 from tests.conftest import tiny_overrides, train_steps

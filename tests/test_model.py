@@ -5,11 +5,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
-from scaletrain.model import Llama, ModelConfig, abstract
-from scaletrain.model import rope
+from scaletrain.model import Llama, ModelConfig, abstract, rope
 from scaletrain.model.attention import Attention
 from scaletrain.model.layers import project
 from scaletrain.sharding import LOGICAL_AXES

@@ -718,7 +718,7 @@ ENTRY %main (a: f32[1024,1,128]) -> (s32[], f32[1024,1,128]) {
   %w = (s32[], f32[1024,1,128]) while(%init), condition=%cond, body=%body
   ROOT %inline = bf16[4096,128]{1,0} ragged-all-to-all(bf16[512,128]{1,0} %x, bf16[4096,128]{1,0} %y, s32[4]{0} %o, s32[4]{0} %s, s32[4]{0} %oo, s32[4]{0} %r), replica_groups={{0,1,2,3},{4,5,6,7}}
 }
-"""
+"""  # noqa: E501 - HLO as XLA prints it: one instruction a line
 
 
 def test_hlo_inventory_counts_ragged_all_to_alls():
