@@ -63,7 +63,8 @@ def of(cfg, axis_sizes: Mapping[str, int], unroll_loops: bool = False) -> StateL
     opt_logical = optax.tree_utils.tree_map_params(
         tx, lambda _, names: names, opt_state, logical,
         transform_non_params=lambda x: (None,) * x.ndim, is_leaf=sharding.is_logical)
-    return StateLayout(model_cfg=model_cfg, runner=runner.choose(cfg, axis_sizes), graphdef=graphdef, rules=rules, tx=tx, lr=lr, params=params,
+    return StateLayout(model_cfg=model_cfg, runner=runner.choose(cfg, axis_sizes), graphdef=graphdef, rules=rules,
+                       tx=tx, lr=lr, params=params,
                        logical=logical, opt_state=opt_state, opt_logical=opt_logical,
                        params_home=HOST if cfg.params.offload else None,
                        opt_home=HOST if cfg.optim.offload or cfg.params.offload else None)

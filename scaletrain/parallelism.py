@@ -28,7 +28,8 @@ def microbatches(cfg, axis_sizes: Mapping[str, int]) -> int:
 
 def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
     """What the trainer would refuse about a mesh of these axis sizes (ICI x DCN), said plainly: the divisibility
-    users trip over most, and the pairings that do not compose (docs/parallelism.md's table says why). Empty when it would train."""
+    users trip over most, and the pairings that do not compose (docs/parallelism.md's table says why). Empty when
+    it would train."""
     out = []
     m, tensor = cfg.model, axis_sizes["tensor"]
     for key in ("num_heads", "d_ff", "vocab_size"):

@@ -225,8 +225,12 @@ def _program(stage, head, stages, microbatches, gather_once, unroll, with_grads,
     # The per-row arrays are split along the devices' own batch axes, whole along the pipeline; the head's
     # weights whole, the stacked layers split by stage - along the manual axes, that is: over the others (FSDP's
     # when per use, tensor's) XLA splits them as everywhere else.
-    rows_spec = lambda tree: jax.tree.map(lambda _: P(own or None), tree)
-    by_stage = lambda tree: jax.tree.map(lambda _: P(axis), tree)
+    def rows_spec(tree):
+        return jax.tree.map(lambda _: P(own or None), tree)
+
+    def by_stage(tree):
+        return jax.tree.map(lambda _: P(axis), tree)
+
     in_specs = (P(own or None), by_stage(stacked), jax.tree.map(lambda _: P(), head_params), rows_spec(extras),
                 rows_spec(rows), by_stage(aux_weights))
     out_specs = (P(), by_stage(aux_weights))

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 import jax
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from scaletrain.errors import ConfigError
 

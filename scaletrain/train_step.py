@@ -24,7 +24,8 @@ class TrainState:
     rng: jax.Array
 
 
-def objective(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array], runner: Runner) -> tuple[jax.Array, dict]:
+def objective(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array],
+              runner: Runner) -> tuple[jax.Array, dict]:
     """What a step differentiates - the summed cross-entropy plus the model's penalty for the layer stack's
     auxiliary sums (a mixture of experts' router losses, summed over the tokens like the cross-entropy so that
     microbatches add up to their batch and the step's division by the token count makes them means) - and the

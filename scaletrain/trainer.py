@@ -21,9 +21,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from scaletrain import config as config_lib
 from scaletrain import data as data_lib
+from scaletrain import layout, offload, optim, parallelism, sharding, storage
 from scaletrain import mesh as mesh_lib
 from scaletrain import model as model_lib
-from scaletrain import layout, offload, optim, parallelism, sharding, storage
 from scaletrain.checkpoint import Checkpointer, check_resumable, params_source, restore_params
 from scaletrain.control import Control, Preemption
 from scaletrain.errors import UserError, first_line
@@ -95,11 +95,11 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
     batch_sharding = NamedSharding(mesh, sharding.spec(("batch", "seq"), rules.activations, mesh))
     update = optim.on_device(tx) if lay.opt_home is None else offload.streamed(tx, lay.logical, lay.opt_state,
                                                                                cfg.params.offload)
-    step = make_train_step(lay.graphdef, lay.runner, update, lr, cfg.optim.grad_clip_norm, cfg.train.grad_accum_steps, mesh,
-                           rules, grad_shardings)
+    step = make_train_step(lay.graphdef, lay.runner, update, lr, cfg.optim.grad_clip_norm,
+                           cfg.train.grad_accum_steps, mesh, rules, grad_shardings)
     return Setup(
-        cfg=cfg, mesh=mesh, model_cfg=model_cfg, runner=lay.runner, state_shardings=state_shardings, grad_shardings=grad_shardings,
-        logical_state=logical_state,
+        cfg=cfg, mesh=mesh, model_cfg=model_cfg, runner=lay.runner, state_shardings=state_shardings,
+        grad_shardings=grad_shardings, logical_state=logical_state,
         abstract_state=abstract_state,
         batch_sharding=batch_sharding,
         init=jax.jit(init, out_shardings=state_shardings),

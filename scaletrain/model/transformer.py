@@ -13,8 +13,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain import config, pipeline, remat
-from scaletrain.model import moe
-from scaletrain.model import rope
+from scaletrain.model import moe, rope
 from scaletrain.model.attention import Attention
 from scaletrain.model.layers import Embed, RMSNorm, param, project
 from scaletrain.model.mlp import MLP

@@ -200,14 +200,15 @@ def describe(result: dict) -> str:
         return (f"{result['topology']}: {result['chips']} x {result['device_kind']}: DOES NOT FIT - XLA needs "
                 + (f"at least {needed / gib:.2f} GiB" if needed else "more") + " of HBM per device"
                 + (f" of {capacity / gib:.2f} GiB" if capacity else "") + f"\n  ({result['error']})")
+    mem, host = result["memory"], result["host_per_device_bytes"]
     lines = [
         f"{result['topology']}: {result['chips']} x {result['device_kind']}, compiled in "
         f"{result['compile_seconds']:.0f} s",
         f"HBM per device: {result['hbm_per_device_bytes'] / gib:.2f} GiB of "
         + (f"{capacity / gib:.2f} GiB - {'fits' if result['fits'] else 'DOES NOT FIT'}" if capacity else "unknown"),
-        f"  state and batch {result['memory']['device_arguments'] / gib:.2f}, temporaries "
-        f"{result['memory']['device_temporaries'] / gib:.2f}, new outputs {result['memory']['device_outputs'] / gib:.2f}"
-        + (f"; host (pinned) {result['host_per_device_bytes'] / gib:.2f} GiB" if result["host_per_device_bytes"] else ""),
+        f"  state and batch {mem['device_arguments'] / gib:.2f}, temporaries "
+        f"{mem['device_temporaries'] / gib:.2f}, new outputs {mem['device_outputs'] / gib:.2f}"
+        + (f"; host (pinned) {host / gib:.2f} GiB" if host else ""),
         f"XLA per device and step{' (loop-corrected)' if result['loop_corrected'] else ' (raw: loop bodies once)'}: "
         f"{result['xla_flops'] / 1e12:.4g} TFLOP, {result['xla_bytes_accessed'] / 1e9:.4g} GB accessed; "
         f"optimal_seconds {_seconds(result['xla_optimal_seconds'])}, roofline of those counts "

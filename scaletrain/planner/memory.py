@@ -16,10 +16,10 @@ from jax.sharding import AbstractMesh
 
 from scaletrain import layout as layout_lib
 from scaletrain import model as model_lib
-from scaletrain.model import moe
 from scaletrain import pipeline_1f1b, remat, sharding
 from scaletrain.config import moe_d_ff
 from scaletrain.errors import ConfigError
+from scaletrain.model import moe
 from scaletrain.parallelism import microbatches, shards_kv_heads
 from scaletrain.runner import Runner
 

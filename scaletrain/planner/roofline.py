@@ -15,16 +15,15 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Mapping, Sequence
 
 from scaletrain import mesh as mesh_lib
-from scaletrain import parallelism, sharding
+from scaletrain import parallelism, pipeline_1f1b, sharding
 from scaletrain import pipeline as pipeline_lib
-from scaletrain import pipeline_1f1b
-from scaletrain.parallelism import microbatches
 from scaletrain.config import MESH_AXES, moe_d_ff
 from scaletrain.kernels import flash_attention
 from scaletrain.loss import projects_the_stream
+from scaletrain.parallelism import microbatches
 from scaletrain.planner import comms, flops, memory
-from scaletrain.planner.thresholds import critical_batches, fsdp_tensor_split
 from scaletrain.planner import hardware as hw
+from scaletrain.planner.thresholds import critical_batches, fsdp_tensor_split
 from scaletrain.runner import Runner
 
 GB = 1e9
