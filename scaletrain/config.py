@@ -18,7 +18,7 @@ import ml_collections
 import yaml
 from etils import epath
 
-from scaletrain import remat, tokenizer
+from scaletrain import remat
 from scaletrain.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "pipeline", "tensor")
@@ -387,13 +387,6 @@ def _check_data(cfg: ml_collections.ConfigDict) -> None:
     if cfg.train.eval_every_steps and not (data.eval_path or data.source == "prepared"):
         raise ConfigError(f"train.eval_every_steps={cfg.train.eval_every_steps} needs evaluation data: data.eval_path "
                           f"(a prepared dataset) or data.source=prepared (its eval split)")
-    # Synthetic tokens are drawn from [0, model.vocab_size). A tokenizer that is not there yet (a config written
-    # ahead of `convert from-hf`) is reported when the data is opened: planning and compiling need none.
-    if data.source != "synthetic" and tokenizer.exists(data.tokenizer):
-        tok = tokenizer.load(data.tokenizer)
-        if cfg.model.vocab_size < tok.vocab_size:
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {tok.name}'s "
-                              f"{tok.vocab_size} ids")
 
 
 def _check_bounds(cfg: ml_collections.ConfigDict) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 from etils import epath
 
 from scaletrain import storage, tokenizer
-from scaletrain.errors import DataError, first_line
+from scaletrain.errors import ConfigError, DataError, first_line
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")  # the files a folder contributes
 METADATA = "metadata.json"  # a prepared dataset's description, written last (scaletrain/prepare.py)
@@ -291,6 +291,11 @@ def make_source(cfg) -> PackedSource | SyntheticSource:
     if data.source == "synthetic":
         return SyntheticSource(cfg.model.vocab_size, data.seq_len, cfg.seed)
     tok = tokenizer.load(data.tokenizer)
+    # Checked here, where the data is opened, not when the config is read: planning and compiling need no
+    # tokenizer (a config may be written ahead of `convert from-hf`). Synthetic tokens are drawn from the model's.
+    if cfg.model.vocab_size < tok.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {tok.name}'s {tok.vocab_size} "
+                          f"ids")
     if data.source == "prepared":
         return prepared_source(data.path, "train", read_metadata(data.path, tok), cfg)
     if data.source == "stdlib":

@@ -41,7 +41,6 @@ def test_unknown_key_names_the_closest_valid_key(tmp_path):
     ("remat.policy=some", "must be one of none, full, save_dots, save_qkv_proj"),
     ("remat.custom.query_proj=disk", "must be one of remat, device, offload"),
     ("model.num_kv_heads=3", "multiple of model.num_kv_heads"),
-    ("model.vocab_size=200", "smaller than the byte tokenizer"),
     ("train.grad_accum_steps=3", "divisible by train.grad_accum_steps"),
     ("steps", "expects KEY=VALUE"),
     ("optim.learning_rate=nan", "must be a finite number"),

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from scaletrain import config, data, mesh, tokenizer
-from scaletrain.errors import DataError
+from scaletrain.errors import ConfigError, DataError
 
 
 def test_packing_separators_positions_and_mask():
@@ -83,6 +83,12 @@ def test_stdlib_corpus_is_large_and_byte_level():
     assert len(source) > 10_000  # millions of tokens
     ex = source[0]
     assert ex["tokens"].max() < tokenizer.VOCAB_SIZE
+
+
+def test_a_vocabulary_smaller_than_the_tokenizers_is_refused_when_the_data_opens():
+    cfg = config.load(None, ["model.vocab_size=200"])  # reading the config needs no tokenizer
+    with pytest.raises(ConfigError, match="model.vocab_size=200 is smaller than the byte tokenizer's"):
+        data.make_source(cfg)
 
 
 def test_text_and_jsonl_files(tmp_path):
