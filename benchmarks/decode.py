@@ -103,7 +103,7 @@ def norm(batches: list[int], dtype: str, repeats: int) -> None:
 
 def _model_config(model: str, overrides: list[str]):
     from scaletrain import config
-    from scaletrain import model as model_lib
+    from scaletrain import models as model_lib
 
     cfg = config.load(CONFIGS[model], ["mesh.fsdp=1", *overrides])
     return model_lib.ModelConfig.from_config(cfg.model)
@@ -115,7 +115,7 @@ def e2e(batches: list[int], new_tokens: int, dtype: str, layers: int | None, var
     from flax import nnx
 
     from scaletrain import inference
-    from scaletrain import model as model_lib
+    from scaletrain import models as model_lib
     from scaletrain.generate import compute_dtype_params, generate_tokens
 
     overrides = [f"model.dtype={dtype}"] + ([f"model.num_layers={layers}"] if layers else [])
@@ -160,9 +160,9 @@ def aot(topology: str, batches: list[int], cache: int) -> None:
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from scaletrain import model as model_lib
-    from scaletrain.model import rope
-    from scaletrain.model.transformer import Block
+    from scaletrain import models as model_lib
+    from scaletrain.models import rope
+    from scaletrain.models.transformer import Block
     from scaletrain.planner import aot as aot_lib
     from scaletrain.sharding import Rules, use_rules
 

@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from scaletrain.kernels import flash_attention as fa  # noqa: E402
-from scaletrain.model.attention import blocked_attention  # noqa: E402
+from scaletrain.models.attention import blocked_attention  # noqa: E402
 
 
 def operands(b, t, n, kv, h, dtype, seed=0):

@@ -40,7 +40,7 @@ EPS = 1e-5
 def _norm_projection(mode: str, weightless: bool = False):
     """(x, g, w) -> RMSNorm(x) @ w, the way model.norm=mode computes it; `weightless`: w has the gain folded
     in (model.norm_weights=folded), and g is not used."""
-    from scaletrain.model.layers import RMSNorm
+    from scaletrain.models.layers import RMSNorm
 
     def fn(x, g, w):
         norm = RMSNorm(x.shape[-1], EPS, g.dtype, mode, weightless)

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from scaletrain import inference
-from scaletrain import model as model_lib
+from scaletrain import models as model_lib
 from scaletrain import tokenizer as tokenizer_lib
 from scaletrain.errors import UserError
 

@@ -1,10 +1,9 @@
 """Hugging Face checkpoints in and out: `convert from-hf` (config.json + safetensors -> a run directory) and
 `convert to-hf` (a run's checkpoint -> config.json + safetensors). docs/huggingface.md.
 
-One table (TENSORS, with MOE_TENSORS in place of its MLP rows for a mixture of experts) maps every Hugging Face
-tensor to its scaletrain parameter, in both directions. scaletrain's RoPE is rotate-half like Hugging Face's and it
-scales q by head_dim**-0.5 itself, so the weights need no permutation and no scaling: linear weights are transposed
-and reshaped, everything else is copied as is.
+Each model family (scaletrain/models/<family>/hf.py) gives the tables - for every Hugging Face architecture it
+covers, every tensor's scaletrain parameter and the config.json keys - and this module reads and writes by them:
+linear weights are transposed and reshaped, everything else is copied as is.
 """
 
 from __future__ import annotations
@@ -27,70 +26,17 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from scaletrain import config as config_lib
-from scaletrain import storage
+from scaletrain import models, storage
 from scaletrain.errors import UserError, first_line
+from scaletrain.models.family import Architecture
 
-# (Hugging Face name, scaletrain parameter path, in_dims), in Hugging Face's order. `{i}` is the layer and `{j}`
-# the expert, whose parameters scaletrain stacks on leading axes ([layers, experts, ...]). in_dims None: the same
-# array. Otherwise a linear weight [out, in], whose transpose is scaletrain's weight with its first `in_dims` dims
-# flattened (e.g. wq [embed, heads, head_dim] is q_proj.weight.T [embed, heads * head_dim]). A row applies where
-# the model has its parameter (q_norm/k_norm with qk_norm, lm_head without tied embeddings).
-TENSORS: tuple[tuple[str, tuple[str, ...], int | None], ...] = (
-    ("model.embed_tokens.weight", ("embed", "table"), None),
-    ("model.layers.{i}.input_layernorm.weight", ("layers", "attn_norm", "scale"), None),
-    ("model.layers.{i}.self_attn.q_proj.weight", ("layers", "attn", "wq"), 1),
-    ("model.layers.{i}.self_attn.k_proj.weight", ("layers", "attn", "wk"), 1),
-    ("model.layers.{i}.self_attn.v_proj.weight", ("layers", "attn", "wv"), 1),
-    ("model.layers.{i}.self_attn.o_proj.weight", ("layers", "attn", "wo"), 2),
-    ("model.layers.{i}.self_attn.q_norm.weight", ("layers", "attn", "q_norm", "scale"), None),
-    ("model.layers.{i}.self_attn.k_norm.weight", ("layers", "attn", "k_norm", "scale"), None),
-    ("model.layers.{i}.post_attention_layernorm.weight", ("layers", "mlp_norm", "scale"), None),
-    ("model.layers.{i}.mlp.gate_proj.weight", ("layers", "mlp", "w_gate"), 1),
-    ("model.layers.{i}.mlp.up_proj.weight", ("layers", "mlp", "w_up"), 1),
-    ("model.layers.{i}.mlp.down_proj.weight", ("layers", "mlp", "w_down"), 1),
-    ("model.norm.weight", ("final_norm", "scale"), None),
-    ("lm_head.weight", ("lm_head",), 1),
-)
-# A mixture of experts' rows, in place of TENSORS' MLP rows, under each architecture's names: the router
-# ([experts, d] in Hugging Face, [d, experts] in scaletrain) and each expert's SwiGLU.
-MOE_TENSORS = {
-    "MixtralForCausalLM": (
-        ("model.layers.{i}.block_sparse_moe.gate.weight", ("layers", "mlp", "router"), 1),
-        ("model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight", ("layers", "mlp", "w_gate"), 1),
-        ("model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight", ("layers", "mlp", "w_down"), 1),
-        ("model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight", ("layers", "mlp", "w_up"), 1),
-    ),
-    "Qwen3MoeForCausalLM": (
-        ("model.layers.{i}.mlp.gate.weight", ("layers", "mlp", "router"), 1),
-        ("model.layers.{i}.mlp.experts.{j}.gate_proj.weight", ("layers", "mlp", "w_gate"), 1),
-        ("model.layers.{i}.mlp.experts.{j}.up_proj.weight", ("layers", "mlp", "w_up"), 1),
-        ("model.layers.{i}.mlp.experts.{j}.down_proj.weight", ("layers", "mlp", "w_down"), 1),
-    ),
-}
 # Buffers some checkpoints carry that the model recomputes: skipped on the way in.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-# config.json key -> model.* key, where one is the other.
-CONFIG_KEYS = (("vocab_size", "vocab_size"), ("hidden_size", "d_model"), ("num_hidden_layers", "num_layers"),
-               ("num_attention_heads", "num_heads"), ("num_key_value_heads", "num_kv_heads"),
-               ("head_dim", "head_dim"), ("intermediate_size", "d_ff"), ("rms_norm_eps", "norm_eps"),
-               ("tie_word_embeddings", "tie_embeddings"))
 # rope_parameters / rope_scaling key -> model.* key, for rope_type llama3.
 LLAMA3_ROPE_KEYS = (("factor", "rope_scaling_factor"), ("low_freq_factor", "rope_low_freq_factor"),
                     ("high_freq_factor", "rope_high_freq_factor"),
                     ("original_max_position_embeddings", "rope_original_max_position"))
-# A mixture of experts' config.json keys -> model.* keys, where one is the other. The expert count is
-# num_local_experts (Mixtral's; transformers 5 writes it for Qwen3-MoE too) or num_experts (Qwen3-MoE's), the
-# experts' width EXPERT_WIDTH's key; every layer is a mixture (moe_every 1), dropless (capacity_factor 0).
-MOE_CONFIG_KEYS = (("num_experts_per_tok", "experts_per_token"), ("router_aux_loss_coef", "router_aux_loss"))
-EXPERT_COUNT = {"MixtralForCausalLM": "num_local_experts", "Qwen3MoeForCausalLM": "num_experts"}
-EXPERT_WIDTH = {"MixtralForCausalLM": "intermediate_size", "Qwen3MoeForCausalLM": "moe_intermediate_size"}
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen3ForCausalLM": "qwen3",
-                 "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-# The bias switches each architecture's config has, written false (Mixtral has none).
-BIAS_KEYS = {"LlamaForCausalLM": ("attention_bias", "mlp_bias"), "Qwen3ForCausalLM": ("attention_bias",),
-             "Qwen3MoeForCausalLM": ("attention_bias",)}
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Copied into <run>/tokenizer/ and back: whichever exist.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -122,19 +68,11 @@ class Tensor:
         return x if self.in_dims is None else x.reshape(*self.hf_shape[::-1]).T
 
 
-def _table(arch: str) -> tuple[tuple[str, tuple[str, ...], int | None], ...]:
-    """TENSORS for an architecture: a mixture of experts' MOE_TENSORS in place of the MLP's rows."""
-    if arch not in MOE_TENSORS:
-        return TENSORS
-    mlp = [row for row, (_, path, _) in enumerate(TENSORS) if path[:2] == ("layers", "mlp")]
-    return TENSORS[:mlp[0]] + MOE_TENSORS[arch] + TENSORS[mlp[-1] + 1:]
-
-
 def tensors(abstract_params: dict, arch: str) -> list[Tensor]:
     """Every Hugging Face tensor of a model with these parameters, named as `arch` names them, in Hugging Face's
     order: what precedes the layers in the table, the layers one after the other (each with its experts' tensors
     last, expert by expert), then the rest."""
-    rows = _table(arch)
+    rows = _arch(arch).tensors
     first_layer_row = next(row for row, (_, path, _) in enumerate(rows) if path[0] == "layers")
     keyed = []
     for row, (name, path, in_dims) in enumerate(rows):
@@ -164,6 +102,7 @@ def _leaf(tree: dict, path: tuple[str, ...]) -> Any:
 def model_keys(hf: dict, source: str) -> dict[str, Any]:
     """The model.* keys of a Hugging Face config; anything scaletrain's model cannot represent is a UserError."""
     arch = _architecture(hf, source)
+    facts = _arch(arch)
 
     def refuse(what: str) -> UserError:
         return UserError(f"{source}: {arch} with {what} is not supported (scaletrain's model has no such feature)")
@@ -174,7 +113,7 @@ def model_keys(hf: dict, source: str) -> dict[str, Any]:
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise refuse(f"{key}=true")
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM") and hf.get("sliding_window") is not None:
+    if facts.sliding_window and hf.get("sliding_window") is not None:
         raise refuse(f"sliding_window={hf['sliding_window']} (sliding-window attention)")
     if hf.get("use_sliding_window"):
         raise refuse("use_sliding_window=true (sliding-window attention)")
@@ -184,43 +123,30 @@ def model_keys(hf: dict, source: str) -> dict[str, Any]:
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if hf.get(key) is None:
             raise UserError(f"{source}: config.json has no {key}")
-    keys = {ours: hf[theirs] for theirs, ours in CONFIG_KEYS if hf.get(theirs) is not None}
+    keys = {ours: hf[theirs] for theirs, ours in facts.config_keys if hf.get(theirs) is not None}
     keys.setdefault("num_kv_heads", hf["num_attention_heads"])
     keys.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
     keys.setdefault("tie_embeddings", False)  # every supported architecture's default
     keys |= _rope_keys(hf, refuse)
-    if arch in QK_NORM_ARCHITECTURES:  # Qwen3 normalises q and k per head, with the model's eps
+    if facts.qk_norm:  # Qwen3 normalises q and k per head, with the model's eps
         keys |= {"qk_norm": True, "qk_norm_eps": keys.get("norm_eps", 1e-6)}
-    if arch in MOE_TENSORS:
-        keys |= _moe_keys(hf, arch, source, refuse)
+    if facts.keys_in:
+        keys |= facts.keys_in(hf, source, refuse)
     return keys
 
 
-def _moe_keys(hf: dict, arch: str, source: str, refuse) -> dict[str, Any]:
-    """A mixture of experts in every layer, routed as scaletrain routes: the top k of the softmax, renormalised
-    to sum to 1 (Mixtral always; Qwen3-MoE with norm_topk_prob)."""
-    if arch == "Qwen3MoeForCausalLM":
-        if not hf.get("norm_topk_prob"):
-            raise refuse("norm_topk_prob=false (top-k router weights not renormalised)")
-        if hf.get("decoder_sparse_step", 1) != 1:
-            raise refuse(f"decoder_sparse_step={hf['decoder_sparse_step']} (dense layers between the mixtures)")
-        if hf.get("mlp_only_layers"):
-            raise refuse(f"mlp_only_layers {hf['mlp_only_layers']} (dense layers between the mixtures)")
-    # transformers reads either name of the expert count for either architecture
-    count = next((k for k in ("num_local_experts", "num_experts") if hf.get(k) is not None), EXPERT_COUNT[arch])
-    for key in (count, "num_experts_per_tok", EXPERT_WIDTH[arch]):
-        if hf.get(key) is None:
-            raise UserError(f"{source}: config.json has no {key}")
-    return {"num_experts": hf[count], "moe_d_ff": hf[EXPERT_WIDTH[arch]],
-            **{ours: hf[theirs] for theirs, ours in MOE_CONFIG_KEYS if hf.get(theirs) is not None}}
+def _arch(name: str) -> Architecture:
+    """The tables of a Hugging Face architecture, from the family that covers it."""
+    return models.architectures()[name][1]
 
 
 def _architecture(hf: dict, source: str) -> str:
-    by_type = {t: a for a, t in ARCHITECTURES.items()}
+    known = models.architectures()
+    by_type = {a.model_type: name for name, (_, a) in known.items()}
     names = hf.get("architectures") or [by_type.get(hf.get("model_type"), f"model_type {hf.get('model_type')}")]
-    if len(names) != 1 or names[0] not in ARCHITECTURES:
+    if len(names) != 1 or names[0] not in known:
         raise UserError(f"{source}: architecture {', '.join(map(str, names))} is not supported; expected one of "
-                        f"{', '.join(ARCHITECTURES)}")
+                        f"{', '.join(known)}")
     return names[0]
 
 
@@ -254,33 +180,19 @@ def hf_config(model) -> dict:
     if model.qk_norm and model.qk_norm_eps != model.norm_eps:
         raise UserError(f"model.qk_norm_eps={model.qk_norm_eps} differs from model.norm_eps={model.norm_eps}: "
                         f"Qwen3 normalises Q and K with the model's rms_norm_eps")
-    if model.num_experts and model.moe_every != 1:
-        raise UserError(f"model.moe_every={model.moe_every}: Hugging Face's Mixtral and Qwen3-MoE have a mixture "
-                        f"of experts in every layer (moe_every 1)")
-    if model.num_experts:
-        arch = "Qwen3MoeForCausalLM" if model.qk_norm else "MixtralForCausalLM"
-    else:
-        arch = "Qwen3ForCausalLM" if model.qk_norm else "LlamaForCausalLM"
+    family = models.family_of(model)
+    if family.export is None:
+        raise UserError(f"model family {family.name} has no Hugging Face architecture to export to")
+    arch = family.export(model)  # refuses what the family's architectures cannot represent
+    facts = _arch(arch)
     rope_scaling = None
     if model.rope_scaling == "llama3":
         rope_scaling = {"rope_type": "llama3", **{theirs: model[ours] for theirs, ours in LLAMA3_ROPE_KEYS}}
-    return {"architectures": [arch], "model_type": ARCHITECTURES[arch],
-            **{theirs: model[ours] for theirs, ours in CONFIG_KEYS},
-            "hidden_act": "silu", **dict.fromkeys(BIAS_KEYS.get(arch, ()), False),
-            "rope_theta": model.rope_theta, "rope_scaling": rope_scaling, **_moe_config(model, arch),
-            "dtype": model.param_dtype}
-
-
-def _moe_config(model, arch: str) -> dict[str, Any]:
-    """A mixture of experts' config.json keys (Hugging Face's mixtures are dropless, whatever
-    model.capacity_factor: it does not change the weights)."""
-    if arch not in MOE_TENSORS:
-        return {}
-    keys = {EXPERT_COUNT[arch]: model.num_experts, EXPERT_WIDTH[arch]: config_lib.moe_d_ff(model),
-            **{theirs: model[ours] for theirs, ours in MOE_CONFIG_KEYS}}
-    if arch == "Qwen3MoeForCausalLM":  # transformers' defaults route otherwise
-        keys |= {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
-    return keys
+    return {"architectures": [arch], "model_type": facts.model_type,
+            **{theirs: model[ours] for theirs, ours in facts.config_keys},
+            "hidden_act": "silu", **dict.fromkeys(facts.bias_keys, False),
+            "rope_theta": model.rope_theta, "rope_scaling": rope_scaling,
+            **(facts.keys_out(model) if facts.keys_out else {}), "dtype": model.param_dtype}
 
 
 def _dtype(hf: dict, default: str) -> Any:

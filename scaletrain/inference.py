@@ -123,7 +123,7 @@ def logits(run_dir: str, step: int | None, tokens_path: str, out_path: str, over
     change how the model computes (model.norm, model.dtype), not its shapes."""
     from flax import nnx
 
-    from scaletrain import model as model_lib
+    from scaletrain import models as model_lib
     from scaletrain.checkpoint import restore_params
 
     cfg = load_config(run_dir, overrides)

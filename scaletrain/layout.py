@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from scaletrain import model as model_lib
+from scaletrain import models as model_lib
 from scaletrain import optim, runner, sharding
 from scaletrain.config import MESH_AXES
 from scaletrain.parallelism import shards_kv_heads

@@ -23,7 +23,7 @@ from scaletrain import config as config_lib
 from scaletrain import data as data_lib
 from scaletrain import layout, offload, optim, parallelism, sharding, storage
 from scaletrain import mesh as mesh_lib
-from scaletrain import model as model_lib
+from scaletrain import models as model_lib
 from scaletrain.checkpoint import Checkpointer, check_resumable, params_source, restore_params
 from scaletrain.control import Control, Preemption
 from scaletrain.errors import UserError, first_line

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from scaletrain import config
-from scaletrain.model import ModelConfig
+from scaletrain.models import ModelConfig
 from scaletrain.planner import flops
 from tests.conftest import run_cli
 

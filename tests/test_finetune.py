@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from scaletrain import config, data, inference, trainer
-from scaletrain import model as model_lib
+from scaletrain import models as model_lib
 from scaletrain.__main__ import main
 from scaletrain.checkpoint import restore_params
 from scaletrain.errors import DataError

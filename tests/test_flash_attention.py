@@ -54,7 +54,7 @@ def test_kernels_equal_the_reference(kernel, t, n, kv):
 def test_the_reference_is_the_models_xla_attention():
     """The twin the kernels are held to computes what the `xla` path computes, blocked or not: output and
     gradients."""
-    from scaletrain.model.attention import blocked_attention
+    from scaletrain.models.attention import blocked_attention
 
     q, k, v, segments = _operands(256, 4, 2)
     b, t, n, h = q.shape

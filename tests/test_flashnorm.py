@@ -164,7 +164,7 @@ def test_folding_the_gains_keeps_the_function():
     from flax import nnx
 
     from scaletrain import inference
-    from scaletrain import model as model_lib
+    from scaletrain import models as model_lib
 
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 32), 0, 384)
     positions = jnp.broadcast_to(jnp.arange(32), tokens.shape)
@@ -227,7 +227,7 @@ def test_norm_cancellation_with_qk_norms_keeps_the_function():
     """Q and K skip the input norm's 1/rms (their per-head norms of eps 0 undo it), V keeps it."""
     from flax import nnx
 
-    from scaletrain import model as model_lib
+    from scaletrain import models as model_lib
 
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 32), 0, 384)
     positions = jnp.broadcast_to(jnp.arange(32), tokens.shape)

@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from scaletrain import inference
-from scaletrain import model as model_lib
+from scaletrain import models as model_lib
 from scaletrain.generate import compute_dtype_params, generate_tokens
 from scaletrain.kernels import norm_matmul as nm
 from scaletrain.kernels import norm_matmul_tpu as tpu

@@ -4,7 +4,7 @@ import jax
 import pytest
 
 from scaletrain import config
-from scaletrain.model import ModelConfig, abstract
+from scaletrain.models import ModelConfig, abstract
 from scaletrain.planner import flops, hardware
 from tests.conftest import ROOT
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from scaletrain import model as model_lib
+from scaletrain import models as model_lib
 from scaletrain.generate import generate_tokens, pick
 
 PROMPT = np.array([256, 72, 101, 108, 108, 111], np.int32)

@@ -23,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 
 from scaletrain import config as config_lib
 from scaletrain import hf, inference, storage
-from scaletrain import model as model_lib
+from scaletrain import models as model_lib
 from scaletrain.__main__ import main
 from scaletrain.checkpoint import check_resumable
 from scaletrain.errors import CheckpointError

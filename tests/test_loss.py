@@ -13,7 +13,7 @@ from flax import nnx
 
 from scaletrain import config, trainer
 from scaletrain.loss import blocked_linear_cross_entropy, cross_entropy, linear_cross_entropy, vocab_chunk
-from scaletrain.model import Llama, ModelConfig
+from scaletrain.models import Llama, ModelConfig
 from scaletrain.train_step import loss_sum
 from tests.conftest import tiny_overrides
 from tests.numerics import assert_close, assert_trees_close

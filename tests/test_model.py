@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from scaletrain.model import Llama, ModelConfig, abstract, rope
-from scaletrain.model.attention import Attention
-from scaletrain.model.layers import project
+from scaletrain.models import Llama, ModelConfig, abstract, rope
+from scaletrain.models.attention import Attention
+from scaletrain.models.layers import project
 from scaletrain.sharding import LOGICAL_AXES
 from tests.numerics import assert_close, assert_trees_close
 
@@ -144,7 +144,7 @@ def test_tied_embeddings_have_no_lm_head():
 
 
 def test_project_equals_einsum():
-    from scaletrain.model.layers import project
+    from scaletrain.models.layers import project
 
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.normal(size=(2, 3, 4, 5)), jnp.float32)

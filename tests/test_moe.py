@@ -13,9 +13,9 @@ import pytest
 from flax import nnx
 
 from scaletrain import config, remat, trainer
-from scaletrain.model import moe
-from scaletrain.model.layers import RMSNorm
-from scaletrain.model.transformer import ModelConfig
+from scaletrain.models.layers import RMSNorm
+from scaletrain.models.mixtral import moe
+from scaletrain.models.transformer import ModelConfig
 from scaletrain.planner import hlo, roofline
 from tests.conftest import tiny_overrides
 from tests.test_parallel import assert_params_close
@@ -237,7 +237,7 @@ def test_expert_refusals_name_the_keys(overrides, message):
 
 def test_decoding_with_a_kv_cache_equals_the_forward_pass():
     """Through a group (moe_every=2): a dense block's decode, then a mixture of experts' decode."""
-    from scaletrain.model.transformer import Llama
+    from scaletrain.models.mixtral import Mixtral as Llama
 
     cfg = ModelConfig.from_config(dict(num_experts=4, experts_per_token=2, moe_every=2, num_layers=2,
                                        d_model=32, num_heads=2, num_kv_heads=1, head_dim=16, d_ff=64,

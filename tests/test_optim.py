@@ -6,7 +6,7 @@ import pytest
 
 from scaletrain import config, optim, trainer
 from scaletrain.errors import ConfigError
-from scaletrain.model import ModelConfig, abstract
+from scaletrain.models import ModelConfig, abstract
 from tests.conftest import tiny_overrides
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from scaletrain import config
 from scaletrain.errors import ConfigError
-from scaletrain.model import ModelConfig
+from scaletrain.models import ModelConfig
 from scaletrain.planner import budget, comms, flops, hardware, hlo, memory, roofline
 from tests.conftest import ROOT
 

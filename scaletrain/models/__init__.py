@@ -1,5 +1,82 @@
-"""Llama-family models in Flax NNX. Parameters and activations carry logical axis names only."""
+"""Model families in Flax NNX (docs/design.md, "Adding a model family"). Parameters and activations carry
+logical axis names only. The shared building blocks live here (transformer.py's ModelConfig and decoder skeleton,
+layers, attention, mlp, rope); each family in its folder (models/<name>/: its decoder, Hugging Face tables and
+matmul inventory, behind models/family.py's interface), registered below by one line."""
 
-from scaletrain.model.transformer import Llama, ModelConfig, abstract, init_params
+from __future__ import annotations
 
-__all__ = ["Llama", "ModelConfig", "abstract", "init_params"]
+import functools
+import importlib
+
+import jax
+from flax import nnx
+
+from scaletrain.models.family import Architecture, Family, Matmul
+from scaletrain.models.transformer import Decoder, ModelConfig
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Adds a family under its name (model.family names it); returns it."""
+    FAMILIES[family.name] = family
+    return family
+
+
+def unregister(name: str) -> None:
+    FAMILIES.pop(name, None)
+    abstract.cache_clear()
+
+
+def family_name(m) -> str:
+    """The family a model config (the `model` section or a ModelConfig) names: model.family, where auto is
+    mixtral for a mixture of experts (model.num_experts > 0), else llama."""
+    name = getattr(m, "family", "auto")
+    return name if name != "auto" else ("mixtral" if m.num_experts else "llama")
+
+
+def family_of(m) -> Family:
+    return FAMILIES[family_name(m)]
+
+
+def architectures() -> dict[str, tuple[Family, Architecture]]:
+    """Every registered family's Hugging Face architectures, by name."""
+    return {name: (f, a) for f in FAMILIES.values() for name, a in f.architectures.items()}
+
+
+@functools.cache
+def abstract(cfg: ModelConfig) -> tuple[nnx.GraphDef, dict, dict]:
+    """(graphdef, parameter shapes, logical axes) of the config's family's decoder, as plain nested dicts, without
+    allocating anything. Cached: the planner asks for the same model on every slice it tries; the dicts are shared,
+    never to be changed."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: family_of(cfg).decoder(cfg, nnx.Rngs(0))))
+    logical = jax.tree.map(lambda v: tuple(v.out_sharding), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(logical)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
+    return nnx.to_pure_dict(nnx.state(family_of(cfg).decoder(cfg, nnx.Rngs(key))))
+
+
+# The families, one line each (imported after the shared modules above, which a family imports).
+register(importlib.import_module("scaletrain.models.llama").FAMILY)
+register(importlib.import_module("scaletrain.models.mixtral").FAMILY)
+
+Llama = FAMILIES["llama"].decoder
+
+__all__ = [
+    "FAMILIES",
+    "Architecture",
+    "Decoder",
+    "Family",
+    "Llama",
+    "Matmul",
+    "ModelConfig",
+    "abstract",
+    "architectures",
+    "family_name",
+    "family_of",
+    "init_params",
+    "register",
+    "unregister",
+]

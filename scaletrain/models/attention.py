@@ -8,8 +8,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain.kernels import flash_attention
-from scaletrain.model import rope
-from scaletrain.model.layers import RMSNorm, param, project
+from scaletrain.models import rope
+from scaletrain.models.layers import RMSNorm, param, project
 from scaletrain.sharding import active_device, constrain, local, ways
 
 

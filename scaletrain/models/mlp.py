@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from scaletrain.model.layers import param, project
+from scaletrain.models.layers import param, project
 from scaletrain.sharding import constrain
 
 

@@ -1,4 +1,7 @@
-"""The Llama decoder: embedding, a scanned stack of identical blocks, final norm, output projection."""
+"""The decoder skeleton every family builds on: embedding, a scanned stack of identical units (a block, or a
+family's group of blocks), final norm, output projection. The llama family's decoder is this skeleton as it is
+(models/llama/); others change the unit the stack repeats and what their blocks' auxiliary sums add
+(models/mixtral/). The model config (ModelConfig) and `abstract` / `init_params` serve them all."""
 
 from __future__ import annotations
 
@@ -13,11 +16,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain import config, pipeline, remat
-from scaletrain.model import moe, rope
-from scaletrain.model.attention import Attention
-from scaletrain.model.layers import Embed, RMSNorm, param, project
-from scaletrain.model.mlp import MLP
-from scaletrain.model.moe import MoE
+from scaletrain.models import rope
+from scaletrain.models.attention import Attention
+from scaletrain.models.layers import Embed, RMSNorm, param, project
+from scaletrain.models.mlp import MLP
 from scaletrain.sharding import constrain, constrain_param
 
 
@@ -53,13 +55,14 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm of Q and K before RoPE (Qwen3, Gemma 3)
     qk_norm_eps: float
     norm_cancellation: bool  # drop the input norm's 1/rms for Q and K (their norms undo it)
-    num_experts: int  # > 0: every moe_every-th layer's feed-forward is a mixture of experts (moe.py)
+    num_experts: int  # > 0: every moe_every-th layer's feed-forward is a mixture of experts (mixtral/moe.py)
     experts_per_token: int
     moe_d_ff: int  # the experts' hidden width; 0: d_ff
     moe_every: int
     capacity_factor: float  # 0: dropless
     router_aux_loss: float  # the loss's coefficients of the router's load-balancing and z losses
     router_z_loss: float
+    family: str = "auto"  # a registered family's name (models/__init__.py); auto: mixtral with experts, else llama
     # Derived by the trainer from other sections.
     remat: str = "none"  # a remat.POLICIES name
     remat_custom: tuple[tuple[str, str], ...] = ()  # (checkpoint name, remat|device|offload) for "custom"
@@ -99,30 +102,27 @@ class ModelConfig:
                                         self.rope_original_max_position)
 
 
-# The key of a mixture of experts' router sums in a block's auxiliary dict.
-ROUTER = "router"
-
-
 class Block(nnx.Module):
-    """Attention then a feed-forward: the SwiGLU MLP, or with `routed` a mixture of experts. A call returns the
-    stream and the block's auxiliary sums: {ROUTER: moe.sums} for a mixture of experts, {} otherwise."""
+    """Attention then a feed-forward (`feed_forward`: the SwiGLU MLP here, a family's own in a subclass). A call
+    returns the stream and the block's auxiliary sums ({} here; a family's block may return its own, which the
+    decoder's `penalty` and `aux_metrics` read)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, routed: bool = False):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         weightless = cfg.norm_weights != "standard"
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm, weightless)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm, weightless)
-        self.routed = routed
-        self.mlp = MoE(cfg, rngs) if routed else MLP(cfg, rngs)
+        self.mlp = self.feed_forward(cfg, rngs)
+
+    @staticmethod
+    def feed_forward(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+        return MLP(cfg, rngs)
 
     def __call__(self, x_btd, sin_bth, cos_bth, segment_ids_bt) -> tuple[jax.Array, dict]:
         x_btd = x_btd + self.attn(x_btd, self.attn_norm, sin_bth, cos_bth, segment_ids_bt)
         return self._feed_forward(x_btd)
 
     def _feed_forward(self, x_btd, one_matmul: bool = True) -> tuple[jax.Array, dict]:
-        if self.routed:
-            out, sums = self.mlp(x_btd, self.mlp_norm)
-            return x_btd + out, {ROUTER: sums}
         return x_btd + self.mlp(x_btd, self.mlp_norm, one_matmul), {}
 
     def decode(self, x_btd, sin_bth, cos_bth, start, cache):
@@ -133,51 +133,27 @@ class Block(nnx.Module):
         return self._feed_forward(x_btd + attn_btd, one_matmul=False)[0], cache
 
 
-class MoEGroup(nnx.Module):
-    """model.moe_every = k > 1: the unit the layer scan repeats, k - 1 dense blocks (stacked along `sublayers`)
-    then one mixture-of-experts block."""
+class Decoder(nnx.Module):
+    """The skeleton. A family's decoder may override `unit` (the module the layer scan repeats, from the config:
+    a Block here), `unit_layers` (how many layers one unit holds: 1 here), `penalty` and `aux_metrics`."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        @nnx.split_rngs(splits=cfg.moe_every - 1)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "sublayers"})
-        def make_dense(rngs):
-            return Block(cfg, rngs)
+    @staticmethod
+    def unit(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+        return Block(cfg, rngs)
 
-        self.dense = make_dense(rngs)
-        self.moe = Block(cfg, rngs, routed=True)
-        self.unroll = cfg.unroll_loops
+    @staticmethod
+    def unit_layers(cfg: ModelConfig) -> int:
+        return 1
 
-    def _dense_scan(self, step, x_btd, xs=None):
-        graphdef, stacked = nnx.split(self.dense)
-        return jax.lax.scan(lambda x, p: step(nnx.merge(graphdef, p[0]), x, p[1]), x_btd, (stacked, xs),
-                            unroll=self.unroll)
-
-    def __call__(self, x_btd, sin_bth, cos_bth, segment_ids_bt) -> tuple[jax.Array, dict]:
-        """The stream and the group's auxiliary sums: its MoE block's (the dense blocks have none)."""
-        x_btd, _ = self._dense_scan(lambda block, x, _: block(x, sin_bth, cos_bth, segment_ids_bt), x_btd)
-        return self.moe(x_btd, sin_bth, cos_bth, segment_ids_bt)
-
-    def decode(self, x_btd, sin_bth, cos_bth, start, cache):
-        """Block.decode through the group; `cache` holds the group's layers [moe_every, ...]."""
-        k_cache, v_cache = cache
-        x_btd, dense_cache = self._dense_scan(lambda block, x, c: block.decode(x, sin_bth, cos_bth, start, c),
-                                              x_btd, (k_cache[:-1], v_cache[:-1]))
-        x_btd, (k_last, v_last) = self.moe.decode(x_btd, sin_bth, cos_bth, start, (k_cache[-1], v_cache[-1]))
-        return x_btd, (jnp.concatenate([dense_cache[0], k_last[None]]),
-                       jnp.concatenate([dense_cache[1], v_last[None]]))
-
-
-class Llama(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.d_model, rngs, cfg.param_dtype, cfg.init_std)
+        unit = type(self).unit  # not self: the vmapped function must close over no module
 
-        @nnx.split_rngs(splits=cfg.num_layers // cfg.moe_every)
+        @nnx.split_rngs(splits=cfg.num_layers // self.unit_layers(cfg))
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_layers(rngs):
-            if cfg.num_experts and cfg.moe_every > 1:
-                return MoEGroup(cfg, rngs)
-            return Block(cfg, rngs, routed=cfg.num_experts > 0)
+            return unit(cfg, rngs)
 
         self.layers = make_layers(rngs)
         # With tied embeddings the final norm's gain cannot be folded: the table also embeds the input.
@@ -228,21 +204,19 @@ class Llama(nnx.Module):
 
     def penalty(self, aux: dict) -> jax.Array:
         """What the objective adds for the layer stack's auxiliary sums (the runner's: [layers, ...], summed
-        over the batch): a mixture of experts' router losses, at the config's coefficients. Linear in `aux`."""
-        if not self.cfg.num_experts:
-            return jnp.zeros((), jnp.float32)
-        return moe.penalty(self.cfg.router_aux_loss, self.cfg.router_z_loss, aux[ROUTER])
+        over the batch): none here; a mixture of experts' router losses (mixtral's). Linear in `aux`."""
+        return jnp.zeros((), jnp.float32)
 
     def aux_metrics(self, aux: dict) -> dict:
-        """What metrics.jsonl logs of the auxiliary sums: a mixture of experts' router metrics."""
-        return moe.metrics(aux[ROUTER]) if self.cfg.num_experts else {}
+        """What metrics.jsonl logs of the auxiliary sums: nothing here; a mixture of experts' router metrics."""
+        return {}
 
     def init_cache(self, batch: int, max_len: int) -> tuple[jax.Array, jax.Array]:
         """An empty KV cache for `decode`: keys and values [layers, batch, max_len, kv_heads, head_dim]
-        ([layers / moe_every, moe_every, ...] where the stack repeats groups of layers)."""
+        ([layers / k, k, ...] where the stack repeats groups of k layers, `unit_layers`)."""
         cfg = self.cfg
-        grouped = (cfg.num_layers // cfg.moe_every, cfg.moe_every) if cfg.num_experts and cfg.moe_every > 1 else (
-            cfg.num_layers,)
+        k = self.unit_layers(cfg)
+        grouped = (cfg.num_layers // k, k) if k > 1 else (cfg.num_layers,)
         shape = (*grouped, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
         return jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)
 
@@ -283,16 +257,3 @@ def _placed(cfg: ModelConfig, layer_params):
         return v.replace(constrain_param(v[...], v.out_sharding[1:], cfg.dtype if v[...].ndim > 1 else None))
 
     return jax.tree.map(place, layer_params, is_leaf=lambda v: isinstance(v, nnx.Variable))
-
-
-@functools.cache
-def abstract(cfg: ModelConfig) -> tuple[nnx.GraphDef, dict, dict]:
-    """(graphdef, parameter shapes, logical axes), as plain nested dicts, without allocating anything. Cached:
-    the planner asks for the same model on every slice it tries; the dicts are shared, never to be changed."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0))))
-    logical = jax.tree.map(lambda v: tuple(v.out_sharding), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(logical)
-
-
-def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
-    return nnx.to_pure_dict(nnx.state(Llama(cfg, nnx.Rngs(key))))

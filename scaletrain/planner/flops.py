@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import jax
 
-from scaletrain import model as model_lib
+from scaletrain import models as model_lib
 from scaletrain.sharding import is_logical
 
-# The logical dims of a layer stack (model/transformer.py): the layers, and the dense layers within a group.
+# The logical dims of a layer stack (models/transformer.py): the layers, and the dense layers within a group.
 _STACKED = ("layers", "sublayers")
 
 

@@ -15,11 +15,11 @@ import jax
 from jax.sharding import AbstractMesh
 
 from scaletrain import layout as layout_lib
-from scaletrain import model as model_lib
+from scaletrain import models as model_lib
 from scaletrain import pipeline_1f1b, remat, sharding
 from scaletrain.config import moe_d_ff
 from scaletrain.errors import ConfigError
-from scaletrain.model import moe
+from scaletrain.models.mixtral import moe
 from scaletrain.parallelism import microbatches, shards_kv_heads
 from scaletrain.runner import Runner
 
@@ -178,7 +178,7 @@ def _routed_layer(cfg, axes: Mapping[str, int], dtype_bytes: int, ragged: bool) 
 
 
 def blocked_attention(cfg) -> bool:
-    """model.attention_block splits the queries of XLA's attention (model/attention.py): scores are
+    """model.attention_block splits the queries of XLA's attention (models/attention.py): scores are
     rematerialised per block."""
     block, seq = cfg.model.attention_block, cfg.data.seq_len
     return cfg.model.attention == "xla" and 0 < block < seq and seq % block == 0
@@ -253,7 +253,7 @@ class Prediction:
 
 def replica_tokens(cfg, axes: Mapping[str, int]) -> float:
     """Tokens of one microbatch of one data-parallel replica (data x fsdp x expert ways: the expert axis's
-    devices each route their own share of the batch, model/moe.py): the batch its devices' matmuls see (tensor
+    devices each route their own share of the batch, models/mixtral/moe.py): the batch its devices' matmuls see (tensor
     devices share it)."""
     ways = sharding.batch_ways(axes)
     return cfg.train.global_batch * cfg.data.seq_len / (microbatches(cfg, axes) * ways)

@@ -11,15 +11,16 @@ the others perfectly. docs/planner.md states every formula and what is not model
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Callable, Mapping, Sequence
 
 from scaletrain import mesh as mesh_lib
-from scaletrain import parallelism, pipeline_1f1b, sharding
+from scaletrain import models, parallelism, pipeline_1f1b, sharding
 from scaletrain import pipeline as pipeline_lib
-from scaletrain.config import MESH_AXES, moe_d_ff
+from scaletrain.config import MESH_AXES
 from scaletrain.kernels import flash_attention
 from scaletrain.loss import projects_the_stream
+from scaletrain.models.family import Matmul
 from scaletrain.parallelism import microbatches
 from scaletrain.planner import comms, flops, memory
 from scaletrain.planner import hardware as hw
@@ -39,51 +40,12 @@ def resolve_mesh(mesh_cfg, topo: hw.Topology) -> mesh_lib.MeshShape:
     return mesh_lib.MeshShape(ici=ici, dcn=dcn)
 
 
-@dataclass(frozen=True)
-class Matmul:
-    """One projection of a layer on one device: the share of the stack's layers that have it, its rows per
-    token in those (a mixture of experts' k assignments), its features in and out, and the weight elements it
-    reads."""
-
-    layers: float
-    rows: float
-    inputs: float
-    outputs: float
-    weights: float
-
-    @classmethod
-    def dense(cls, layers: float, inputs: float, outputs: float) -> "Matmul":
-        return cls(layers, 1.0, inputs, outputs, inputs * outputs)
-
-    @property
-    def flops(self) -> float:
-        """Forward FLOPs per token, averaged over the stack's layers: 2 x rows x in x out."""
-        return self.layers * 2 * self.rows * self.inputs * self.outputs
-
-    def hbm_bytes(self, tokens: float, dtype_bytes: int) -> float:
-        """One pass over `tokens`, averaged over the layers: it reads its input and weights and writes its output
-        (scaling.md's 2BD + 2DF + 2BF in bf16)."""
-        return self.layers * dtype_bytes * (tokens * self.rows * (self.inputs + self.outputs) + self.weights)
-
-
 def matmuls(m, tensor: int = 1, expert: int = 1) -> dict[str, Matmul]:
-    """A layer's projections on one device, by matmul group: Megatron splits Q/K/V and gate/up by their outputs,
-    the output and down projections by their inputs (kv heads only where `tensor` divides them). A mixture of
-    experts' layers have instead a router (a row per token against the E experts) and their experts' gate/up and
-    down (k rows per token, one per assignment, through the device's E / `expert` experts' weights). Only the
-    groups the stack has."""
-    elements = memory.tensor_elements(m, tensor, sequence_parallel=False)
-    d, f, moe = m.d_model, m.d_ff / tensor, memory.moe_share(m)
-    qkv = elements["query_proj"] + elements["key_proj"] + elements["value_proj"]
-    out = {"qkv": Matmul.dense(1, d, qkv), "out": Matmul.dense(1, elements["attention_out"], d)}
-    if moe < 1:
-        out |= {"gate_up": Matmul.dense(1 - moe, d, 2 * f), "down": Matmul.dense(1 - moe, f, d)}
-    if moe:
-        fe, k, local = moe_d_ff(m) / tensor, m.experts_per_token, m.num_experts / expert
-        out |= {"router": Matmul.dense(moe, d, m.num_experts),
-                "expert_gate_up": Matmul(moe, k, d, 2 * fe, local * d * 2 * fe),
-                "expert_down": Matmul(moe, k, fe, d, local * fe * d)}
-    return out
+    """A layer's projections on one device, by matmul group: the inventory of the config's model family
+    (models/<family>/: Family.matmuls). Megatron splits Q/K/V and gate/up by their outputs, the output and down
+    projections by their inputs; a mixture of experts' router and experts (mixtral's). Only the groups the stack
+    has."""
+    return models.family_of(m).matmuls(m, tensor, expert)
 
 
 def forward_flops(m, seq_len: int, tensor: int = 1) -> dict[str, float]:

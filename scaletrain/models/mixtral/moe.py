@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from scaletrain.model.layers import param
+from scaletrain.models.layers import param
 from scaletrain.sharding import active_axes, active_device, constrain, local
 
 # Per-layer router statistics, summed over the batch (`router_stats`'s vector): the load-balancing loss (per

@@ -1,0 +1,34 @@
+"""The llama family: Llama, Mistral and Qwen3 - one dense decoder (decoder.py), their Hugging Face tables
+(hf.py) and the planner's matmul inventory (`matmuls`)."""
+
+from __future__ import annotations
+
+from scaletrain.models.family import Family, Matmul
+from scaletrain.models.llama import hf
+from scaletrain.models.llama.decoder import Block, Llama
+
+
+def attention_matmuls(m, tensor: int = 1) -> dict[str, Matmul]:
+    """Q/K/V (split by their outputs, kv heads only where `tensor` divides them) and the output projection
+    (split by its inputs), in every layer."""
+    from scaletrain.planner import memory
+
+    elements = memory.tensor_elements(m, tensor, sequence_parallel=False)
+    qkv = elements["query_proj"] + elements["key_proj"] + elements["value_proj"]
+    return {"qkv": Matmul.dense(1, m.d_model, qkv), "out": Matmul.dense(1, elements["attention_out"], m.d_model)}
+
+
+def mlp_matmuls(m, tensor: int = 1, layers: float = 1.0) -> dict[str, Matmul]:
+    """The SwiGLU MLP's gate/up (split by outputs) and down (by inputs), in a share `layers` of the stack."""
+    d, f = m.d_model, m.d_ff / tensor
+    return {"gate_up": Matmul.dense(layers, d, 2 * f), "down": Matmul.dense(layers, f, d)}
+
+
+def matmuls(m, tensor: int = 1, expert: int = 1) -> dict[str, Matmul]:
+    """A layer's projections on one device, by matmul group (Megatron's splits over `tensor`)."""
+    return attention_matmuls(m, tensor) | mlp_matmuls(m, tensor)
+
+
+FAMILY = Family(name="llama", decoder=Llama, matmuls=matmuls, architectures=hf.ARCHITECTURES, export=hf.export)
+
+__all__ = ["FAMILY", "Block", "Llama", "matmuls"]
