@@ -114,9 +114,9 @@ def e2e(batches: list[int], new_tokens: int, dtype: str, layers: int | None, var
     import jax.numpy as jnp
     from flax import nnx
 
-    from scaletrain import inference
     from scaletrain import models as model_lib
-    from scaletrain.generate import compute_dtype_params, generate_tokens
+    from scaletrain.tools import inference
+    from scaletrain.tools.generate import compute_dtype_params, generate_tokens
 
     overrides = [f"model.dtype={dtype}"] + ([f"model.num_layers={layers}"] if layers else [])
     base = _model_config("1B", overrides)
@@ -163,8 +163,8 @@ def aot(topology: str, batches: list[int], cache: int) -> None:
     from scaletrain import models as model_lib
     from scaletrain.models import rope
     from scaletrain.models.transformer import Block
+    from scaletrain.parallel.sharding import Rules, use_rules
     from scaletrain.planner import aot as aot_lib
-    from scaletrain.sharding import Rules, use_rules
 
     device = aot_lib.topology_devices(topology)[0]
     mesh = Mesh(np.array([device]), ("d",))

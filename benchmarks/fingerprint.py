@@ -1,4 +1,4 @@
-"""What a checkpoint's fingerprints cost (scaletrain/integrity.py), next to a train step.
+"""What a checkpoint's fingerprints cost (scaletrain/store/integrity.py), next to a train step.
 
     python benchmarks/fingerprint.py cpu [--steps N] [--cpu-devices 8]   # measured: configs/llama_tiny.yaml here
     python benchmarks/fingerprint.py tpu [--topology v5p:4x4x2] [--config configs/llama3_8b.yaml]
@@ -39,7 +39,9 @@ def _median_s(fn, repeats: int) -> float:
 def cpu(args) -> None:
     import jax
 
-    from scaletrain import data, integrity, trainer
+    from scaletrain.data import loader as data
+    from scaletrain.store import integrity
+    from scaletrain.train import trainer
 
     cfg = config.load(args.config or ROOT / "configs" / "llama_tiny.yaml", args.set)
     setup = trainer.build(cfg)
@@ -71,8 +73,9 @@ def cpu(args) -> None:
 def tpu(args) -> None:
     import jax
 
-    from scaletrain import integrity, trainer
     from scaletrain.planner import aot
+    from scaletrain.store import integrity
+    from scaletrain.train import trainer
 
     cfg = config.load(args.config or ROOT / "configs" / "llama3_8b.yaml", args.set)
     setup = trainer.build(cfg, aot.topology_devices(args.topology))

@@ -69,7 +69,7 @@ def ops(topology: str) -> None:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from scaletrain.kernels import norm_matmul as nm
-    from scaletrain.sharding import Rules, use_rules
+    from scaletrain.parallel.sharding import Rules, use_rules
 
     print("## CPU: relative error against the jnp reference (fp32, M=64, forward and dx, dg, dW)\n")
     print("| shape | mode | z | dx | dg | dW |\n|---|---|---|---|---|---|")
@@ -116,7 +116,8 @@ def ops(topology: str) -> None:
 
 def step(config_path: str, topology: str, overrides: list[str]) -> None:
     from scaletrain import config
-    from scaletrain.planner import aot, memory
+    from scaletrain.facts import fit
+    from scaletrain.planner import aot
 
     print(f"## {time.strftime('%Y-%m-%d')}  {config_path} on {topology}  {' '.join(overrides)}\n")
     print("| model.norm | HBM per device GiB | XLA TFLOP | XLA GB accessed | XLA optimal_seconds | raw optimal_seconds "
@@ -127,7 +128,7 @@ def step(config_path: str, topology: str, overrides: list[str]) -> None:
             print(f"| {mode} | does not fit: {r['error'][:160]} ||||||", flush=True)
             continue
         estimate = "-" if r["xla_optimal_seconds"] is None else f"{r['xla_optimal_seconds']:.3f}"
-        print(f"| {mode} | {r['hbm_per_device_bytes'] / memory.GIB:.2f} | {r['xla_flops'] / 1e12:.0f} | "
+        print(f"| {mode} | {r['hbm_per_device_bytes'] / fit.GIB:.2f} | {r['xla_flops'] / 1e12:.0f} | "
               f"{r['xla_bytes_accessed'] / 1e9:.0f} | {estimate} | {r['xla_raw']['optimal_seconds']:.3f} | "
               f"{r['compile_seconds']:.0f} |", flush=True)
 

@@ -65,7 +65,7 @@ def rss_mb(pid: int | None = None) -> float:
 
 
 def iterator_rate(cfg, workers: int, batches: int) -> dict:
-    from scaletrain import data
+    from scaletrain.data import loader as data
 
     it = data.BatchIterator(data.make_dataset(cfg), cfg.train.global_batch, workers=workers)
     for _ in range(20):  # the workers start, the page cache warms
@@ -83,7 +83,8 @@ def fed_step(cfg, workers: int, steps: int = 40) -> dict:
     """The tiny train step fed by the pipeline: each step waited for, so that next() sees what one step leaves it."""
     import jax
 
-    from scaletrain import data, trainer
+    from scaletrain.data import loader as data
+    from scaletrain.train import trainer
 
     setup = trainer.build(cfg)
     step = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
@@ -106,7 +107,7 @@ def fed_step(cfg, workers: int, steps: int = 40) -> dict:
 
 def streaming_rss(path: str, workers: int, tokens: int) -> dict:
     """Resident memory sampled while reading `tokens` tokens of shuffled 4096-token windows."""
-    from scaletrain import data
+    from scaletrain.data import loader as data
 
     cfg = config.load(None, ["data.source=prepared", f"data.path={path}", "data.seq_len=4096",
                              "train.global_batch=64", "model.vocab_size=384"])
@@ -131,7 +132,7 @@ def main() -> int:
     p.add_argument("--stream-tokens", type=float, default=1e9, help="tokens read while sampling the memory")
     args = p.parse_args()
     runtime.configure(8)
-    from scaletrain import prepare
+    from scaletrain.data import prepare
 
     folder = Path(args.dir)
     results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"}

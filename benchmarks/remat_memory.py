@@ -39,8 +39,8 @@ def main() -> int:
     import jax
     from jax.experimental import topologies
 
-    from scaletrain import trainer
-    from scaletrain.planner import memory
+    from scaletrain.facts import fit
+    from scaletrain.train import trainer
 
     devices = jax.devices() if args.topology == "cpu" else \
         topologies.get_topology_desc(topology_name=args.topology, platform="tpu").devices
@@ -60,11 +60,11 @@ def main() -> int:
                 print(f"| {policy} | {offload} | does not compile: {str(e).splitlines()[0][:120]} |||||", flush=True)
                 continue
             seconds = time.perf_counter() - t0
-            m = memory.compiled(compiled.memory_analysis())
+            m = fit.compiled(compiled.memory_analysis())
             cost = compiled.cost_analysis()
             cost = cost[0] if isinstance(cost, list) else cost
-            print(f"| {policy} | {offload} | {m['device_total'] / memory.GIB:.2f} | "
-                  f"{m['device_temporaries'] / memory.GIB:.2f} | {m['host_total'] / memory.GIB:.2f} | "
+            print(f"| {policy} | {offload} | {m['device_total'] / fit.GIB:.2f} | "
+                  f"{m['device_temporaries'] / fit.GIB:.2f} | {m['host_total'] / fit.GIB:.2f} | "
                   f"{cost.get('optimal_seconds', float('nan')):.3f} | {seconds:.0f} |", flush=True)
     return 0
 

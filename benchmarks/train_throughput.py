@@ -44,8 +44,11 @@ def measure(name: str, steps: int, warmup: int, overrides: list[str], inventory:
     """Compile and time the real train step; with `inventory`, also its collectives by kind (planner/hlo.py)."""
     import jax
 
-    from scaletrain import data, mesh, trainer
-    from scaletrain.planner import flops, hardware, hlo
+    from scaletrain.data import loader as data
+    from scaletrain.facts import flops, hardware
+    from scaletrain.parallel import mesh
+    from scaletrain.planner import hlo
+    from scaletrain.train import trainer
 
     path, preset = MODELS[name]
     cfg = config.load(path, preset + [f"steps={2 * steps + warmup}"] + overrides)
@@ -97,7 +100,7 @@ def main() -> int:
     p.add_argument("--plain-loss", action="store_true", help="logits, then the loss (no fused path)")
     args = p.parse_args()
     if args.plain_loss:
-        from scaletrain import loss
+        from scaletrain.train import loss
 
         loss.FUSED_LOSS = False
     runtime.configure(args.cpu_devices)

@@ -98,7 +98,7 @@ def main() -> int:
 
     from scaletrain import runtime
     runtime.configure(None)
-    from scaletrain.planner import hardware
+    from scaletrain.facts import hardware
 
     described = "; ".join(f"{k} [{v or '-'}]" for k, v in variants.items())
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()} {platform.processor()} {os.cpu_count()} cores  "

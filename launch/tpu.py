@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from scaletrain.__main__ import EXIT_USAGE, Parser  # noqa: E402
 from scaletrain.config import read_mapping  # noqa: E402
 from scaletrain.errors import ConfigError  # noqa: E402
-from scaletrain.planner import hardware as hw  # noqa: E402
+from scaletrain.facts import hardware as hw  # noqa: E402
 
 # The default TPU VM runtime version of each generation. Accelerator types and zones: hardware.yaml's cloud_tpu.
 RUNTIMES = {"v4": "tpu-ubuntu2204-base", "v5e": "v2-alpha-tpuv5-lite", "v5p": "v2-alpha-tpuv5",
@@ -214,7 +214,8 @@ def _check_training(launch: Launch, what: str, sets: list[str], must_fit: bool) 
     """train.py's config checks, the planner's mesh and the trainer's parallelism checks for the launch file's
     slices, and with `must_fit` the planner's memory per chip against its HBM: each failure one ConfigError line
     naming `what` is wrong."""
-    from scaletrain import config, parallelism
+    from scaletrain import config
+    from scaletrain.parallel import checks
     from scaletrain.planner import roofline
 
     machine = launch.tpu.accelerator if launch.slices == 1 else f"{launch.slices} x {launch.tpu.accelerator}"
@@ -224,7 +225,7 @@ def _check_training(launch: Launch, what: str, sets: list[str], must_fit: bool) 
         cfg = config.load(ROOT / launch.train_config, sets)
         plan = roofline.plan(cfg, hardware)  # raises for mesh degrees that do not fill the slices
         # The trainer's checks read a mesh's axis sizes only: the planned mesh's stand in for the slice's devices.
-        parallelism.check(cfg, plan["mesh"]["sizes"])
+        checks.check(cfg, plan["mesh"]["sizes"])
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     if must_fit and not plan["fits"]:

@@ -119,7 +119,7 @@ def _check_out(out: str, existing: str | None) -> None:
     """`--out`, before any compile or restore. Nothing there is replaced: `existing` is what the path may
     already be - "folder", "empty folder" or None (nothing). A missing local parent folder is refused too: a
     typo there would otherwise surface only once the work is done (a bucket has no folders)."""
-    from scaletrain import storage
+    from scaletrain.store import storage
 
     path = storage.path(out)
     if path.is_file() or (path.exists() and existing is None):
@@ -193,8 +193,8 @@ def ckpt(args: argparse.Namespace) -> int:
     from scaletrain import runtime
 
     runtime.configure(None)
-    from scaletrain.checkpoint import locate, read_metadata
-    from scaletrain.mesh import describe
+    from scaletrain.parallel.mesh import describe
+    from scaletrain.store.checkpoint import locate, read_metadata
 
     directory, step = locate(args.run_dir)
     step, meta = read_metadata(directory, step if args.step is None else args.step)
@@ -218,10 +218,10 @@ def convert(args: argparse.Namespace) -> int:
     _check_out(args.out, existing="empty folder")
     runtime.configure(None)
     if args.convert_command == "fold-norms":
-        from scaletrain import inference
+        from scaletrain.tools import inference
 
         return inference.fold_norms(args.run_dir, args.out)
-    from scaletrain import hf
+    from scaletrain.tools import hf
 
     if args.convert_command == "from-hf":
         return hf.from_hf(args.hf_dir, args.out)
@@ -238,14 +238,14 @@ def generate(args: argparse.Namespace) -> int:
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
     runtime.configure(None)
-    from scaletrain import generate as generate_lib
+    from scaletrain.tools import generate as generate_lib
 
     return generate_lib.main(args.run_dir, args.step, args.prompt, args.max_new_tokens, args.temperature,
                              args.top_p, args.seed, args.set)
 
 
 def data(args: argparse.Namespace) -> int:
-    from scaletrain import prepare
+    from scaletrain.data import prepare
 
     if not 0 <= args.eval_fraction < 1:
         raise UserError(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
@@ -262,7 +262,7 @@ def logits(args: argparse.Namespace) -> int:
         raise UserError(f"--out {args.out}: expected a path ending in .npy")
     _check_out(args.out, existing=None)
     runtime.configure(None)
-    from scaletrain import inference
+    from scaletrain.tools import inference
 
     return inference.logits(args.run_dir, args.step, args.tokens, args.out, args.set)
 
@@ -286,7 +286,7 @@ def train(args: argparse.Namespace) -> int:
             raise UserError("--coordinator HOST:PORT, --num-processes N and --process-id I (0 <= I < N) go together")
         _check_coordinator(args.coordinator)
     runtime.configure(args.cpu_devices, *distributed)
-    from scaletrain import trainer
+    from scaletrain.train import trainer
 
     return trainer.run(cfg)
 

@@ -351,7 +351,6 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"model.norm_cancellation=true is exact only with model.qk_norm_eps=0 (got "
                           f"{m.qk_norm_eps}): RMSNorm(c q) = RMSNorm(q) needs eps = 0")
     _check_moe(m)
-    _check_family(m)
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
     if cfg.train.global_batch % cfg.train.grad_accum_steps:
@@ -361,21 +360,6 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"train.profile_steps={cfg.train.profile_steps} needs train.profile_start >= 1, the first "
                           f"step to trace (steps count from 1; leave the first few out: they compile)")
     _check_data(cfg)
-
-
-def _check_family(m: ml_collections.ConfigDict) -> None:
-    """model.family: auto, or a registered family (scaletrain/models/__init__.py) whose models route tokens to
-    experts exactly when model.num_experts > 0."""
-    if m.family == "auto":
-        return
-    from scaletrain import models
-
-    family = models.FAMILIES.get(m.family)
-    if family is None:
-        raise ConfigError(f"model.family must be auto or one of {', '.join(models.FAMILIES)}; got '{m.family}'")
-    if family.experts != bool(m.num_experts):
-        raise ConfigError(f"model.family={m.family} {'needs' if family.experts else 'has no'} mixture of experts: "
-                          f"model.num_experts={m.num_experts} (auto picks the family from it)")
 
 
 def _check_moe(m: ml_collections.ConfigDict) -> None:

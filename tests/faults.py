@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _at_record(step: int, signum: int) -> None:
-    from scaletrain import metrics
+    from scaletrain.train import metrics
 
     log = metrics.MetricsLog.log
 
@@ -31,7 +31,7 @@ def _at_record(step: int, signum: int) -> None:
 
 
 def _mid_step(step: int) -> None:
-    from scaletrain import trainer
+    from scaletrain.train import trainer
 
     put_batch = trainer.Setup.put_batch
     calls = 0
@@ -65,7 +65,7 @@ def _mid_save(step: int) -> None:
 
 
 def _sigterm_early() -> None:
-    from scaletrain import trainer
+    from scaletrain.train import trainer
 
     build = trainer.build
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from scaletrain import config
+from scaletrain.facts import flops
 from scaletrain.models import ModelConfig
-from scaletrain.planner import flops
 from tests.conftest import run_cli
 
 

@@ -4,9 +4,10 @@ import jax
 import numpy as np
 import pytest
 
-from scaletrain import config, trainer
-from scaletrain.checkpoint import Checkpointer, restore_params
+from scaletrain import config
 from scaletrain.errors import CheckpointError
+from scaletrain.store.checkpoint import Checkpointer, restore_params
+from scaletrain.train import trainer
 from tests.conftest import tiny_overrides
 
 STEPS = 4
@@ -88,7 +89,7 @@ def test_the_failures_of_abandoned_reads_are_not_reported_again(caplog):
     import asyncio
     import gc
 
-    from scaletrain import checkpoint
+    from scaletrain.store import checkpoint
 
     checkpoint._silence_abandoned_reads()
 
@@ -109,7 +110,7 @@ def test_a_closed_loop_reported_from_a_native_thread_is_not_printed(capsys):
     and prints what it raises with PyErr_Print, that is through sys.excepthook: dropped, but nothing else is."""
     import sys
 
-    from scaletrain import checkpoint
+    from scaletrain.store import checkpoint
 
     checkpoint._silence_abandoned_reads()
     sys.excepthook(RuntimeError, RuntimeError("Event loop is closed"), None)

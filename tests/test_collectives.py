@@ -7,8 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from scaletrain import config, trainer
+from scaletrain import config
 from scaletrain.planner import hlo
+from scaletrain.train import trainer
 from tests.conftest import tiny_overrides
 
 D, F, L, N, K, H, V, T, B = 64, 128, 2, 8, 4, 8, 384, 32, 8

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from scaletrain.planner import hardware
+from scaletrain.facts import hardware
 
 
 @pytest.fixture

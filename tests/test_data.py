@@ -3,8 +3,11 @@ import json
 import numpy as np
 import pytest
 
-from scaletrain import config, data, mesh, tokenizer
+from scaletrain import config
+from scaletrain.data import loader as data
+from scaletrain.data import tokenizer
 from scaletrain.errors import ConfigError, DataError
+from scaletrain.parallel import mesh
 
 
 def test_packing_separators_positions_and_mask():

@@ -11,12 +11,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from scaletrain import config, data, inference, trainer
+from scaletrain import config
 from scaletrain import models as model_lib
 from scaletrain.__main__ import main
-from scaletrain.checkpoint import restore_params
+from scaletrain.data import loader as data
 from scaletrain.errors import DataError
-from scaletrain.loss import cross_entropy
+from scaletrain.store.checkpoint import restore_params
+from scaletrain.tools import inference
+from scaletrain.train import trainer
+from scaletrain.train.loss import cross_entropy
 from tests.conftest import ROOT
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jovial kings".split()

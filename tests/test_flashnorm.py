@@ -163,8 +163,8 @@ def test_folding_the_gains_keeps_the_function():
     logits within 1e-5, for standard and fused norms and untied and tied embeddings."""
     from flax import nnx
 
-    from scaletrain import inference
     from scaletrain import models as model_lib
+    from scaletrain.tools import inference
 
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 32), 0, 384)
     positions = jnp.broadcast_to(jnp.arange(32), tokens.shape)
@@ -213,8 +213,8 @@ def test_fold_norms_and_logits_commands(tmp_path):
     for other in outputs[1:]:
         assert_close(other, outputs[0], ulps=32)  # as test_folding_the_gains_keeps_the_function
     # Refusals, in process (the CLI turns a UserError into one `error:` line and exit 2: tests/test_cli.py).
-    from scaletrain import inference
     from scaletrain.errors import UserError
+    from scaletrain.tools import inference
 
     np.save(tmp_path / "bad.npy", np.full((2, 16), 384))
     with pytest.raises(UserError, match="ids must lie in"):

@@ -13,11 +13,11 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from scaletrain import inference
 from scaletrain import models as model_lib
-from scaletrain.generate import compute_dtype_params, generate_tokens
 from scaletrain.kernels import norm_matmul as nm
 from scaletrain.kernels import norm_matmul_tpu as tpu
+from scaletrain.tools import inference
+from scaletrain.tools.generate import compute_dtype_params, generate_tokens
 from tests.test_flashnorm import EPS, MEGACORE, _operands, _races_found, _relative
 
 F32 = jnp.float32
@@ -202,7 +202,7 @@ def test_greedy_tokens_are_identical_in_every_mode_on_a_converted_llama_3_2_1b_s
     import transformers
 
     from scaletrain.__main__ import main
-    from scaletrain.checkpoint import restore_params
+    from scaletrain.store.checkpoint import restore_params
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(

@@ -4,8 +4,8 @@ import jax
 import pytest
 
 from scaletrain import config
+from scaletrain.facts import flops, hardware
 from scaletrain.models import ModelConfig, abstract
-from scaletrain.planner import flops, hardware
 from tests.conftest import ROOT
 
 

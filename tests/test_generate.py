@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from scaletrain import models as model_lib
-from scaletrain.generate import generate_tokens, pick
+from scaletrain.tools.generate import generate_tokens, pick
 
 PROMPT = np.array([256, 72, 101, 108, 108, 111], np.int32)
 NEW = 12
@@ -111,8 +111,8 @@ def converted(tmp_path_factory):
 def test_greedy_equals_transformers_generate(converted):
     import torch
 
-    from scaletrain import inference
-    from scaletrain.checkpoint import restore_params
+    from scaletrain.store.checkpoint import restore_params
+    from scaletrain.tools import inference
 
     hf_model, run = converted
     cfg = inference.load_config(run, ["model.dtype=float32"])

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (scaletrain/hf.py), against transformers: tiny random Llama (untied, GQA),
+"""Hugging Face checkpoints in and out (scaletrain/tools/hf.py), against transformers: tiny random Llama (untied, GQA),
 Llama 3 (llama3 RoPE scaling, tied, head_dim != hidden / heads), Mistral, Qwen3 (QK norms), Mixtral and Qwen3-MoE
 (mixtures of experts) models, converted through the command line. scaletrain's logits equal transformers'
 (float32); HF -> scaletrain -> HF is bit-exact and loads back into transformers; sharded files in and out; bad
@@ -22,11 +22,12 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from scaletrain import config as config_lib
-from scaletrain import hf, inference, storage
 from scaletrain import models as model_lib
 from scaletrain.__main__ import main
-from scaletrain.checkpoint import check_resumable
 from scaletrain.errors import CheckpointError
+from scaletrain.store import storage
+from scaletrain.store.checkpoint import check_resumable
+from scaletrain.tools import hf, inference
 from tests.conftest import tiny_overrides
 from tests.numerics import assert_close
 

@@ -9,9 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-from scaletrain import config, integrity, trainer
-from scaletrain.checkpoint import DAMAGED, Checkpointer, restore_params
+from scaletrain import config
 from scaletrain.errors import CheckpointError
+from scaletrain.store import integrity
+from scaletrain.store.checkpoint import DAMAGED, Checkpointer, restore_params
+from scaletrain.train import trainer
 from tests.conftest import tiny_overrides
 
 STEPS = 2

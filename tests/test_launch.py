@@ -201,7 +201,7 @@ def test_status_logs_and_delete_are_never_refused(tmp_path, capsys):
 
 def test_every_accelerator_type_is_a_slice_the_planner_knows():
     """hardware.yaml's cloud_tpu shapes name their sizes (v5p-64: 32 chips, 2x4x4) and parse as topologies."""
-    from scaletrain.planner import hardware
+    from scaletrain.facts import hardware
 
     for chip in hardware.cloud_tpus():
         slices = hardware.cloud_slices(chip)

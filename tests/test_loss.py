@@ -11,10 +11,11 @@ import optax
 import pytest
 from flax import nnx
 
-from scaletrain import config, trainer
-from scaletrain.loss import blocked_linear_cross_entropy, cross_entropy, linear_cross_entropy, vocab_chunk
+from scaletrain import config
 from scaletrain.models import Llama, ModelConfig
-from scaletrain.train_step import loss_sum
+from scaletrain.train import trainer
+from scaletrain.train.loss import blocked_linear_cross_entropy, cross_entropy, linear_cross_entropy, vocab_chunk
+from scaletrain.train.step import loss_sum
 from tests.conftest import tiny_overrides
 from tests.numerics import assert_close, assert_trees_close
 
@@ -136,7 +137,7 @@ def test_fused_loss_trains_like_the_plain_path_on_8_devices(monkeypatch):
                         "loss_mask": (rng.random((16, 32)) > 0.2).astype(np.float32)})
 
     def run(fused):
-        monkeypatch.setattr("scaletrain.loss.FUSED_LOSS", fused)
+        monkeypatch.setattr("scaletrain.train.loss.FUSED_LOSS", fused)
         setup = trainer.build(cfg, jax.devices())
         state = setup.init(jax.random.PRNGKey(0))
         hlo = setup.step.lower(setup.abstract_state, setup.abstract_batch()).as_text()

@@ -2,8 +2,9 @@ import jax
 import numpy as np
 import pytest
 
-from scaletrain import config, mesh
+from scaletrain import config
 from scaletrain.errors import ConfigError
+from scaletrain.parallel import mesh
 
 
 def _mesh_cfg(**degrees):

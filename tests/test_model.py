@@ -10,7 +10,7 @@ from flax import nnx
 from scaletrain.models import Llama, ModelConfig, abstract, rope
 from scaletrain.models.attention import Attention
 from scaletrain.models.layers import project
-from scaletrain.sharding import LOGICAL_AXES
+from scaletrain.parallel.sharding import LOGICAL_AXES
 from tests.numerics import assert_close, assert_trees_close
 
 CFG = ModelConfig.from_config(None, vocab_size=300, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,

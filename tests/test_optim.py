@@ -4,9 +4,10 @@ import numpy as np
 import optax
 import pytest
 
-from scaletrain import config, optim, trainer
+from scaletrain import config
 from scaletrain.errors import ConfigError
 from scaletrain.models import ModelConfig, abstract
+from scaletrain.train import optim, trainer
 from tests.conftest import tiny_overrides
 
 

@@ -10,8 +10,9 @@ host memory with gradient accumulation."""
 import jax
 import pytest
 
-from scaletrain import config, trainer
+from scaletrain import config
 from scaletrain.errors import ConfigError
+from scaletrain.train import trainer
 from tests import equivalence
 from tests.conftest import tiny_overrides
 

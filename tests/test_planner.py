@@ -12,8 +12,9 @@ import pytest
 
 from scaletrain import config
 from scaletrain.errors import ConfigError
+from scaletrain.facts import fit, flops, hardware
 from scaletrain.models import ModelConfig
-from scaletrain.planner import budget, comms, flops, hardware, hlo, memory, roofline
+from scaletrain.planner import budget, comms, hlo, memory, roofline
 from tests.conftest import ROOT
 
 # A model small enough to count by hand: per layer attention 2*64*(4+2)*16 = 12288 (Q and O 8192, K and V 4096),
@@ -523,7 +524,7 @@ def test_llama3_8b_on_v5p_64_memory_against_the_compiled_step():
     assert detail["saved_activations"] == 32 * 32768 * 4096 * 2
     assert detail["layer_working_set"] == 20 * 32768 * 4096 * 2 + 4 * 32 * 512 * 8192 * 18
     assert detail["logits"] == 2 * 4 * 1024 * 128256 * 4
-    assert 1.0 < r["memory_per_device_bytes"]["total"] / (29.36 * memory.GIB) < 1.1
+    assert 1.0 < r["memory_per_device_bytes"]["total"] / (29.36 * fit.GIB) < 1.1
 
 
 def test_dcn_data_parallel_across_two_slices():

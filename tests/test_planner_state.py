@@ -9,9 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-from scaletrain import config, parallelism, trainer
+from scaletrain import config
 from scaletrain.errors import ConfigError
+from scaletrain.parallel import checks
 from scaletrain.planner import memory, roofline
+from scaletrain.train import trainer
 from tests.conftest import tiny_overrides
 from tests.test_parallel import MATRIX_MODEL
 
@@ -81,7 +83,7 @@ def test_a_mesh_the_trainer_refuses_is_planned_with_its_reason():
         trainer.build(cfg, jax.devices()[:8])
     warnings = roofline.plan(cfg, "v5p:2x2x2")["warnings"]
     assert f"the trainer refuses this mesh: {refused.value}" in warnings
-    assert parallelism.problems(cfg, {"data": 1, "fsdp": 1, "expert": 1, "pipeline": 1, "tensor": 8})[0] == str(
+    assert checks.problems(cfg, {"data": 1, "fsdp": 1, "expert": 1, "pipeline": 1, "tensor": 8})[0] == str(
         refused.value)
 
 

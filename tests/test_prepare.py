@@ -12,7 +12,9 @@ import uuid
 import numpy as np
 import pytest
 
-from scaletrain import config, data, prepare, tokenizer
+from scaletrain import config
+from scaletrain.data import loader as data
+from scaletrain.data import prepare, tokenizer
 from scaletrain.errors import ConfigError, DataError, UserError
 from tests.conftest import ROOT
 from tests.test_resume import _command, _finished_checkpoints, _losses, _resumed_step

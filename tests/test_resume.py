@@ -303,7 +303,9 @@ def test_nonfinite_loss_stops_or_skips_as_configured(tmp_path):
 def test_each_checkpoint_syncs_the_metrics_of_its_step(tmp_path, monkeypatch):
     """A run directory in a bucket gets metrics.jsonl when a checkpoint is saved (and once a minute): the saved
     step's own record must be in it, or a run killed before the next sync resumes from that step without it."""
-    from scaletrain import config, metrics, storage, trainer
+    from scaletrain import config
+    from scaletrain.store import storage
+    from scaletrain.train import metrics, trainer
 
     synced = []
 

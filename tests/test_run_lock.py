@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from scaletrain import run_lock
-from scaletrain.run_lock import FILE_NAME, RunDirInUse, RunLock
+from scaletrain.store import run_lock
+from scaletrain.store.run_lock import FILE_NAME, RunDirInUse, RunLock
 from tests.conftest import ROOT
 
 
@@ -26,7 +26,7 @@ def test_a_second_run_is_refused_until_the_first_releases(tmp_path):
 
 def test_a_killed_run_leaves_no_stale_lock(tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from scaletrain.run_lock import RunLock; RunLock(sys.argv[1]); "
+        [sys.executable, "-c", "import sys, time; from scaletrain.store.run_lock import RunLock; RunLock(sys.argv[1]); "
                                "print('held', flush=True); time.sleep(600)", str(tmp_path)],
         cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "held\n"

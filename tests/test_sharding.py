@@ -4,8 +4,9 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from scaletrain import config, mesh, sharding
+from scaletrain import config
 from scaletrain.errors import ConfigError
+from scaletrain.parallel import mesh, sharding
 
 
 @pytest.fixture(scope="module")

@@ -101,7 +101,8 @@ def test_bad_sweep_files_are_refused(tmp_path, text, says):
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "sweeps").glob("*.yaml")), ids=lambda p: p.name)
 def test_example_sweeps_are_valid(path, monkeypatch):
     """Every variant of the committed sweeps loads and plans on the sweep's hardware (its mesh fits the chips)."""
-    from scaletrain.planner import hardware, roofline
+    from scaletrain.facts import hardware
+    from scaletrain.planner import roofline
 
     monkeypatch.setattr(hardware, "cpu_peak", lambda: 1e11)  # cpu:N without measuring this machine
     monkeypatch.setattr(hardware, "cpu_bandwidth", lambda: 1e10)

@@ -23,8 +23,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from scaletrain.facts import hardware
 from scaletrain.kernels.tiling import round_up
-from scaletrain.planner import hardware
 
 # Splash's kernels take blocks in multiples of the TPU's 128 lanes.
 _LANES = 128

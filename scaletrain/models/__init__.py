@@ -11,6 +11,7 @@ import importlib
 import jax
 from flax import nnx
 
+from scaletrain.errors import ConfigError
 from scaletrain.models.family import Architecture, Family, Matmul
 from scaletrain.models.transformer import Decoder, ModelConfig
 
@@ -36,7 +37,17 @@ def family_name(m) -> str:
 
 
 def family_of(m) -> Family:
-    return FAMILIES[family_name(m)]
+    """The config's family. Raises ConfigError for a model.family that is not registered, or whose models route
+    tokens to experts where model.num_experts says otherwise (checked here, where the registry is: the config
+    sits below the models and cannot list them)."""
+    name = family_name(m)
+    family = FAMILIES.get(name)
+    if family is None:
+        raise ConfigError(f"model.family must be auto or one of {', '.join(FAMILIES)}; got '{name}'")
+    if family.experts != bool(m.num_experts):
+        raise ConfigError(f"model.family={name} {'needs' if family.experts else 'has no'} mixture of experts: "
+                          f"model.num_experts={m.num_experts} (auto picks the family from it)")
+    return family
 
 
 def architectures() -> dict[str, tuple[Family, Architecture]]:

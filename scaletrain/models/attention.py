@@ -10,7 +10,7 @@ from jax.ad_checkpoint import checkpoint_name
 from scaletrain.kernels import flash_attention
 from scaletrain.models import rope
 from scaletrain.models.layers import RMSNorm, param, project
-from scaletrain.sharding import active_device, constrain, local, ways
+from scaletrain.parallel.sharding import active_device, constrain, local, ways
 
 
 def attention_mask(segment_ids_bt: jax.Array) -> jax.Array:

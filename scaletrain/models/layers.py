@@ -10,7 +10,7 @@ from flax import nnx
 
 from scaletrain.config import NORMS
 from scaletrain.kernels import norm_matmul
-from scaletrain.sharding import active_device, constrain, local
+from scaletrain.parallel.sharding import active_device, constrain, local
 
 # Flax would otherwise try to shard each variable as it is created, which needs a mesh; we resolve
 # logical names to mesh axes ourselves (sharding.py), from shapes, before anything is materialised.

@@ -8,7 +8,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain.models.layers import param, project
-from scaletrain.sharding import constrain
+from scaletrain.parallel.sharding import constrain
 
 
 class MLP(nnx.Module):

@@ -15,12 +15,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from scaletrain import config, pipeline, remat
+from scaletrain import config, remat
 from scaletrain.models import rope
 from scaletrain.models.attention import Attention
 from scaletrain.models.layers import Embed, RMSNorm, param, project
 from scaletrain.models.mlp import MLP
-from scaletrain.sharding import constrain, constrain_param
+from scaletrain.parallel import pipeline
+from scaletrain.parallel.sharding import constrain, constrain_param
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,8 @@ import re
 import time
 
 from scaletrain.errors import ConfigError
-from scaletrain.planner import hardware, hlo, memory
+from scaletrain.facts import fit, hardware
+from scaletrain.planner import hlo
 
 # Compiler options of the cost-estimate compiles: no loops around sharded matmuls.
 _NO_WINDOWED_EINSUM = {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
@@ -70,7 +71,7 @@ def _cost(compiled) -> dict[str, float]:
 def _loop_corrected(cfg, devices, stages: int = 1) -> dict[str, float]:
     """The two compiles have U and 2U layers, U = `stages` pipeline stages x the layers of a group (model.moe_every
     of a mixture of experts, else 1): per layer = (c(2U) - c(U)) / U, outside = 2 c(U) - c(2U)."""
-    from scaletrain import trainer
+    from scaletrain.train import trainer
 
     accum = cfg.train.grad_accum_steps
     options = _NO_WINDOWED_EINSUM if devices[0].platform == "tpu" else None
@@ -94,7 +95,7 @@ def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
     devices_for). Raises ConfigError for a config or topology the step cannot be built for."""
     import jax
 
-    from scaletrain import trainer
+    from scaletrain.train import trainer
 
     devices = devices_for(topology)
     setup = trainer.build(cfg, devices)
@@ -107,7 +108,7 @@ def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
                                  str(e).splitlines()[0])
         raise
     compile_seconds = time.perf_counter() - start
-    mem = memory.compiled(compiled.memory_analysis())
+    mem = fit.compiled(compiled.memory_analysis())
     raw = _cost(compiled)
     corrected = _loop_corrected(cfg, devices, setup.mesh.shape["pipeline"]) if loop_correction else None
     best = corrected or raw
@@ -193,7 +194,7 @@ def _seconds(value: float | None) -> str:
 
 def describe(result: dict) -> str:
     """The compile result for a console."""
-    gib = memory.GIB
+    gib = fit.GIB
     capacity = result["hbm_capacity_bytes"]
     if result["memory"] is None:
         needed = result["hbm_per_device_bytes"]

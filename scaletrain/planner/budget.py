@@ -13,8 +13,9 @@ from typing import Iterator
 
 from scaletrain.config import MESH_AXES
 from scaletrain.errors import ConfigError
-from scaletrain.planner import flops, memory, roofline
-from scaletrain.planner import hardware as hw
+from scaletrain.facts import flops
+from scaletrain.facts import hardware as hw
+from scaletrain.planner import memory, roofline
 
 DAY_S = 86400.0
 # GPU clusters planned by min_chips: up to one node, then whole nodes, up to this many.

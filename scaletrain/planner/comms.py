@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from scaletrain.config import MESH_AXES
-from scaletrain.planner.hardware import Topology
+from scaletrain.facts.hardware import Topology
 
 HOP_LATENCY_S = 1e-6  # scaling.md: "ICI latency about 1 us per hop"; assumed for NVLink too
 # ragged-all-to-all: an all-to-all of rows whose counts are known only at run time (TPU's expert dispatch),

@@ -14,18 +14,20 @@ import math
 from dataclasses import asdict
 from typing import Callable, Mapping, Sequence
 
-from scaletrain import mesh as mesh_lib
-from scaletrain import models, parallelism, pipeline_1f1b, sharding
-from scaletrain import pipeline as pipeline_lib
+from scaletrain import models
 from scaletrain.config import MESH_AXES
+from scaletrain.facts import flops
+from scaletrain.facts import hardware as hw
 from scaletrain.kernels import flash_attention
-from scaletrain.loss import projects_the_stream
 from scaletrain.models.family import Matmul
-from scaletrain.parallelism import microbatches
-from scaletrain.planner import comms, flops, memory
-from scaletrain.planner import hardware as hw
+from scaletrain.parallel import checks, pipeline_1f1b, sharding
+from scaletrain.parallel import mesh as mesh_lib
+from scaletrain.parallel import pipeline as pipeline_lib
+from scaletrain.parallel.checks import microbatches
+from scaletrain.planner import comms, memory
 from scaletrain.planner.thresholds import critical_batches, fsdp_tensor_split
-from scaletrain.runner import Runner
+from scaletrain.train.loss import projects_the_stream
+from scaletrain.train.runner import Runner
 
 GB = 1e9
 TIMELINE_TICKS = 32  # the longest pipeline timeline the table prints
@@ -258,9 +260,9 @@ def step_transfers(cfg, axes: Mapping[str, int], links: Mapping[str, list[comms.
 
 
 def refusals(cfg, axes: Mapping[str, int], state: memory.State) -> list[str]:
-    """What the trainer would refuse about this mesh: its own checks (parallelism.problems), then its placement
+    """What the trainer would refuse about this mesh: its own checks (checks.problems), then its placement
     of the state (sharding.tree_shardings' divisibility)."""
-    return parallelism.problems(cfg, axes) + ([state.refused] if state.refused else [])
+    return checks.problems(cfg, axes) + ([state.refused] if state.refused else [])
 
 
 def _warnings(cfg, axes: Mapping[str, int], mem: memory.Prediction, chip: hw.Chip, state: memory.State) -> list[str]:

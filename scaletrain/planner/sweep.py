@@ -147,8 +147,9 @@ def _run(cfg, sweep: Sweep) -> dict:
     import jax
     import numpy as np
 
-    from scaletrain import data, trainer
-    from scaletrain.planner import flops, hardware, memory
+    from scaletrain.data import loader as data
+    from scaletrain.facts import fit, flops, hardware
+    from scaletrain.train import trainer
 
     setup = trainer.build(cfg, jax.devices())
     compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
@@ -171,7 +172,7 @@ def _run(cfg, sweep: Sweep) -> dict:
             "tokens_per_second": tokens / step_time, "mfu": model_flops / (step_time * peak) if peak else None,
             # The compiled step's bytes: a device's peak_bytes_in_use would be the maximum over every variant
             # this process has run so far.
-            "memory_per_device_bytes": memory.compiled(compiled.memory_analysis())["device_total"],
+            "memory_per_device_bytes": fit.compiled(compiled.memory_analysis())["device_total"],
             "losses": losses, "finite": bool(np.isfinite(losses).all())}
 
 

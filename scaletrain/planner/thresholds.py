@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from scaletrain import sharding
+from scaletrain.facts import hardware as hw
+from scaletrain.parallel import sharding
 from scaletrain.planner import comms, memory
-from scaletrain.planner import hardware as hw
 
 
 def _criterion(rule: str, threshold: float, value: float, below: bool = False) -> dict:

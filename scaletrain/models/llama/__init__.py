@@ -6,16 +6,15 @@ from __future__ import annotations
 from scaletrain.models.family import Family, Matmul
 from scaletrain.models.llama import hf
 from scaletrain.models.llama.decoder import Block, Llama
+from scaletrain.parallel.checks import shards_kv_heads
 
 
 def attention_matmuls(m, tensor: int = 1) -> dict[str, Matmul]:
     """Q/K/V (split by their outputs, kv heads only where `tensor` divides them) and the output projection
     (split by its inputs), in every layer."""
-    from scaletrain.planner import memory
-
-    elements = memory.tensor_elements(m, tensor, sequence_parallel=False)
-    qkv = elements["query_proj"] + elements["key_proj"] + elements["value_proj"]
-    return {"qkv": Matmul.dense(1, m.d_model, qkv), "out": Matmul.dense(1, elements["attention_out"], m.d_model)}
+    heads = m.num_heads * m.head_dim / tensor
+    kv = m.num_kv_heads * m.head_dim / (tensor if shards_kv_heads(m.num_kv_heads, tensor) else 1)
+    return {"qkv": Matmul.dense(1, m.d_model, heads + 2 * kv), "out": Matmul.dense(1, heads, m.d_model)}
 
 
 def mlp_matmuls(m, tensor: int = 1, layers: float = 1.0) -> dict[str, Matmul]:

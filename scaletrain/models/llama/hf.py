@@ -1,5 +1,5 @@
 """The llama family's Hugging Face tables: every tensor of LlamaForCausalLM, MistralForCausalLM and
-Qwen3ForCausalLM, and their config.json keys (scaletrain/hf.py reads and writes them). scaletrain's RoPE is
+Qwen3ForCausalLM, and their config.json keys (scaletrain/tools/hf.py reads and writes them). scaletrain's RoPE is
 rotate-half like Hugging Face's and it scales q by head_dim**-0.5 itself, so the weights need no permutation and
 no scaling: linear weights are transposed and reshaped, everything else is copied as is."""
 

@@ -16,9 +16,7 @@ def matmuls(m, tensor: int = 1, expert: int = 1) -> dict[str, Matmul]:
     there are any (model.moe_every > 1); a mixture of experts' router (a row per token against the E experts)
     and its experts' gate/up and down (k rows per token, one per assignment, through the device's E / `expert`
     experts' weights). Only the groups the stack has."""
-    from scaletrain.planner import memory
-
-    d, moe = m.d_model, memory.moe_share(m)
+    d, moe = m.d_model, 1 / m.moe_every  # the share of the stack's layers that are mixtures
     out = llama.attention_matmuls(m, tensor)
     if moe < 1:
         out |= llama.mlp_matmuls(m, tensor, 1 - moe)

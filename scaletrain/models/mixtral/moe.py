@@ -28,7 +28,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain.models.layers import param
-from scaletrain.sharding import active_axes, active_device, constrain, local
+from scaletrain.parallel.sharding import active_axes, active_device, constrain, local
 
 # Per-layer router statistics, summed over the batch (`router_stats`'s vector): the load-balancing loss (per
 # sequence, times its length), the z-loss (per token), the dropped assignments, then the assignments per expert.

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from scaletrain import inference
 from scaletrain import models as model_lib
-from scaletrain import tokenizer as tokenizer_lib
+from scaletrain.data import tokenizer as tokenizer_lib
 from scaletrain.errors import UserError
+from scaletrain.tools import inference
 
 
 def pick(logits_v: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
@@ -80,7 +80,7 @@ def main(run_dir: str, step: int | None, prompt: str, max_new_tokens: int, tempe
          seed: int, overrides: list[str] = ()) -> int:
     """The `generate` command; `overrides` change how the model computes (model.norm, model.dtype), not its
     shapes."""
-    from scaletrain.checkpoint import restore_params
+    from scaletrain.store.checkpoint import restore_params
 
     cfg = inference.load_config(run_dir, overrides)
     tokenizer = tokenizer_lib.load(cfg.data.tokenizer)

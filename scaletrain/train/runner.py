@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from scaletrain import pipeline, pipeline_1f1b
-from scaletrain.loss import head_loss
-from scaletrain.parallelism import microbatches
+from scaletrain.parallel import pipeline, pipeline_1f1b
+from scaletrain.parallel.checks import microbatches
+from scaletrain.train.loss import head_loss
 
 SCAN = "scan"
 

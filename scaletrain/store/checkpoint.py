@@ -21,8 +21,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from scaletrain import integrity, storage
 from scaletrain.errors import CheckpointError, first_line
+from scaletrain.store import integrity, storage
 
 ITEMS = ("state", "data", "meta")
 # Orbax writes this file into a step (and into each item) just before it commits the step, also where commit is

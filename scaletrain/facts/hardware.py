@@ -322,7 +322,7 @@ class CloudSlice:
         return f"{f'{slices}x' if slices > 1 else ''}{self.chip}:{'x'.join(map(str, self.dims))}"
 
 
-_WHERE = "scaletrain/planner/hardware.yaml, from cloud.google.com/tpu/docs"
+_WHERE = "scaletrain/facts/hardware.yaml, from cloud.google.com/tpu/docs"
 
 
 def cloud_tpus() -> dict[str, dict]:

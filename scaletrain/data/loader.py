@@ -27,11 +27,12 @@ import jax
 import numpy as np
 from etils import epath
 
-from scaletrain import storage, tokenizer
+from scaletrain.data import tokenizer
 from scaletrain.errors import ConfigError, DataError, first_line
+from scaletrain.store import storage
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")  # the files a folder contributes
-METADATA = "metadata.json"  # a prepared dataset's description, written last (scaletrain/prepare.py)
+METADATA = "metadata.json"  # a prepared dataset's description, written last (scaletrain/data/prepare.py)
 FORMAT, FORMAT_VERSION = "scaletrain-prepared", 1
 PREFETCH = 4  # batches made ahead: by the background thread, or by each worker process
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scaletrain.sharding import is_logical
+from scaletrain.parallel.sharding import is_logical
 
 
 def schedule(optim_cfg, steps: int) -> optax.Schedule:

@@ -8,7 +8,7 @@ from typing import Mapping
 
 from scaletrain.config import moe_d_ff
 from scaletrain.errors import ConfigError
-from scaletrain.sharding import batch_ways
+from scaletrain.parallel.sharding import batch_ways
 
 
 def shards_kv_heads(num_kv_heads: int, tensor: int) -> bool:

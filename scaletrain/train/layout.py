@@ -19,9 +19,10 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from scaletrain import models as model_lib
-from scaletrain import optim, runner, sharding
 from scaletrain.config import MESH_AXES
-from scaletrain.parallelism import shards_kv_heads
+from scaletrain.parallel import sharding
+from scaletrain.parallel.checks import shards_kv_heads
+from scaletrain.train import optim, runner
 
 HOST = "pinned_host"
 

@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from scaletrain.pipeline import BUBBLE_FILL, add_where
-from scaletrain.sharding import active_axes, active_mesh, replica_axes
+from scaletrain.parallel.pipeline import BUBBLE_FILL, add_where
+from scaletrain.parallel.sharding import active_axes, active_mesh, replica_axes
 
 
 def depth(stages: int, microbatches: int) -> int:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from scaletrain.sharding import replicated
+from scaletrain.parallel.sharding import replicated
 
 
 class Preemption:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 
-from scaletrain import storage
+from scaletrain.store import storage
 
 
 class Profiler:

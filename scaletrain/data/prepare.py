@@ -27,8 +27,10 @@ from typing import Iterable, Iterator
 import numpy as np
 from etils import epath
 
-from scaletrain import data, storage, tokenizer
+from scaletrain.data import loader as data
+from scaletrain.data import tokenizer
 from scaletrain.errors import UserError
+from scaletrain.store import storage
 
 RECORD_TOKENS = 4096
 RECORDS_PER_SHARD = 16384  # 64M tokens, 128 MiB as uint16 before compression

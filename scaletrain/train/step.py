@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from scaletrain import optim
-from scaletrain.pipeline import split_microbatches
-from scaletrain.runner import Runner
-from scaletrain.sharding import use_rules
+from scaletrain.parallel.pipeline import split_microbatches
+from scaletrain.parallel.sharding import use_rules
+from scaletrain.train import optim
+from scaletrain.train.runner import Runner
 
 
 @flax.struct.dataclass

@@ -20,20 +20,22 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from scaletrain import config as config_lib
-from scaletrain import data as data_lib
-from scaletrain import layout, offload, optim, parallelism, sharding, storage
-from scaletrain import mesh as mesh_lib
 from scaletrain import models as model_lib
-from scaletrain.checkpoint import Checkpointer, check_resumable, params_source, restore_params
-from scaletrain.control import Control, Preemption
+from scaletrain.data import loader as data_lib
 from scaletrain.errors import UserError, first_line
-from scaletrain.evaluation import Evaluator
-from scaletrain.metrics import MetricsLog
-from scaletrain.planner import flops, hardware, memory
-from scaletrain.profiler import Profiler
-from scaletrain.run_lock import RunLock
-from scaletrain.runner import Runner
-from scaletrain.train_step import TrainState, make_eval_step, make_train_step
+from scaletrain.facts import fit, flops, hardware
+from scaletrain.parallel import checks, sharding
+from scaletrain.parallel import mesh as mesh_lib
+from scaletrain.store import storage
+from scaletrain.store.checkpoint import Checkpointer, check_resumable, params_source, restore_params
+from scaletrain.store.run_lock import RunLock
+from scaletrain.train import layout, offload, optim
+from scaletrain.train.control import Control, Preemption
+from scaletrain.train.evaluation import Evaluator
+from scaletrain.train.metrics import MetricsLog
+from scaletrain.train.profiler import Profiler
+from scaletrain.train.runner import Runner
+from scaletrain.train.step import TrainState, make_eval_step, make_train_step
 
 EXIT_DIVERGED = 1
 
@@ -73,7 +75,7 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
     """Everything a run needs, from shapes only: no array is allocated here. Raises ConfigError.
     `unroll_loops` builds a step for XLA's cost estimate only (planner/aot.py)."""
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
-    parallelism.check(cfg, mesh.shape)
+    checks.check(cfg, mesh.shape)
     lay = layout.of(cfg, mesh.shape, unroll_loops)
     model_cfg, tx, lr, rules = lay.model_cfg, lay.tx, lay.lr, lay.rules
     params_shardings, opt_shardings, grad_shardings = lay.shardings(mesh)
@@ -222,11 +224,11 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
 
     t0 = time.perf_counter()
     step_fn = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
-    compiled_memory = memory.compiled(step_fn.memory_analysis())
+    compiled_memory = fit.compiled(step_fn.memory_analysis())
     if main:
-        print(f"compiled the train step in {time.perf_counter() - t0:.1f} s; {memory.describe(compiled_memory)}",
+        print(f"compiled the train step in {time.perf_counter() - t0:.1f} s; {fit.describe(compiled_memory)}",
               flush=True)
-    memory.check_fits(compiled_memory, jax.local_devices())
+    fit.check_fits(compiled_memory, jax.local_devices())
 
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.max_to_keep, cfg.checkpoint.async_save)
     try:

@@ -27,8 +27,8 @@ import sys
 import threading
 import time
 
-from scaletrain import storage
 from scaletrain.errors import UserError
+from scaletrain.store import storage
 
 FILE_NAME = "run.lock"
 HEARTBEAT_S = 15.0

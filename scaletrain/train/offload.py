@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scaletrain.optim import Update, keep_finite, scaled
-from scaletrain.sharding import constrain_param, is_logical
+from scaletrain.parallel.sharding import constrain_param, is_logical
+from scaletrain.train.optim import Update, keep_finite, scaled
 
 
 def roles(logical_params: Any) -> Any:

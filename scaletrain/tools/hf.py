@@ -26,9 +26,10 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from scaletrain import config as config_lib
-from scaletrain import models, storage
+from scaletrain import models
 from scaletrain.errors import UserError, first_line
 from scaletrain.models.family import Architecture
+from scaletrain.store import storage
 
 # Buffers some checkpoints carry that the model recomputes: skipped on the way in.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -208,7 +209,7 @@ def from_hf(hf_dir: str, out: str) -> int:
     """`convert from-hf`: a run directory at OUT (new or empty: the command line checks) with config.yaml, a
     parameters-only checkpoint at step 0 that `logits`, `to-hf` and `checkpoint.init_from` read, the tokenizer
     files and the original config.json. Everything is checked before anything is written."""
-    from scaletrain import inference
+    from scaletrain.tools import inference
 
     source = Path(hf_dir)
     config_json = _read_json(source / "config.json", f"--hf-dir {hf_dir}")
@@ -350,9 +351,9 @@ def _save_params(setup, params: dict, run: epath.Path) -> None:
     """A checkpoint of the parameters alone at step 0, with the metadata and fingerprints of a training run's:
     restore_params (logits, to-hf, checkpoint.init_from) reads it like any other. No optimizer state: Adam's
     moments would triple the memory and the files, and a fine-tuning run starts them afresh anyway."""
-    from scaletrain.checkpoint import Checkpointer
-    from scaletrain.train_step import TrainState
-    from scaletrain.trainer import checkpoint_metadata
+    from scaletrain.store.checkpoint import Checkpointer
+    from scaletrain.train.step import TrainState
+    from scaletrain.train.trainer import checkpoint_metadata
 
     state = TrainState(params=params, opt_state=None, step=jnp.zeros((), jnp.int32), rng=None)
     saved = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]}
@@ -376,8 +377,8 @@ def to_hf(run_dir: str, out: str, step: int | None = None, shard_bytes: int = SH
     several) and the run's tokenizer files. The config is the one the run was converted from where there is one
     (kept in RUN_DIR/hf/, or in the run checkpoint.init_from names) and it describes this model; else it is built
     from the run's config."""
-    from scaletrain import inference
-    from scaletrain.checkpoint import restore_params
+    from scaletrain.store.checkpoint import restore_params
+    from scaletrain.tools import inference
 
     if storage.is_remote(out):
         raise UserError(f"--out {out}: to-hf writes a local folder; copy it to the bucket afterwards")
@@ -403,7 +404,7 @@ def to_hf(run_dir: str, out: str, step: int | None = None, shard_bytes: int = SH
 def _kept_config(run_dir: str, cfg) -> str | None:
     """The config.json the run (or the run it was initialised from) was converted from, if it describes the
     run's model - the same model.* keys - so that the export names the same architecture and dtype."""
-    from scaletrain.checkpoint import locate
+    from scaletrain.store.checkpoint import locate
 
     places = [storage.path(run_dir)]
     if cfg.checkpoint.init_from:

@@ -10,7 +10,7 @@ import json
 import sys
 import time
 
-from scaletrain import storage
+from scaletrain.store import storage
 
 # Seconds between uploads of a gs:// run directory's metrics files.
 SYNC_EVERY_S = 60

@@ -20,7 +20,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain import remat
-from scaletrain.sharding import active_axes, constrain
+from scaletrain.parallel.sharding import active_axes, constrain
 
 STAGE_INPUT = "pipeline_stage_input"  # the checkpoint name of an iteration's inputs, kept for its recomputation
 # What the shift buffer holds before a stage's first microbatch arrives. Never read: bubble iterations are masked

@@ -10,7 +10,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from scaletrain import data as data_lib
+from scaletrain.data import loader as data_lib
 from scaletrain.errors import DataError
 
 

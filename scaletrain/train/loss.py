@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from scaletrain.sharding import active_device, ways
+from scaletrain.parallel.sharding import active_device, ways
 
 # The CPU's fast path for the output projection + loss (linear_cross_entropy); False: always the plain path, its
 # slow twin in tests.
@@ -109,7 +109,7 @@ def _per_device(x_btd, w, labels_bt, weights_bt, chunk):
 
 
 def _linear_cross_entropy_parts(x_btd, w, labels_bt, weights_bt, chunk):
-    from scaletrain.sharding import local
+    from scaletrain.parallel.sharding import local
 
     fn = local(functools.partial(_per_device, chunk=chunk),
                (("batch", "seq", "embed"), (None, None), ("batch", "seq"), ("batch", "seq")), ("batch", "seq"))
@@ -150,7 +150,7 @@ def _blocked_parts(x_btd, w, labels_bt, weights_bt, block, unroll):
     `embed`), not once per block; each block's weight gradient is reduced in the compute dtype into an
     accumulator placed as the gradient will be (a reduce-scatter under FSDP), not all-reduced whole; no block's
     logits are computed twice. float32 logits and softmax, as `cross_entropy`."""
-    from scaletrain.sharding import constrain
+    from scaletrain.parallel.sharding import constrain
 
     b, t, d = x_btd.shape
     dtype = x_btd.dtype

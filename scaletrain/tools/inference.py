@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from scaletrain import config as config_lib
-from scaletrain import storage
 from scaletrain.errors import UserError
+from scaletrain.store import storage
 
 # Norm -> the weights its output feeds in a block, each with its number of output dims (those after the input
 # dim d that the gain scales); the final norm feeds lm_head. A mixture of experts' router and experts all take
@@ -36,7 +36,7 @@ def load_config(run_dir: str | Path, overrides: list[str] = (), one_device: bool
 
 def one_device_setup(cfg):
     """The run's objects (trainer.build) on this machine's first device."""
-    from scaletrain import trainer
+    from scaletrain.train import trainer
 
     return trainer.build(cfg, jax.devices()[:1])
 
@@ -76,9 +76,9 @@ def fold_norms(run_dir: str, out_dir: str) -> int:
     """`convert fold-norms`: OUT_DIR gets the newest checkpoint of RUN_DIR with its gains folded, as a run
     directory with model.norm_weights=folded (same step; fresh Adam moments and data position - the folded
     weights are different parameters to an optimizer). OUT_DIR is new or empty: the command line checks it."""
-    from scaletrain import data as data_lib
-    from scaletrain.checkpoint import Checkpointer, restore_params
-    from scaletrain.trainer import checkpoint_metadata
+    from scaletrain.data import loader as data_lib
+    from scaletrain.store.checkpoint import Checkpointer, restore_params
+    from scaletrain.train.trainer import checkpoint_metadata
 
     cfg = load_config(run_dir)
     if cfg.model.norm_weights != "standard":
@@ -124,7 +124,7 @@ def logits(run_dir: str, step: int | None, tokens_path: str, out_path: str, over
     from flax import nnx
 
     from scaletrain import models as model_lib
-    from scaletrain.checkpoint import restore_params
+    from scaletrain.store.checkpoint import restore_params
 
     cfg = load_config(run_dir, overrides)
     tokens = read_tokens(tokens_path, cfg.model.vocab_size)

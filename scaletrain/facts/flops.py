@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import jax
 
 from scaletrain import models as model_lib
-from scaletrain.sharding import is_logical
+from scaletrain.parallel.sharding import is_logical
 
 # The logical dims of a layer stack (models/transformer.py): the layers, and the dense layers within a group.
 _STACKED = ("layers", "sublayers")

@@ -1,0 +1,1 @@
+"""Tokenizers, corpus preparation into ArrayRecord shards, and the deterministic batch loader."""

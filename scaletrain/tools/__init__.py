@@ -1,0 +1,1 @@
+"""Using a run's checkpoint: Hugging Face conversion, logits and fold-norms, generation."""
