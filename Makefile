@@ -19,11 +19,14 @@ $(STAMP): pyproject.toml constraints.txt
 train: $(STAMP)
 	$(PY) train.py --config configs/llama_tiny.yaml --cpu-devices $(CPU_DEVICES)
 
-# Two workers, a test module each at a time: compiles are single-threaded, so two cores give nearly twice the
-# speed, and module-scoped fixtures (one compile per module) stay in one process.
+# Two workers (compiles are single-threaded, so two cores give nearly twice the speed), each taking the next test
+# when free; a module whose own module-scoped fixture would be computed in both stays whole on one worker
+# (tests/conftest.py). The slowest 60 tests, each worker's busy time and the slowest modules close the output, before
+# pytest's own count; every test's time is in runs/tests/junit.xml.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=60 \
+		--junitxml=runs/tests/junit.xml tests
 
 bench: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) benchmarks/train_throughput.py

@@ -1,6 +1,7 @@
 """8 simulated CPU devices for every test, set before JAX initialises."""
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -16,6 +17,11 @@ os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
 _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"scaletrain-tests-jax-cache-{_RUN}")
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+# The equivalence harness's references (tests/equivalence.py), computed once per run by whichever worker asks first:
+# a folder made by the first pytest process (xdist's controller, whose workers inherit it), removed when it ends.
+_OWN_REFERENCES = "SCALETRAIN_TEST_REFERENCES" not in os.environ
+if _OWN_REFERENCES:
+    os.environ["SCALETRAIN_TEST_REFERENCES"] = tempfile.mkdtemp(prefix="scaletrain-tests-references-")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -26,11 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_overrides(run_dir: Path | str, **extra) -> list[str]:
-    """--set arguments for a 2-layer, width-64 model that compiles in seconds."""
+    """--set arguments for a 2-layer, width-64 model that compiles in seconds. No warmup: the learning rate is the
+    peak from the first step (warmup's starts at 0), so every step of a test is an update."""
     values = {
         "run_dir": str(run_dir), "model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4,
         "model.num_kv_heads": 2, "model.head_dim": 16, "model.d_ff": 128, "model.vocab_size": 384,
-        "model.dtype": "float32", "data.seq_len": 32, "train.global_batch": 8, "optim.warmup_steps": 1,
+        "model.dtype": "float32", "data.seq_len": 32, "train.global_batch": 8, "optim.warmup_steps": 0,
         **extra,
     }
     return [f"{k}={v}" for k, v in values.items()]
@@ -38,19 +45,56 @@ def tiny_overrides(run_dir: Path | str, **extra) -> list[str]:
 
 def train_steps(batches, overrides: list[str], devices=None) -> tuple[list[float], dict]:
     """Losses and final parameters (on the host) of the tiny model with `overrides`, one step per batch, on
-    `devices` (as many as the mesh's data x fsdp x tensor by default)."""
-    import jax
+    `devices` (as many as the mesh takes by default): tests/equivalence.py's `run`, which records more."""
+    from tests import equivalence
 
-    from scaletrain import config, trainer
+    result = equivalence.run(batches, *overrides, devices=devices)
+    return result.losses, result.params
 
-    cfg = config.load(None, tiny_overrides("unused", steps=len(batches)) + list(overrides))
-    setup = trainer.build(cfg, devices or jax.devices()[: cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor])
-    state = setup.init(jax.random.PRNGKey(0))
-    losses = []
-    for batch in batches:
-        state, metrics = setup.step(state, setup.put_batch(batch))
-        losses.append(float(metrics["loss"]))
-    return losses, jax.device_get(state.params)
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Which tests pytest-xdist may split between workers (the Makefile's --dist loadgroup): a module whose tests use
+    a module- or session-scoped fixture of its own is kept whole on one worker (an xdist_group named for it), so that
+    the fixture is computed once; any other test goes to whichever worker is free - also those whose module fixtures
+    are computed once per run whatever the worker (tests/equivalence.py's `computed_once`)."""
+    kept_whole = set()
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        for defs in (info.name2fixturedefs.values() if info else ()):
+            for fixturedef in defs:
+                own = fixturedef.baseid and item.nodeid.startswith(fixturedef.baseid + "::")
+                if own and fixturedef.scope != "function" and not getattr(fixturedef.func, "computed_once", False):
+                    kept_whole.add(item.path)
+    for item in items:
+        if item.path in kept_whole:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
+_BUSY: dict[str, dict[str, float]] = {"worker": {}, "module": {}}
+
+
+def pytest_runtest_logreport(report):
+    """Each test's time (setup, call and teardown) per worker and per module, for the summary below."""
+    worker = getattr(getattr(report, "node", None), "gateway", None)
+    for kind, key in (("worker", worker.id if worker else "main"), ("module", report.nodeid.split("::")[0])):
+        _BUSY[kind][key] = _BUSY[kind].get(key, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the time went: each worker's busy seconds (how even the split was) and the slowest modules'."""
+    if not _BUSY["module"]:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.write_sep("=", "time per worker and slowest modules")
+    write("busy: " + ", ".join(f"{w} {t:.0f} s" for w, t in sorted(_BUSY["worker"].items())))
+    for module, seconds in sorted(_BUSY["module"].items(), key=lambda kv: -kv[1])[:15]:
+        write(f"{seconds:8.1f} s  {module}")
+
+
+def pytest_sessionfinish(session):
+    if _OWN_REFERENCES and not hasattr(session.config, "workerinput"):
+        shutil.rmtree(os.environ["SCALETRAIN_TEST_REFERENCES"], ignore_errors=True)
 
 
 def run_cli(args: list[str], module: bool = False, timeout: float = 300):
@@ -66,7 +110,8 @@ def run_cli(args: list[str], module: bool = False, timeout: float = 300):
 @pytest.fixture(scope="session")
 def stdlib_dataset():
     """The built-in corpus, loaded once for the whole session."""
-    from scaletrain import config, data
+    from scaletrain import config
+    from scaletrain.data import loader as data
 
     return data.make_dataset(config.load(None, ["data.seq_len=32"]))
 
@@ -74,7 +119,7 @@ def stdlib_dataset():
 @pytest.fixture(scope="module")
 def batches(request, stdlib_dataset):
     """The first STEPS (the test module's constant) global batches of 8 rows of the built-in corpus."""
-    from scaletrain import data
+    from scaletrain.data import loader as data
 
     it = data.BatchIterator(stdlib_dataset, global_batch=8)
     return [next(it) for _ in range(request.module.STEPS)]

@@ -7,9 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scaletrain import config, trainer
+from scaletrain import config
 from scaletrain.kernels import flash_attention as fa
-from tests.conftest import tiny_overrides, train_steps
+from scaletrain.train import trainer
+from tests import equivalence
+from tests.conftest import tiny_overrides
 
 STEPS = 3
 HEAD_DIM = 64
@@ -66,8 +68,9 @@ def test_the_reference_is_the_models_xla_attention():
 
 
 @pytest.fixture(scope="module")
+@equivalence.computed_once
 def xla_one_device(batches):
-    return train_steps(batches, [])
+    return equivalence.reference(batches)
 
 
 # Meshes of 8 devices with fsdp x tensor (kv heads split at tensor=2, replicated at tensor=4: the tiny model has
@@ -85,12 +88,9 @@ MESHES = {
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_the_model_with_flash_trains_like_xla_on_one_device(batches, xla_one_device, mesh):
-    """fp32, 3 steps: losses and every parameter within 1e-5 relative (parameters in norm, as tests/test_parallel.py
-    explains)."""
-    losses, params = train_steps(batches, ["model.attention=flash", *MESHES[mesh]])
-    np.testing.assert_allclose(losses, xla_one_device[0], rtol=1e-5)
-    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(xla_one_device[1])):
-        assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want), jax.tree_util.keystr(path)
+    """fp32, 3 updates: every step's loss and gradient norm, and every parameter and Adam moment, within 1e-5
+    relative (arrays in norm, as tests/equivalence.py explains)."""
+    equivalence.assert_same(equivalence.run(batches, "model.attention=flash", *MESHES[mesh]), xla_one_device)
 
 
 @pytest.mark.parametrize("policy, forward_kernels", [("full", 2), ("custom", 1)])

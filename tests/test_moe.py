@@ -1,7 +1,8 @@
 """The mixture-of-experts block against per-token references, and expert parallelism against one device.
 
-The layer tests run the block outside any mesh; the training tests train 3 steps (fp32) on 8 simulated devices,
-with the experts split over `expert`, and compare with one device within 1e-5.
+The layer tests run the block outside any mesh; the training tests train 3 steps (fp32) on up to 8 simulated devices,
+with the experts split over `expert`, and compare with one device within 1e-5 (tests/equivalence.py: every step's
+loss and gradient norm, the final parameters and Adam moments; and the router's metrics).
 """
 
 import math
@@ -12,13 +13,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from scaletrain import config, remat, trainer
+from scaletrain import config, remat
 from scaletrain.models.layers import RMSNorm
 from scaletrain.models.mixtral import moe
 from scaletrain.models.transformer import ModelConfig
 from scaletrain.planner import hlo, roofline
+from scaletrain.train import trainer
+from tests import equivalence
 from tests.conftest import tiny_overrides
-from tests.test_parallel import assert_params_close
 
 STEPS = 3
 E, K = 8, 2
@@ -90,7 +92,7 @@ def test_dropless_block_equals_each_token_through_its_experts():
     cot = jax.random.normal(jax.random.PRNGKey(2), x.shape)
     out, stats = _run(_block, block, norm, x)
     np.testing.assert_allclose(out, _run(_reference, block, norm, x), rtol=1e-5, atol=1e-6)
-    assert stats[moe.DROPPED] == 0 and stats[moe.LOAD:].sum() == 2 * 12 * block.k
+    assert stats["dropped"] == 0 and stats["load"].sum() == 2 * 12 * block.k
     got = _grads(lambda b, n, x: b(x, n)[0], block, norm, x, cot)
     want = _grads(_reference, block, norm, x, cot)
     _assert_trees_close(got, want)
@@ -121,7 +123,7 @@ def test_capacity_drops_exactly_the_assignments_the_rule_names():
     kept = _capacity_rule(top, capacity)
     assert 0 < (~kept).sum() < kept.size  # the case drops some, not all
     out, stats = _run(_block, block, norm, x)
-    assert stats[moe.DROPPED] == (~kept).sum()
+    assert stats["dropped"] == (~kept).sum()
     want = _run(lambda b, n, x: _reference(b, n, x, jnp.asarray(kept)), block, norm, x)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
     cot = jax.random.normal(jax.random.PRNGKey(2), x.shape)
@@ -139,8 +141,8 @@ def test_router_losses_are_the_documented_formulas():
     top = jnp.argsort(-probs, -1)[..., :block.k]
     share = jax.nn.one_hot(top, 4).sum((1, 2)) / (12 * block.k)  # [b, E]
     aux = 4 * jnp.sum(share * probs.mean(1), -1)  # per sequence
-    np.testing.assert_allclose(stats[moe.AUX], 12 * aux.sum(), rtol=1e-5)
-    np.testing.assert_allclose(stats[moe.Z], jnp.sum(jax.nn.logsumexp(logits, -1) ** 2), rtol=1e-5)
+    np.testing.assert_allclose(stats["aux"], 12 * aux.sum(), rtol=1e-5)
+    np.testing.assert_allclose(stats["z"], jnp.sum(jax.nn.logsumexp(logits, -1) ** 2), rtol=1e-5)
 
 
 def test_moe_checkpoint_names_are_remat_names():
@@ -151,25 +153,26 @@ def test_moe_checkpoint_names_are_remat_names():
     assert "name=moe_gate" in text and "name=moe_up" in text and "name=mlp_out" in text
 
 
-def _train(batches, devices, *overrides):
-    cfg = config.load(None, tiny_overrides("unused", steps=STEPS) + MOE + list(overrides))
-    setup = trainer.build(cfg, devices)
-    state = setup.init(jax.random.PRNGKey(0))
-    losses, metrics = [], None
-    for batch in batches:
-        state, metrics = setup.step(state, setup.put_batch(batch))
-        losses.append(float(metrics["loss"]))
-    return losses, setup.to_disk(state), jax.device_get(metrics), setup, state
-
-
 @pytest.fixture(scope="module")
+@equivalence.computed_once
 def reference(batches):
-    return _train(batches, jax.devices()[:1])
+    return equivalence.reference(batches, *MOE)
 
 
 @pytest.fixture(scope="module")
+@equivalence.computed_once
 def capacity_reference(batches):
-    return _train(batches, jax.devices()[:1], *CAPACITY)
+    return equivalence.reference(batches, *MOE, *CAPACITY)
+
+
+ROUTER = ("router_aux_loss", "router_z_loss", "expert_load_max", "dropped_fraction")
+
+
+def assert_like(got, want):
+    """The harness's comparison, and the last step's router metrics."""
+    equivalence.assert_same(got, want)
+    for key in ROUTER:
+        np.testing.assert_allclose(got.metrics[-1][key], want.metrics[-1][key], rtol=1e-5, atol=1e-7)
 
 
 MESHES = {  # on as many devices as the mesh has; expert=2 alone is test_accumulated_microbatches_equal_the_batch's
@@ -185,22 +188,18 @@ CAPACITY = ["model.capacity_factor=1.0", "model.moe_every=2"]
 
 @pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
 def test_expert_parallel_training_equals_one_device(batches, reference, mesh):
-    devices = math.prod(int(o.split("=")[1]) for o in mesh if o.startswith("mesh."))
-    losses, state, metrics, setup, _ = _train(batches, jax.devices()[:devices], *mesh)
-    np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
-    assert_params_close(state.params, reference[1].params)
-    for key in ("router_aux_loss", "router_z_loss", "expert_load_max", "dropped_fraction"):
-        np.testing.assert_allclose(metrics[key], reference[2][key], rtol=1e-5, atol=1e-7)
+    run = equivalence.run(batches, *MOE, *mesh)
+    assert_like(run, reference)
+    setup, metrics = run.setup, run.metrics[-1]
     ways = setup.mesh.shape["expert"]
     assert setup.state_shardings.params["layers"]["mlp"]["w_gate"].spec[1] == "expert"
     assert metrics["router_aux_loss"] >= 1 and metrics["expert_load_max"] >= 1 and ways > 1
 
 
 def test_capacity_and_interleaved_dense_layers_equal_one_device(batches, capacity_reference):
-    losses, state, metrics, _, _ = _train(batches, jax.devices(), *CAPACITY, "mesh.expert=4", "mesh.fsdp=2")
-    np.testing.assert_allclose(losses, capacity_reference[0], rtol=1e-5)
-    assert_params_close(state.params, capacity_reference[1].params)
-    assert 0 < metrics["dropped_fraction"] == pytest.approx(capacity_reference[2]["dropped_fraction"])
+    run = equivalence.run(batches, *MOE, *CAPACITY, "mesh.expert=4", "mesh.fsdp=2")
+    equivalence.assert_same(run, capacity_reference)
+    assert 0 < run.metrics[-1]["dropped_fraction"] == pytest.approx(capacity_reference.metrics[-1]["dropped_fraction"])
 
 
 def test_all_to_alls_per_moe_layer_move_the_predicted_bytes():
@@ -224,15 +223,14 @@ def test_all_to_alls_per_moe_layer_move_the_predicted_bytes():
 @pytest.mark.parametrize("overrides, message", [
     (["mesh.expert=2"], "needs a mixture-of-experts model"),
     (MOE + ["mesh.expert=3"], "not divisible by mesh.expert=3"),
-    (MOE + ["mesh.pipeline=2"], "not supported yet"),
 ])
 def test_expert_refusals_name_the_keys(overrides, message):
-    from scaletrain import parallelism
     from scaletrain.errors import ConfigError
+    from scaletrain.parallel import checks
 
     cfg = config.load(None, tiny_overrides("unused") + overrides)
     with pytest.raises(ConfigError, match=message):
-        parallelism.check(cfg, {a: cfg.mesh[a] for a in config.MESH_AXES})
+        checks.check(cfg, {a: cfg.mesh[a] for a in config.MESH_AXES})
 
 
 def test_decoding_with_a_kv_cache_equals_the_forward_pass():
@@ -257,7 +255,7 @@ def test_decoding_with_a_kv_cache_equals_the_forward_pass():
 def test_accumulated_microbatches_equal_the_batch(batches, reference):
     """The router's losses are sums over tokens like the cross-entropy: microbatches add up to their batch (on
     expert=2 alone, which this also proves equal to one device)."""
-    losses, state, metrics, _, _ = _train(batches, jax.devices()[:2], "mesh.expert=2", "train.grad_accum_steps=2")
-    np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
-    assert_params_close(state.params, reference[1].params)
-    np.testing.assert_allclose(metrics["router_aux_loss"], reference[2]["router_aux_loss"], rtol=1e-5)
+    run = equivalence.run(batches, *MOE, "mesh.expert=2", "train.grad_accum_steps=2")
+    equivalence.assert_same(run, reference)
+    np.testing.assert_allclose(run.metrics[-1]["router_aux_loss"], reference.metrics[-1]["router_aux_loss"],
+                               rtol=1e-5)

@@ -1,4 +1,6 @@
-"""Two processes x 4 CPU devices (jax.distributed + gloo) train, checkpoint and resume as one 8-device job."""
+"""Two processes x 4 CPU devices (jax.distributed + gloo) train, checkpoint and resume as one 8-device job: every
+step's loss and gradient norm, and the final parameters and Adam moments, within 1e-5 relative
+(tests/equivalence.py)."""
 
 import json
 import os
@@ -9,9 +11,9 @@ import socket
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
+from tests import equivalence
 from tests.conftest import ROOT, run_cli, tiny_overrides
 
 STEPS = 8
@@ -62,7 +64,7 @@ def one_process(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("one")
     result = run_cli(_args(run_dir) + ["--cpu-devices", "8"])
     assert result.returncode == 0, result.stderr
-    return run_dir, _losses(run_dir)
+    return run_dir, equivalence.from_run_dir(run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +73,12 @@ def two_processes(tmp_path_factory):
     stdout = _run_two(run_dir)
     assert "8 cpu devices" in stdout[0] and "scaletrain:" not in stdout[1]  # only process 0 reports
     assert len(_losses(run_dir)) == STEPS
-    return run_dir, _losses(run_dir)
+    return run_dir, equivalence.from_run_dir(run_dir)
 
 
 def test_two_processes_equal_one(one_process, two_processes):
     # Gloo sums in another order than in-process collectives: equal to rounding, not bitwise.
-    np.testing.assert_allclose(two_processes[1], one_process[1], rtol=1e-5)
+    equivalence.assert_same(two_processes[1], one_process[1])
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -86,22 +88,22 @@ def test_a_pipeline_across_the_two_processes_equals_one(tmp_path, one_process, s
     between the processes, and the losses are one process's without stages."""
     _run_two(tmp_path, **{"mesh.fsdp": 4, "mesh.dcn_pipeline": 2, "pipeline.microbatches": 2,
                           "pipeline.schedule": schedule})
-    np.testing.assert_allclose(_losses(tmp_path), one_process[1], rtol=1e-5)
+    equivalence.assert_same(equivalence.from_run_dir(tmp_path), one_process[1])
 
 
 def test_two_process_checkpoint_resumes_in_one_and_back(tmp_path, one_process, two_processes):
     """Each process count reads exactly the batches the other would have read next."""
-    for (source, losses), run_dir, command in (
+    for (source, want), run_dir, command in (
             (two_processes, tmp_path / "in_one", lambda d: run_cli(_args(d) + ["--cpu-devices", "8"]).stdout),
             (one_process, tmp_path / "in_two", lambda d: _run_two(d)[0])):
         shutil.copytree(source, run_dir)
         shutil.rmtree(run_dir / "checkpoints" / str(STEPS))  # as if stopped after the step-6 save
         assert _resumed_step(command(run_dir)) == 6
-        np.testing.assert_allclose(_losses(run_dir), losses, rtol=1e-5)
+        equivalence.assert_same(equivalence.from_run_dir(run_dir), want)
 
 
 def test_preempted_then_killed_two_process_run_resumes_bitwise(tmp_path, two_processes):
-    _, uninterrupted = two_processes
+    uninterrupted = _losses(two_processes[0])
     # SIGTERM reaches process 1 only: both processes agree to save at the same step and exit 0. Time-based
     # saves (every ~30 ms by process 0's clock) must be agreed alike, or a save would hang.
     stdout = _run_two(tmp_path, faults=(None, ("sigterm", 2)), **{"checkpoint.every_minutes": 0.0005})

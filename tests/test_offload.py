@@ -5,8 +5,10 @@ import jax
 import numpy as np
 import pytest
 
-from scaletrain import config, trainer
-from scaletrain.planner import memory
+from scaletrain import config
+from scaletrain.facts import fit
+from scaletrain.train import trainer
+from tests import equivalence
 from tests.conftest import tiny_overrides
 
 STEPS = 3
@@ -19,14 +21,12 @@ def _setup(devices, *overrides):
     return trainer.build(config.load(None, tiny_overrides("unused", steps=STEPS) + OPTIM + list(overrides)), devices)
 
 
+MESH = ["mesh.fsdp=4", "mesh.tensor=2"]
+
+
 def _train(batches, *overrides):
-    setup = _setup(jax.devices(), "mesh.fsdp=4", "mesh.tensor=2", *overrides)
-    state = setup.init(jax.random.PRNGKey(0))
-    history = []
-    for batch in batches:
-        state, metrics = setup.step(state, setup.put_batch(batch))
-        history.append((float(metrics["loss"]), float(metrics["grad_norm"])))
-    return setup, history, jax.device_get(state)
+    run = equivalence.run(batches, *OPTIM, *MESH, *overrides)
+    return run, jax.device_get(run.state)
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +36,14 @@ def reference(batches):
 
 def test_streamed_update_equals_the_update_on_device(batches, reference):
     """With params.offload: moments and parameters both streamed (optim.offload alone streams the moments
-    through the same code; its memory is checked below)."""
-    setup, history, state = _train(batches, "params.offload=true")
-    _, want_history, want = reference
-    np.testing.assert_allclose(history, want_history, rtol=1e-6)
+    through the same code; its memory is checked below). Every step's loss and gradient norm within 1e-6, and
+    every array of the state (parameters, both moments, step, RNG) element by element."""
+    run, state = _train(batches, "params.offload=true")
+    want_run, want = reference
+    equivalence.assert_same(run, want_run, rtol=1e-6)
     for got, expected in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+    setup = run.setup
     kinds = {s.memory_kind for s in jax.tree.leaves(setup.state_shardings.opt_state)}
     assert kinds == {"pinned_host"}
     assert setup.state_shardings.params["embed"]["table"].memory_kind == "pinned_host"
@@ -60,7 +62,7 @@ def test_offloaded_state_leaves_the_device():
         setup = _setup(devices, *shape, *overrides)
         params_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(setup.abstract_state.params)) // 8
         step = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
-        return memory.compiled(step.memory_analysis()), params_bytes
+        return fit.compiled(step.memory_analysis()), params_bytes
 
     on_device, params_bytes = compiled()
     moments = 2 * params_bytes
@@ -85,10 +87,3 @@ def test_a_nonfinite_step_changes_no_offloaded_state(batches):
     assert float(metrics["update_skipped"]) == 1.0
     for a, b in zip(jax.tree.leaves(jax.device_get((state.params, state.opt_state))), jax.tree.leaves(before)):
         np.testing.assert_array_equal(a, b)
-
-
-def test_parameter_offload_refuses_gradient_accumulation():
-    from scaletrain.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="params.offload=true needs train.grad_accum_steps=1"):
-        _setup(jax.devices(), "mesh.fsdp=8", "params.offload=true", "train.grad_accum_steps=2")

@@ -1,6 +1,6 @@
-"""Every parallel layout trains exactly like one device (fp32, 3 steps, within 1e-5 relative).
-
-`train` and `assert_params_close` are the harness: a new parallelism joins by adding its meshes to MATRIX.
+"""Every parallel layout trains exactly like one device (fp32, 3 updates): every step's loss and gradient norm, and the
+final parameters and Adam moments, within 1e-5 relative (tests/equivalence.py, the harness: a new parallelism joins
+by adding its meshes to MATRIX).
 """
 
 import itertools
@@ -9,36 +9,18 @@ import jax
 import numpy as np
 import pytest
 
-from scaletrain import config, trainer
+from scaletrain import config
+from scaletrain.train import trainer
+from tests import equivalence
 from tests.conftest import tiny_overrides
 
 STEPS = 3
 
 
-def train(batches, devices, *overrides, start=None):
-    """Losses and final state (in the layer order checkpoints keep) of STEPS steps; `start` (host arrays) skips
-    compiling init for this mesh."""
-    cfg = config.load(None, tiny_overrides("unused", steps=STEPS) + list(overrides))
-    setup = trainer.build(cfg, devices)
-    state = setup.init(jax.random.PRNGKey(0)) if start is None else jax.device_put(start, setup.state_shardings)
-    losses = []
-    for batch in batches:
-        state, metrics = setup.step(state, setup.put_batch(batch))
-        losses.append(float(metrics["loss"]))
-    return losses, setup.to_disk(state)
-
-
 @pytest.fixture(scope="module")
+@equivalence.computed_once
 def reference(batches):
-    return train(batches, jax.devices()[:1])
-
-
-def assert_params_close(got, want):
-    """Each parameter array within 1e-5 relative, in norm: Adam turns a rounding-level difference in a
-    near-zero gradient into a visible one for that element, so element-wise relative error is not the measure."""
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
-        a, b = np.asarray(a), np.asarray(b)
-        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), jax.tree_util.keystr(path)
+    return equivalence.reference(batches)
 
 
 def _spec(array):
@@ -87,36 +69,35 @@ def _expected_specs(preset, data, fsdp, tensor):
 
 
 @pytest.fixture(scope="module")
+@equivalence.computed_once
 def matrix_reference(batches):
-    cfg = config.load(None, tiny_overrides("unused", steps=STEPS) + MATRIX_MODEL)
-    start = jax.device_get(trainer.build(cfg, jax.devices()[:1]).init(jax.random.PRNGKey(0)))
-    return start, *train(batches, jax.devices()[:1], *MATRIX_MODEL, start=start)
+    """The one-device run, and its initial state: each mesh starts from it (skipping a compile of init per mesh)."""
+    return equivalence.initial_state(*MATRIX_MODEL), equivalence.reference(batches, *MATRIX_MODEL)
+
+
+def _assert_layout(run, param_spec, moment_spec):
+    """The layout really is the one asked for: parameters and Adam moments sharded as the preset says."""
+    assert _spec(run.state.params["layers"]["mlp"]["w_gate"]) == param_spec
+    assert _spec(equivalence.adam_mu(run.state.opt_state)["layers"]["mlp"]["w_gate"]) == moment_spec
 
 
 @pytest.mark.parametrize("mesh", MATRIX)
 def test_mesh_matrix_equals_single_device(mesh, batches, matrix_reference):
     preset, data, fsdp, tensor = MATRIX[mesh]
-    start, ref_losses, ref_state = matrix_reference
-    losses, state = train(batches, jax.devices(), *MATRIX_MODEL, f"sharding.preset={preset}", f"mesh.data={data}",
+    start, want = matrix_reference
+    run = equivalence.run(batches, *MATRIX_MODEL, f"sharding.preset={preset}", f"mesh.data={data}",
                           f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}", start=start)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_params_close(state.params, ref_state.params)
-    param_spec, moment_spec = _expected_specs(preset, data, fsdp, tensor)
-    assert _spec(state.params["layers"]["mlp"]["w_gate"]) == param_spec
-    assert _spec(state.opt_state[0].mu["layers"]["mlp"]["w_gate"]) == moment_spec
+    equivalence.assert_same(run, want)
+    _assert_layout(run, *_expected_specs(preset, data, fsdp, tensor))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_equals_single_device(layout, batches, reference):
     overrides, param_spec, moment_spec = LAYOUTS[layout]
-    losses, state = train(batches, jax.devices(), *overrides)
-    ref_losses, ref_state = reference
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert losses[-1] < losses[0]
-    assert_params_close(state.params, ref_state.params)
-    # The layout really is the one asked for: parameters and Adam moments sharded as the preset says.
-    assert _spec(state.params["layers"]["mlp"]["w_gate"]) == param_spec
-    assert _spec(state.opt_state[0].mu["layers"]["mlp"]["w_gate"]) == moment_spec
+    run = equivalence.run(batches, *overrides)
+    equivalence.assert_same(run, reference)
+    assert run.losses[-1] < run.losses[0]
+    _assert_layout(run, param_spec, moment_spec)
 
 
 def test_batch_is_sharded_over_data_and_fsdp():
@@ -125,12 +106,10 @@ def test_batch_is_sharded_over_data_and_fsdp():
     assert tuple(setup.batch_sharding.spec) == (("data", "fsdp"), None)
 
 
-@pytest.mark.parametrize("devices, mesh", [(1, []), (2, ["mesh.fsdp=2"])])
-def test_accumulated_microbatches_equal_the_large_batch(batches, devices, mesh):
-    big, big_state = train(batches, jax.devices()[:devices], *mesh)
-    accum, accum_state = train(batches, jax.devices()[:devices], *mesh, "train.grad_accum_steps=4")
-    np.testing.assert_allclose(accum, big, rtol=1e-5)
-    assert_params_close(accum_state.params, big_state.params)
+@pytest.mark.parametrize("mesh", [[], ["mesh.fsdp=2"]], ids=["1 device", "fsdp=2"])
+def test_accumulated_microbatches_equal_the_large_batch(batches, reference, mesh):
+    """Four microbatches of 2 rows, on one device and on two: like the whole batch on one (the reference)."""
+    equivalence.assert_same(equivalence.run(batches, *mesh, "train.grad_accum_steps=4"), reference)
 
 
 def test_a_nonfinite_update_is_dropped(batches):

@@ -9,18 +9,21 @@ import jax
 import numpy as np
 import pytest
 
-from scaletrain import config, pipeline, remat, trainer
-from scaletrain.checkpoint import Checkpointer
+from scaletrain import config, remat
+from scaletrain.parallel import pipeline
+from scaletrain.store.checkpoint import Checkpointer
+from scaletrain.train import trainer
+from tests import equivalence
 from tests.conftest import run_cli, tiny_overrides
-from tests.test_parallel import assert_params_close, train
 
 STEPS = 3
 LAYERS = ["model.num_layers=4"]  # four stages of one layer each, or two of two
 
 
 @pytest.fixture(scope="module")
+@equivalence.computed_once
 def reference(batches):
-    return train(batches, jax.devices()[:1], *LAYERS)
+    return equivalence.reference(batches, *LAYERS)
 
 
 CASES = {
@@ -41,11 +44,7 @@ CASES = {
 
 
 def assert_like_one_device(batches, reference, overrides):
-    devices = int(np.prod([int(o.split("=")[1]) for o in overrides if o.startswith("mesh.")]))
-    losses, state = train(batches, jax.devices()[:devices], *LAYERS, *overrides)
-    ref_losses, ref_state = reference
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_params_close(state.params, ref_state.params)
+    equivalence.assert_same(equivalence.run(batches, *LAYERS, *overrides), reference)
 
 
 @pytest.mark.parametrize("case", CASES)

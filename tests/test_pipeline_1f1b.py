@@ -3,21 +3,19 @@ and tensor parallelism, with as many microbatches as stages and with more; nothi
 Its compiled step holds less than GPipe's by the planner's ratio, and gathering once takes every batch-axis
 collective out of the loop."""
 
-import jax
-import numpy as np
 import pytest
 
-from scaletrain import train_step
 from scaletrain.planner import hlo, memory
-from tests.test_parallel import train
+from tests import equivalence
 from tests.test_pipeline import LAYERS, _setup, assert_bubbles_reach_nothing, assert_like_one_device
 
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
+@equivalence.computed_once
 def reference(batches):
-    return train(batches, jax.devices()[:1], *LAYERS)
+    return equivalence.reference(batches, *LAYERS)
 
 
 CASES = {
@@ -47,11 +45,8 @@ def test_1f1b_equals_gpipe(batches):
     """The same pipeline, scheduled 1F1B by hand (pipeline_1f1b.py) or GPipe by jax.grad: the same sums, in
     another order."""
     mesh = ("mesh.pipeline=2", "mesh.fsdp=2", "pipeline.microbatches=4")
-    gpipe_losses, gpipe_state = train(batches, jax.devices()[:4], *LAYERS, *mesh)
-    losses, state = train(batches, jax.devices()[:4], *LAYERS, *mesh, "pipeline.schedule=1f1b")
-    np.testing.assert_allclose(losses, gpipe_losses, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(gpipe_state.params)):
-        assert np.linalg.norm(np.asarray(a) - np.asarray(b)) <= 1e-6 * np.linalg.norm(np.asarray(b))
+    gpipe = equivalence.reference(batches, *LAYERS, *mesh)
+    equivalence.assert_same(equivalence.run(batches, *LAYERS, *mesh, "pipeline.schedule=1f1b"), gpipe, rtol=1e-6)
 
 
 def test_1f1b_holds_less_than_gpipe_by_about_the_predicted_ratio(monkeypatch):
@@ -59,7 +54,7 @@ def test_1f1b_holds_less_than_gpipe_by_about_the_predicted_ratio(monkeypatch):
     stage 3 stage inputs (2 P - 1) and one microbatch's logits: the compiled steps' memory (arguments and
     temporaries) falls by about the ratio the planner predicts. The plain loss path, whose logits the planner
     counts (the CPU's fused one never writes them)."""
-    monkeypatch.setattr(train_step, "FUSED_LOSS", False)
+    monkeypatch.setattr("scaletrain.train.loss.FUSED_LOSS", False)
     shape = ("mesh.pipeline=2", "remat.policy=full", "pipeline.microbatches=8", "model.num_layers=8",
              "train.global_batch=64", "data.seq_len=128", "model.d_model=128", "model.num_heads=8", "model.d_ff=256")
 
