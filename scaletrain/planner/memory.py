@@ -98,17 +98,28 @@ def moe_share(m) -> float:
     return model_lib.ModelConfig.from_config(m).moe_layers / m.num_layers
 
 
-def tensor_elements(m, tensor: int, sequence_parallel: bool, received_rows: float = 0.0) -> dict[str, float]:
+def activation_rules(cfg, axes: Mapping[str, int], sequence_parallel: bool) -> sharding.RuleTable:
+    """The activation rule table the trainer uses for this config on a mesh of these axis sizes, with or without
+    sequence parallelism (the roofline's matmul and attention passes read the unsplit stream)."""
+    shard_kv = shards_kv_heads(cfg.model.num_kv_heads, axes["tensor"])
+    return sharding.rules_for(cfg.sharding.preset, sequence_parallel, shard_kv).activations
+
+
+def tensor_elements(m, activations: sharding.RuleTable, axes: Mapping[str, int],
+                    received_rows: float = 0.0) -> dict[str, float]:
     """Elements per token and layer one device holds of each named activation (docs/memory.md's table), split as
-    sharding.py splits it: residual-stream tensors over `tensor` with sequence parallelism, heads, mlp and the
-    experts' hidden dim always, kv heads where `tensor` divides them. Averaged over the stack: the dense MLP's
-    gate and up exist in its dense layers, the experts' in its MoE layers, for the `received_rows` rows per
-    token a MoE layer's experts receive (`expert_rows`)."""
-    residual = m.d_model / (tensor if sequence_parallel else 1)
-    kv_ways = tensor if shards_kv_heads(m.num_kv_heads, tensor) else 1
-    heads, kv = m.num_heads * m.head_dim / tensor, m.num_kv_heads * m.head_dim / kv_ways
+    the activation rule table `activations` splits their logical axes on a mesh of these axis sizes: the residual
+    stream along `residual_seq` (over `tensor` with sequence parallelism), heads, kv heads (where `tensor` divides
+    them), mlp and the experts' hidden dim. Averaged over the stack: the dense MLP's gate and up exist in its dense
+    layers, the experts' in its MoE layers, for the `received_rows` rows per token a MoE layer's experts receive
+    (`expert_rows`)."""
+    def split(logical: str, size: float) -> float:
+        return size / sharding.split_ways(logical, activations, axes)
+
+    residual = split("residual_seq", m.d_model)
+    heads, kv = split("heads", m.num_heads * m.head_dim), split("kv_heads", m.num_kv_heads * m.head_dim)
     moe = moe_share(m)
-    mlp, experts = (1 - moe) * m.d_ff / tensor, moe * received_rows * moe_d_ff(m) / tensor
+    mlp, experts = (1 - moe) * split("mlp", m.d_ff), moe * received_rows * split("moe_mlp", moe_d_ff(m))
     return {"decoder_layer_input": residual, "query_proj": heads, "key_proj": kv, "value_proj": kv,
             "attention_out": heads, "out_proj": residual, "mlp_gate": mlp, "mlp_up": mlp, "mlp_out": residual,
             "moe_gate": experts, "moe_up": experts}
@@ -255,7 +266,7 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     one_f_one_b = runner.schedule == "1f1b"
     micro = replica_tokens(cfg, axes)  # one microbatch: what one layer (or iteration) recomputes
     tokens = micro * held_microbatches(runner)
-    elements = tensor_elements(m, t, cfg.sharding.sequence_parallel, expert_rows(cfg, axes, ragged)[1])
+    elements = tensor_elements(m, s.layout.rules.activations, axes, expert_rows(cfg, axes, ragged)[1])
     policy = cfg.remat.policy
     stage_inputs = elements["decoder_layer_input"] * ab * tokens
     moe = moe_share(m)

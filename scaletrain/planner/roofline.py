@@ -97,7 +97,7 @@ def flash_kernel_cost(cfg, axes: Mapping[str, int], chip: str) -> dict[str, floa
     flops_ = tokens * causal * (forwards * fwd + bwd) * attention_pass(cfg, chip) / fwd
     padded, block_q, _ = flash_attention.splash_blocks(seq, flash_attention.splash_for(chip))
     q_blocks = padded / block_q
-    e = memory.tensor_elements(m, t, sequence_parallel=False)
+    e = memory.tensor_elements(m, memory.activation_rules(cfg, axes, sequence_parallel=False), axes)
     q, kv = e["query_proj"], e["key_proj"] + e["value_proj"]
     per_pass = q + kv * (q_blocks + 1) / 2 + q  # Q, K/V per query block, the output
     bytes_ = tokens * m.num_layers * memory.DTYPE_BYTES[m.dtype] * (forwards * per_pass + 2 * per_pass + 2 * q)
@@ -153,7 +153,7 @@ def hbm_bytes(cfg, axes: Mapping[str, int], recompute: frozenset[str], state: me
     tokens = memory.replica_tokens(cfg, axes)
     layer = sum((3 + (g in recompute)) * matmul.hbm_bytes(tokens, ab)
                 for g, matmul in matmuls(m, t, axes["expert"]).items())
-    elements = memory.tensor_elements(m, t, sequence_parallel=False)
+    elements = memory.tensor_elements(m, memory.activation_rules(cfg, axes, sequence_parallel=False), axes)
     qkvo = 2 * elements["query_proj"] + 2 * elements["key_proj"]
     layer += (3 + ("attention" in recompute)) * ab * tokens * qkvo
     if m.attention == "xla":
