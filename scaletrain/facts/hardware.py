@@ -196,8 +196,9 @@ class Chip:
 
     @property
     def ragged_all_to_all(self) -> bool:
-        """Whether a mixture of experts sends its routed rows by ragged all-to-all here (model/moe.py: on a TPU;
-        elsewhere - GPUs, this CPU, all planned as switches - by an all-to-all padded to the most a device sends)."""
+        """Whether a mixture of experts sends its routed rows by ragged all-to-all here (models/mixtral/moe.py: on a
+        TPU; elsewhere - GPUs, this CPU, all planned as switches - by an all-to-all padded to the most a device
+        sends)."""
         return not self.is_gpu
 
 

@@ -41,7 +41,7 @@ SIZE_KEY = {
 RuleTable = Mapping[str, Any]
 
 # Activations: batch over every data-parallel axis and the expert axis (whose devices each take a share of the
-# batch and send each token to its experts: model/moe.py), Megatron-style tensor axes (a no-op at tensor=1).
+# batch and send each token to its experts: models/mixtral/moe.py), Megatron-style tensor axes (a no-op at tensor=1).
 _ACTIVATIONS: RuleTable = {"batch": ("data", "fsdp", "expert"), "heads": "tensor", "kv_heads": "tensor",
                            "mlp": "tensor", "moe_mlp": "tensor", "vocab": "tensor", "experts": "expert",
                            "stage": "pipeline"}

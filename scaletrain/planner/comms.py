@@ -123,7 +123,7 @@ def tensor(activation_bytes: float, layers: int, microbatches: int, sequence_par
     Without sequence parallelism each all-gather / reduce-scatter pair is one all-reduce: after the output and
     down projections forward, of the Q/K/V and gate/up input gradients backward, again for a recomputed output
     projection, and once each for the embedding (forward) and the output projection (backward).
-    A mixture-of-experts layer (model/moe.py) has the same collectives - its input gathered whole, its output
+    A mixture-of-experts layer (models/mixtral/moe.py) has the same collectives - its input gathered whole, its output
     summed over `tensor` (the experts' hidden dim is split over it), recomputed with its router and experts - and
     one more: an all-reduce of its input gradient in the backward pass (as the compiled CPU and TPU steps do)."""
     recomputed = set(recomputed)
@@ -159,7 +159,7 @@ def pipeline(activation_bytes: float, microbatches: int, levels: Sequence[Link])
 
 def expert(routed_bytes: float, counts_bytes: float, moe_layers: int, microbatches: int, recomputed: bool,
            levels: Sequence[Link], kind: str = "all-to-all") -> list[Transfer]:
-    """Expert parallelism per MoE layer and microbatch (model/moe.py), V = the routed rows of the expert axis's
+    """Expert parallelism per MoE layer and microbatch (models/mixtral/moe.py), V = the routed rows of the expert axis's
     devices (each one's operand, times their number): an all-to-all dispatching each device's rows to its
     experts' devices and one returning the results, forward; both transposed backward; and both again where the
     remat policy recomputes the layer (`recomputed`). `kind` `ragged-all-to-all` where only the rows move (TPU).

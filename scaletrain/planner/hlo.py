@@ -223,7 +223,7 @@ def inventory(hlo_text: str, mesh: Mesh) -> list[Collective]:
 def _ragged_bytes(line: str, lines: list[str], output_bytes: int) -> int:
     """The bytes a ragged all-to-all moves at most: its rows are run-time values, but a device sends at most its
     first operand and receives at most its output buffer - the smaller of the two: the rows sent for a dispatch,
-    the rows returned for a combination (model/moe.py). A compiled module prints operands by name alone: their
+    the rows returned for a combination (models/mixtral/moe.py). A compiled module prints operands by name alone: their
     shapes are where the computation defines them."""
     m = re.search(r" ragged-all-to-all\(([^%]*)%([\w.\-]+)", line)
     operand = _array_bytes(m.group(1))[:1]
