@@ -3,7 +3,7 @@
 `run` trains the tiny model (tests/conftest.py's tiny_overrides plus the test's own) one step per batch and records
 every step's metrics - the loss and the gradient norm among them - and, at the end, the parameters and Adam's first
 moment `mu`, in the layer order checkpoints keep (Setup.to_disk). `assert_same` compares two runs: the loss and the
-gradient norm of every step within `rtol`, and every parameter and `mu` array within `array_rtol` relative, in norm
+gradient norm of every step within `rtol`, and every parameter and `mu` array within `rtol` relative, in norm
 (Adam turns a rounding-level difference in a near-zero gradient into a visible one for that element, so
 element-wise relative error is not the measure), naming each that differs.
 
@@ -14,7 +14,7 @@ in the second (tests/test_equivalence.py injects both bugs and sees them caught)
 
 `reference` is `run` computed once per test run: its result is kept on disk in a folder of the run that both
 pytest-xdist workers share (tests/conftest.py sets SCALETRAIN_TEST_REFERENCES), under a lock so that two workers
-never compute the same one, keyed by the resolved config, the number of devices, the batches and the start state.
+never compute the same one, keyed by the resolved config, the number of devices and the batches.
 A one-device reference asked for by several modules (test_parallel, test_pipeline, test_flash_attention, ...) is
 computed by whichever worker asks first.
 """
@@ -94,18 +94,20 @@ def _metrics_on_host(metrics: dict) -> dict:
 
 
 def run(batches: Sequence[dict], *overrides: str, devices: Sequence[jax.Device] | None = None,
-        start: Any = None) -> Run:
+        init: bool = False) -> Run:
     """The tiny model with `overrides` trained one step per batch on `devices` (by default as many as its mesh
-    takes). `start`, a state on the host in checkpoint order (`initial_state`), is placed on the mesh as the trainer
-    places a restored checkpoint, instead of compiling init for this mesh."""
+    takes). It starts from `initial_state` - the one-device init, placed on the mesh as the trainer places a
+    restored checkpoint - or with `init`, from init compiled and run on this mesh: the same values (init is
+    mesh-independent, tests/test_parallel.py's test_init_is_the_same_on_every_mesh), at the cost of compiling it
+    (as long as the step's compile, for the tiny model)."""
     from scaletrain.train import trainer
 
     cfg = load_config(len(batches), *overrides)
     setup = trainer.build(cfg, list(devices) if devices is not None else jax.devices()[:mesh_devices(cfg)])
-    if start is None:
+    if init:
         state = setup.init(jax.random.PRNGKey(0))
     else:
-        state = setup.from_disk(jax.device_put(start, setup.state_shardings))
+        state = setup.from_disk(jax.device_put(initial_state(*overrides), setup.state_shardings))
     metrics = []
     for batch in batches:
         state, step_metrics = setup.step(state, setup.put_batch(batch))
@@ -141,10 +143,14 @@ def from_run_dir(run_dir: str | os.PathLike) -> Run:
     return Run(metrics=metrics, params=host.params, mu=adam_mu(host.opt_state))
 
 
+# Overrides that change where the state lives, not its values: left out when it is made on one device.
+PLACEMENT = ("mesh.", "pipeline.", "sharding.", "params.offload", "optim.offload")
+
+
 def initial_state(*overrides: str) -> Any:
-    """The initial state on the host (checkpoint order) of the tiny model with `overrides`, made on one device
-    (init gives the same values on any mesh); computed once per test run, like `reference`."""
-    cfg = load_config(1, *overrides)
+    """The initial state, on the host in checkpoint order, of the tiny model with `overrides` (those of PLACEMENT
+    left out): init's on one device, computed once per test run (like `reference`)."""
+    cfg = load_config(1, *(o for o in overrides if not o.startswith(PLACEMENT)))
 
     def compute():
         from scaletrain.train import trainer
@@ -155,32 +161,33 @@ def initial_state(*overrides: str) -> Any:
     return _cached(_key("initial_state", _config_key(cfg, 1)), compute)
 
 
-def reference(batches: Sequence[dict], *overrides: str, devices: Sequence[jax.Device] | None = None,
-              start: Any = None) -> Run:
+def reference(batches: Sequence[dict], *overrides: str, devices: Sequence[jax.Device] | None = None) -> Run:
     """`run`, computed once per test run (without `state` and `setup`): by default on as many devices as the mesh
     takes - one device for a config without mesh overrides."""
     cfg = load_config(len(batches), *overrides)
     count = len(devices) if devices is not None else mesh_devices(cfg)
-    key = _key("run", _config_key(cfg, count), _digest(batches), None if start is None else _digest(start))
-    return _cached(key, lambda: run(batches, *overrides, devices=devices, start=start).on_host())
+    key = _key("run", _config_key(cfg, count), _digest(batches))
+    return _cached(key, lambda: run(batches, *overrides, devices=devices).on_host())
 
 
-def assert_same(got: Run, want: Run, rtol: float = 1e-5, array_rtol: float | None = None,
-                metrics: Sequence[str] = ("loss", "grad_norm")) -> None:
+def assert_same(got: Run, want: Run, rtol: float = 1e-5, metrics: Sequence[str] = ("loss", "grad_norm"),
+                **rtols: float) -> None:
     """`got` trained like `want`: each step's `metrics` (the loss and the gradient norm) within `rtol` (as
-    np.testing.assert_allclose with atol 0), and every parameter and Adam `mu` array within `array_rtol` (by default
-    `rtol`) relative, in norm. Raises one AssertionError naming every difference."""
-    array_rtol = rtol if array_rtol is None else array_rtol
+    np.testing.assert_allclose with atol 0), and every parameter and Adam `mu` array within `rtol` relative, in
+    norm; `rtols` sets one quantity's own (loss=1e-6, params=1e-6, ...). Raises one AssertionError naming every
+    difference."""
+    assert set(rtols) <= {*metrics, "params", "mu"}, rtols
     problems = []
     if len(got.metrics) != len(want.metrics):
         problems.append(f"{len(got.metrics)} steps, want {len(want.metrics)}")
     for name in metrics:
+        tol = rtols.get(name, rtol)
         for step, (a, b) in enumerate(zip(got.series(name), want.series(name)), 1):
-            if not np.isclose(a, b, rtol=rtol, atol=0.0, equal_nan=True):
+            if not np.isclose(a, b, rtol=tol, atol=0.0, equal_nan=True):
                 problems.append(f"step {step} {name}: {a!r}, want {b!r} (relative difference "
-                                f"{abs(a - b) / abs(b) if b else float('inf'):.3g} > {rtol:g})")
+                                f"{abs(a - b) / abs(b) if b else float('inf'):.3g} > {tol:g})")
     for what in ("params", "mu"):
-        problems += _trees_differ(what, getattr(got, what), getattr(want, what), array_rtol)
+        problems += _trees_differ(what, getattr(got, what), getattr(want, what), rtols.get(what, rtol))
     if problems:
         raise AssertionError(f"the runs differ in {len(problems)} place(s):\n  " + "\n  ".join(problems))
 

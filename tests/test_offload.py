@@ -37,10 +37,10 @@ def reference(batches):
 def test_streamed_update_equals_the_update_on_device(batches, reference):
     """With params.offload: moments and parameters both streamed (optim.offload alone streams the moments
     through the same code; its memory is checked below). Every step's loss and gradient norm within 1e-6, and
-    every array of the state (parameters, both moments, step, RNG) element by element."""
+    every array of the state (parameters, both moments, step, RNG) element by element (1e-6, atol 1e-7)."""
     run, state = _train(batches, "params.offload=true")
     want_run, want = reference
-    equivalence.assert_same(run, want_run, rtol=1e-6)
+    equivalence.assert_same(run, want_run, loss=1e-6, grad_norm=1e-6)
     for got, expected in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
     setup = run.setup

@@ -43,10 +43,11 @@ def test_nothing_in_a_bubble_reaches_the_loss_or_a_gradient(batches, reference, 
 
 def test_1f1b_equals_gpipe(batches):
     """The same pipeline, scheduled 1F1B by hand (pipeline_1f1b.py) or GPipe by jax.grad: the same sums, in
-    another order."""
+    another order - losses and parameters within 1e-6, gradient norms and Adam moments within 1e-5."""
     mesh = ("mesh.pipeline=2", "mesh.fsdp=2", "pipeline.microbatches=4")
     gpipe = equivalence.reference(batches, *LAYERS, *mesh)
-    equivalence.assert_same(equivalence.run(batches, *LAYERS, *mesh, "pipeline.schedule=1f1b"), gpipe, rtol=1e-6)
+    one_f_one_b = equivalence.run(batches, *LAYERS, *mesh, "pipeline.schedule=1f1b")
+    equivalence.assert_same(one_f_one_b, gpipe, loss=1e-6, params=1e-6)
 
 
 def test_1f1b_holds_less_than_gpipe_by_about_the_predicted_ratio(monkeypatch):
