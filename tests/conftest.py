@@ -4,6 +4,7 @@ import os
 import shutil
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -18,10 +19,12 @@ _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"scaletrain-tests-jax-cache-{_RUN}")
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
 # The equivalence harness's references (tests/equivalence.py), computed once per run by whichever worker asks first:
-# a folder made by the first pytest process (xdist's controller, whose workers inherit it), removed when it ends.
+# a folder named by the first pytest process (xdist's controller, whose workers inherit it), made by the first
+# reference and removed when that process ends.
 _OWN_REFERENCES = "SCALETRAIN_TEST_REFERENCES" not in os.environ
 if _OWN_REFERENCES:
-    os.environ["SCALETRAIN_TEST_REFERENCES"] = tempfile.mkdtemp(prefix="scaletrain-tests-references-")
+    os.environ["SCALETRAIN_TEST_REFERENCES"] = os.path.join(
+        tempfile.gettempdir(), f"scaletrain-tests-references-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -57,7 +60,8 @@ def pytest_collection_modifyitems(config, items):
     """Which tests pytest-xdist may split between workers (the Makefile's --dist loadgroup): a module whose tests use
     a module- or session-scoped fixture of its own is kept whole on one worker (an xdist_group named for it), so that
     the fixture is computed once; any other test goes to whichever worker is free - also those whose module fixtures
-    are computed once per run whatever the worker (tests/equivalence.py's `computed_once`)."""
+    are computed once per run whatever the worker (tests/equivalence.py's `computed_once`). The modules kept whole
+    run first: the tests dealt one at a time then even out the two workers' ends."""
     kept_whole = set()
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
@@ -69,6 +73,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path in kept_whole:
             item.add_marker(pytest.mark.xdist_group(item.path.name))
+    items.sort(key=lambda item: item.path not in kept_whole)  # stable: each module's tests stay in order
 
 
 _BUSY: dict[str, dict[str, float]] = {"worker": {}, "module": {}}
