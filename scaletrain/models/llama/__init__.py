@@ -6,14 +6,17 @@ from __future__ import annotations
 from scaletrain.models.family import Family, Matmul
 from scaletrain.models.llama import hf
 from scaletrain.models.llama.decoder import Block, Llama
+from scaletrain.parallel import sharding
 from scaletrain.parallel.checks import shards_kv_heads
 
 
 def attention_matmuls(m, tensor: int = 1) -> dict[str, Matmul]:
     """Q/K/V (split by their outputs, kv heads only where `tensor` divides them) and the output projection
     (split by its inputs), in every layer."""
-    heads = m.num_heads * m.head_dim / tensor
-    kv = m.num_kv_heads * m.head_dim / (tensor if shards_kv_heads(m.num_kv_heads, tensor) else 1)
+    # Split as the trainer's activation rules split heads and kv heads (every preset alike, no sequence split).
+    rules = sharding.rules_for("fsdp", False, shards_kv_heads(m.num_kv_heads, tensor)).activations
+    heads = m.num_heads * m.head_dim / sharding.split_ways("heads", rules, {"tensor": tensor})
+    kv = m.num_kv_heads * m.head_dim / sharding.split_ways("kv_heads", rules, {"tensor": tensor})
     return {"qkv": Matmul.dense(1, m.d_model, heads + 2 * kv), "out": Matmul.dense(1, heads, m.d_model)}
 
 
