@@ -4,8 +4,8 @@ every pairing it refuses is refused with its reason.
 
 The pairings here are the ones that were refused before the stack runner was chosen once (runner.py): a pipeline
 of every schedule with flash attention, with a mixture of experts (its router losses and statistics summed across
-stages and microbatches exactly as without stages) and with the optimizer state in host memory; parameters in
-host memory with gradient accumulation."""
+stages and microbatches exactly as without stages), with the optimizer state and with the parameters in host
+memory; parameters in host memory with gradient accumulation."""
 
 import jax
 import pytest
@@ -35,6 +35,7 @@ FEATURES = {
     "flash attention": (["model.attention=flash"], ["mesh.data=2", "mesh.tensor=2"]),
     "mixture of experts": (MOE, ["mesh.expert=2", "mesh.tensor=2"]),
     "optimizer offload": (["optim.offload=true"], ["mesh.fsdp=2", "mesh.tensor=2"]),
+    "parameter offload": (["params.offload=true"], ["mesh.fsdp=2", "mesh.tensor=2"]),
 }
 
 
@@ -46,6 +47,10 @@ def test_a_pipeline_composes_with(batches, feature, schedule):
     got = equivalence.run(batches, *LAYERS, *overrides, *SCHEDULES[schedule], *mesh)
     metrics = ("loss", "grad_norm") + (ROUTER_METRICS if overrides is MOE else ())
     equivalence.assert_same(got, want, metrics=metrics)
+    if feature == "parameter offload":  # trained from host memory, a stage's weights fetched whole (runner.py)
+        assert not got.setup.runner.fetches_layers
+        kinds = {s.memory_kind for s in jax.tree.leaves(got.setup.state_shardings.params)}
+        assert kinds == {"pinned_host"}
 
 
 def test_the_router_penalty_shows_in_the_gradient_norm(batches):
@@ -65,10 +70,10 @@ def test_parameter_offload_composes_with_gradient_accumulation(batches):
 
 
 @pytest.mark.parametrize("overrides, reason", [
-    (["params.offload=true", "mesh.pipeline=2"], "params.offload=true with mesh.pipeline > 1 is not supported"),
     (["train.grad_accum_steps=2", "mesh.pipeline=2"], "the pipeline's microbatches replace gradient accumulation"),
 ])
 def test_refused_pairings_say_why(overrides, reason):
     cfg = config.load(None, tiny_overrides("unused") + LAYERS + overrides)
     with pytest.raises(ConfigError, match=reason):
         trainer.build(cfg, jax.devices()[:2])
+

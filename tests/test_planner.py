@@ -379,6 +379,8 @@ def test_what_remat_recomputes_of_a_mixture_of_experts(overrides, groups):
     ({"train.grad_accum_steps": 2}, _axes(fsdp=8), 61600, 123208, 123200),
     ({"optim.offload": True}, _axes(fsdp=8), 61600, 0, 61600),
     ({"params.offload": True}, _axes(fsdp=8), 0, 0, 0),
+    # ... except a pipeline's: its stage's weights, fetched whole for the step, and their gradients' sums.
+    ({"params.offload": True}, _axes(fsdp=4, pipeline=2), 86208, 0, 2 * 86208),
 ])
 def test_state_memory(overrides, axes, params, optimizer, gradients):
     mem = memory.predict(_cfg(**overrides), axes)

@@ -60,10 +60,6 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
         if cfg.train.grad_accum_steps > 1:
             out.append("with mesh.pipeline > 1 the pipeline's microbatches replace gradient accumulation: set "
                        "pipeline.microbatches and train.grad_accum_steps=1")
-        if cfg.params.offload:
-            out.append("params.offload=true with mesh.pipeline > 1 is not supported: JAX does not yet carry the "
-                       "gradient of a weight in host memory out of the pipeline's stage loop (vmap/shard_map); use "
-                       "optim.offload=true, which does compose with a pipeline")
     experts = m.num_experts
     if axis_sizes["expert"] > 1 and not experts:
         out.append(f"mesh.expert={axis_sizes['expert']} needs a mixture-of-experts model (model.num_experts > 0): "

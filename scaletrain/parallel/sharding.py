@@ -151,14 +151,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 # Constraints inside the step: the step function enters this context while it is traced, so model code can
 # say constrain(x, ("batch", "seq", "embed")) without knowing the mesh.
-_ACTIVE: list[tuple[Mesh, Rules, bool]] = []
+_ACTIVE: list[tuple[Mesh, Rules]] = []
 
 
 @contextlib.contextmanager
-def use_rules(mesh: Mesh, rules: Rules, params_on_host: bool = False) -> Iterator[None]:
-    """`params_on_host`: the parameters live in host memory (params.offload); constrain_param fetches each
-    to the device where it is used."""
-    _ACTIVE.append((mesh, rules, params_on_host))
+def use_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
+    _ACTIVE.append((mesh, rules))
     try:
         yield
     finally:
@@ -198,14 +196,14 @@ def active_axes(logical: str) -> tuple[str, ...]:
     """The mesh axes (of size > 1) the active activation rules split a logical axis over; none outside a step."""
     if not _ACTIVE:
         return ()
-    mesh, rules, _ = _ACTIVE[-1]
+    mesh, rules = _ACTIVE[-1]
     return tuple(a for a in mesh_axes(rules.activations.get(logical)) if mesh.shape[a] > 1)
 
 
 def replica_axes() -> tuple[str, ...]:
     """The batch's mesh axes that the active parameter rules split nothing over: axes whose devices hold the
     same weights, so that gradients can be summed on each device and reduced across them at the end."""
-    _, rules, _ = _ACTIVE[-1]
+    _, rules = _ACTIVE[-1]
     split = {a for entry in rules.params.values() for a in mesh_axes(entry)}
     return tuple(a for a in active_axes("batch") if a not in split)
 
@@ -230,7 +228,7 @@ def constrain_param(x: jax.Array, logical: tuple[str | None, ...], dtype=None) -
     gradient rules. The scan slices layer i out of the stacked weights; left to itself, sharding propagation
     may all-reduce each layer's gradient whole and slice it afterwards. Pinned here, FSDP's gradients are
     reduce-scattered layer by layer (ZeRO-2's too, its parameters being replicated). With parameters in host
-    memory the weight is copied to the device here, and its gradient stays there.
+    memory (params.offload) the weight is copied to the device here, and its gradient goes back there.
 
     `dtype` (the compute dtype) casts the weight after it is placed, and pins its gradient before the cast
     back: XLA then gathers the weight and reduce-scatters its gradient in the compute dtype. Pinned after the
@@ -238,8 +236,8 @@ def constrain_param(x: jax.Array, logical: tuple[str | None, ...], dtype=None) -
     the whole gradient (twice the bytes) before slicing it."""
     if not _ACTIVE:
         return x if dtype is None else x.astype(dtype)
-    mesh, (_, rules, params_on_host) = _traced_mesh(), _ACTIVE[-1]
-    if params_on_host:  # differentiated as a copy: the gradient goes back to host memory
+    mesh, rules = _traced_mesh(), _ACTIVE[-1][1]
+    if jax.typeof(x).memory_space == jax.memory.Space.Host:  # differentiated as a copy
         x = jax.device_put(x, jax.memory.Space.Device)
     return _place(x, NamedSharding(mesh, spec(logical, rules.params, mesh)),
                   NamedSharding(mesh, spec(logical, rules.grads, mesh)),

@@ -242,7 +242,8 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     dtype - twice over with gradient accumulation or a pipeline (the running sum and a microbatch's). With
     pipeline.gather_weights=once, each device also holds its stage's weights gathered and two whole gradients
     (the sum, a backward slot's). optim.offload moves the moments to host memory, params.offload parameters,
-    moments and gradients.
+    moments and gradients (a pipeline's stage still holds its parameters and gradients on the device for the
+    step, fetched whole).
     Activations: the remat policy's saved tensors for every layer of the device's stage (policy none:
     scaling.md's 20 [tokens, d_model] tensors per layer), one layer's full set while the backward pass
     rematerialises it (every other policy), and the float32 logits and their gradient - of one block of
@@ -303,10 +304,13 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
             whole = layer * m.num_layers + rest
             params, grads = (params + whole, grads) if role == "params" else (params, grads + 2 * whole)
     on_host = s.layout.params_home is not None
+    # A pipeline fetches its stage's weights whole for the step (runner.Runner.fetches_layers): the device holds
+    # them and their gradients, as without params.offload.
+    on_device = not on_host or not runner.fetches_layers
     moments_on_host = s.layout.opt_home is not None
     return Prediction(
-        params=0.0 if on_host else params, optimizer=0.0 if moments_on_host else moments,
-        gradients=0.0 if on_host else grads, activations=saved + working + logits, saved_activations=saved,
+        params=params if on_device else 0.0, optimizer=0.0 if moments_on_host else moments,
+        gradients=grads if on_device else 0.0, activations=saved + working + logits, saved_activations=saved,
         layer_working_set=working, logits=logits, host_params=params if on_host else 0.0,
         host_optimizer=moments if moments_on_host else 0.0, host_gradients=grads if on_host else 0.0,
         host_activations=offloaded)

@@ -3,7 +3,8 @@
 With `optim.offload`, Adam's moments live in host memory and the update streams over the stacked layers: the
 device holds one layer's moments (XLA overlaps the next layer's copy), never the whole optimizer state. With
 `params.offload`, the float32 parameters live there too: the layer scan brings each layer's weights in where the
-model uses them (sharding.constrain_param), the update streams them like the moments.
+model uses them (sharding.constrain_param; a pipeline fetches its stage's weights whole, runner.Runner.fetches_layers),
+the update streams them like the moments.
 
 Every leaf of the state has a role, told by its logical axes: "layer" (stacked over `layers`: streamed a slice
 at a time), "whole" (embeddings, final norm: updated in one piece) or "keep" (not shaped like a parameter,
@@ -35,10 +36,11 @@ def opt_roles(tx: optax.GradientTransformation, opt_state: Any, param_roles: Any
         tx, lambda _, role: role, opt_state, param_roles, transform_non_params=lambda _: "keep")
 
 
-def fetch_whole(param_roles: Any, logical_params: Any, params: Any) -> Any:
-    """The parameters the model uses outside the layer scan, copied to the device (their gradients go back
-    to host memory); the stacked layers are fetched a layer at a time by sharding.constrain_param."""
-    return jax.tree.map(lambda x, role, names: x if role == "layer" else constrain_param(x, names),
+def fetch(param_roles: Any, logical_params: Any, layers: bool, params: Any) -> Any:
+    """The parameters the model uses outside the layer scan - and the stacked layers too when `layers` -
+    copied to the device (their gradients go back to host memory). Without `layers` the stacked layers stay
+    in host memory and sharding.constrain_param fetches them a layer at a time (runner.Runner.fetches_layers)."""
+    return jax.tree.map(lambda x, role, names: x if role == "layer" and not layers else constrain_param(x, names),
                         params, param_roles, logical_params, is_leaf=lambda x: is_logical(x) or isinstance(x, str))
 
 
@@ -127,16 +129,18 @@ def _streamed_add(param_roles: Any, total: Any, new: Any) -> Any:
 
 
 def streamed(tx: optax.GradientTransformation, logical_params: Any, abstract_opt_state: Any,
-             params_on_host: bool) -> Update:
+             params_on_host: bool, fetch_layers_whole: bool = False) -> Update:
     """The update for `optim.offload` (moments in host memory) and `params.offload` (parameters too; their
     gradients then land in host memory, and are read a layer at a time for the norm, the update and
-    gradient accumulation's sum, whose zeros are made there). `tx` must be elementwise (optim.make's is)."""
+    gradient accumulation's sum, whose zeros are made there). `tx` must be elementwise (optim.make's is).
+    `fetch_layers_whole`: the model's view of the parameters takes the stacked layers to the device at once
+    (a runner that does not fetch them itself, runner.Runner.fetches_layers)."""
     param_roles = roles(logical_params)
     apply = functools.partial(_streamed_update, tx, param_roles, opt_roles(tx, abstract_opt_state, param_roles),
                               params_on_host)
     if not params_on_host:
         return Update(apply=apply)
     return Update(apply=apply, norm=functools.partial(_streamed_norm, param_roles),
-                  fetch_params=functools.partial(fetch_whole, param_roles, logical_params),
+                  fetch_params=functools.partial(fetch, param_roles, logical_params, fetch_layers_whole),
                   zeros=lambda params: to_host(jax.tree.map(jnp.zeros_like, params)),
                   add=functools.partial(_streamed_add, param_roles))

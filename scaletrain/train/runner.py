@@ -38,6 +38,16 @@ class Runner:
     repeats: int = 1  # circular: blocks of layers per stage, the weights kept in pipeline.memory_order
     gather_once: bool = False  # 1f1b: pipeline.gather_weights=once
 
+    @property
+    def fetches_layers(self) -> bool:
+        """With parameters in host memory (params.offload), whether the runner brings each layer's weights to
+        the device as it runs that layer (the plain scan: sharding.constrain_param). A pipeline instead takes its
+        stage's weights whole, fetched before its loop: JAX cannot yet carry the gradient of a host-memory
+        weight out of two nested loops (the iterations, a stage's layers) - it types the cotangent in the wrong
+        memory space. Its devices then hold a stage's parameters and their gradients during the step, as
+        without params.offload; the moments and the update stay in host memory."""
+        return self.stages == 1
+
     def memory_order(self, layers: int) -> np.ndarray | None:
         """The canonical index of the layer at each position of the stacked weights as this runner keeps them
         in memory (pipeline.memory_order), or None where that is the canonical order: checkpoints keep the

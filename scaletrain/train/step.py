@@ -48,7 +48,7 @@ def make_eval_step(graphdef: nnx.GraphDef, runner: Runner, fetch_params: Callabl
     its gradient. `fetch_params` brings parameters kept in host memory to the device (optim.Update.fetch_params)."""
 
     def eval_step(params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        with use_rules(mesh, rules, fetch_params is not None):
+        with use_rules(mesh, rules):
             return loss_sum(graphdef, params if fetch_params is None else fetch_params(params), batch, runner)
 
     return eval_step
@@ -57,7 +57,6 @@ def make_eval_step(graphdef: nnx.GraphDef, runner: Runner, fetch_params: Callabl
 def make_train_step(graphdef: nnx.GraphDef, runner: Runner, update: optim.Update, lr: optax.Schedule,
                     grad_clip_norm: float, grad_accum_steps: int, mesh, rules, grad_shardings: Any) -> Callable:
     """`rules` is a sharding.Rules; `grad_shardings` places gradients per the preset (ZeRO-2: scattered)."""
-    params_on_host = update.fetch_params is not None
     fetch_params = update.fetch_params or (lambda p: p)
     grad_fn = jax.value_and_grad(lambda p, b: objective(graphdef, fetch_params(p), b, runner), has_aux=True)
 
@@ -65,7 +64,7 @@ def make_train_step(graphdef: nnx.GraphDef, runner: Runner, update: optim.Update
         return jax.lax.with_sharding_constraint(grads, grad_shardings)
 
     def step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
-        with use_rules(mesh, rules, params_on_host):
+        with use_rules(mesh, rules):
             if grad_accum_steps == 1:
                 (total, sums), grads = grad_fn(state.params, batch)
                 grads = place(grads)

@@ -95,8 +95,8 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
     abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                   jax.eval_shape(init, jax.random.PRNGKey(0)), state_shardings)
     batch_sharding = NamedSharding(mesh, sharding.spec(("batch", "seq"), rules.activations, mesh))
-    update = optim.on_device(tx) if lay.opt_home is None else offload.streamed(tx, lay.logical, lay.opt_state,
-                                                                               cfg.params.offload)
+    update = optim.on_device(tx) if lay.opt_home is None else offload.streamed(
+        tx, lay.logical, lay.opt_state, cfg.params.offload, fetch_layers_whole=not lay.runner.fetches_layers)
     step = make_train_step(lay.graphdef, lay.runner, update, lr, cfg.optim.grad_clip_norm,
                            cfg.train.grad_accum_steps, mesh, rules, grad_shardings)
     return Setup(
