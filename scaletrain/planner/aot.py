@@ -3,10 +3,11 @@ XLA estimate, which collectives does it run.
 
 XLA's cost analysis counts a while loop's body once, whatever its trip count (jax-notes.md), so the step's raw
 `flops` and `optimal_seconds` miss most of the scanned layer stack. The loop-corrected figures come from two
-more compiles of the same step with 1 and 2 layers, every model loop unrolled and the windowed-einsum loops
-XLA builds around sharded matmuls turned off: per layer = c(2) - c(1), outside the layers = 2 c(1) - c(2),
-the step = outside + L x per layer (with P pipeline stages, P and 2P layers: one and two a stage; the pipeline's
-iterations are unrolled too; with model.moe_every = k, k and 2k: the scan's unit is a group of k layers). With
+more compiles of the same step with 2 and 3 layers, every model loop unrolled and the windowed-einsum loops
+XLA builds around sharded matmuls turned off: per layer = c(3) - c(2), the step = c(2) + (L - 2) x per layer
+(with P pipeline stages, 2P and 3P layers; the pipeline's iterations are unrolled too; with model.moe_every = k,
+2k and 3k: the scan's unit is a group of k layers). They stand for the step's program unrolled whole, which is
+compiled instead when it has at most 5 units. With
 gradient accumulation those compiles take one microbatch and the result is multiplied by their number (which
 counts the optimizer update once per microbatch: an overestimate of a few percent). The offloaded optimizer's
 layer loop (optim.offload) stays counted once.
@@ -68,26 +69,39 @@ def _cost(compiled) -> dict[str, float]:
     return {k: float(cost.get(k, 0.0)) for k in _COSTS}
 
 
-def _loop_corrected(cfg, devices, stages: int = 1) -> dict[str, float]:
-    """The two compiles have U and 2U layers, U = `stages` pipeline stages x the layers of a group (model.moe_every
-    of a mixture of experts, else 1): per layer = (c(2U) - c(U)) / U, outside = 2 c(U) - c(2U)."""
+def unrolled_cost(cfg, devices) -> dict[str, float]:
+    """XLA's costs of the step with every model loop unrolled and no windowed-einsum loops: a program whose cost
+    analysis counts everything it runs - what the loop correction stands for (tests/test_aot.py compares the
+    two)."""
     from scaletrain.train import trainer
 
-    accum = cfg.train.grad_accum_steps
+    setup = trainer.build(cfg, devices, unroll_loops=True)
     options = _NO_WINDOWED_EINSUM if devices[0].platform == "tpu" else None
+    return _cost(setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile(options))
+
+
+def _loop_corrected(cfg, devices, stages: int = 1) -> dict[str, float]:
+    """The step's costs as XLA counts the unrolled program (unrolled_cost), from two smaller compiles of 2U and 3U
+    layers, U = `stages` pipeline stages x the layers of a group (model.moe_every of a mixture of experts, else
+    1): per unit = c(3U) - c(2U), the step = c(2U) + (L/U - 2) per unit. Not from U and 2U: XLA fuses the first
+    unit with the embedding's backward pass differently from the others, so c(2U) - c(U) undercounts a unit
+    (by 10% of the bytes for the tiny model; docs/benchmarks.md). With at most 5U layers the whole program is
+    compiled unrolled instead: no more compile time than the two."""
+    accum = cfg.train.grad_accum_steps
     unit = stages * (cfg.model.moe_every if cfg.model.num_experts else 1)
-    costs = []
-    for layers in (unit, 2 * unit):
+    units = cfg.model.num_layers // unit
+
+    def cost(layers: int) -> dict[str, float]:
         variant = copy.deepcopy(cfg)
         variant.model.num_layers = layers
         variant.train.global_batch = cfg.train.global_batch // accum
         variant.train.grad_accum_steps = 1
-        setup = trainer.build(variant, devices, unroll_loops=True)
-        compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile(options)
-        costs.append(_cost(compiled))
-    one, two = costs
-    layers = cfg.model.num_layers
-    return {k: accum * (2 * one[k] - two[k] + layers * (two[k] - one[k]) / unit) for k in _COSTS}
+        return unrolled_cost(variant, devices)
+
+    if units <= 5:
+        return {k: accum * v for k, v in cost(cfg.model.num_layers).items()}
+    two, three = cost(2 * unit), cost(3 * unit)
+    return {k: accum * (two[k] + (units - 2) * (three[k] - two[k])) for k in _COSTS}
 
 
 def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
