@@ -83,9 +83,9 @@ def unrolled_cost(cfg, devices) -> dict[str, float]:
 def _loop_corrected(cfg, devices, stages: int = 1) -> dict[str, float]:
     """The step's costs as XLA counts the unrolled program (unrolled_cost), from two smaller compiles of 2U and 3U
     layers, U = `stages` pipeline stages x the layers of a group (model.moe_every of a mixture of experts, else
-    1): per unit = c(3U) - c(2U), the step = c(2U) + (L/U - 2) per unit. Not from U and 2U: XLA fuses the first
-    unit with the embedding's backward pass differently from the others, so c(2U) - c(U) undercounts a unit
-    (by 10% of the bytes for the tiny model; docs/benchmarks.md). With at most 5U layers the whole program is
+    1): per unit = c(3U) - c(2U), the step = c(2U) + (L/U - 2) per unit. Not from U and 2U: in XLA's counts the first
+    unit costs less than the ones after it (the tiny model's first layer 105 MB accessed, the next ones 116 MB),
+    so c(2U) - c(U) undercounts a unit (docs/benchmarks.md). With at most 5U layers the whole program is
     compiled unrolled instead: no more compile time than the two."""
     accum = cfg.train.grad_accum_steps
     unit = stages * (cfg.model.moe_every if cfg.model.num_experts else 1)
