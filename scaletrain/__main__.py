@@ -153,8 +153,11 @@ def plan(args: argparse.Namespace) -> int:
 
     if args.tokens is not None and not (0 < args.tokens < float("inf")):
         raise UserError(f"--tokens must be a positive number of training tokens, e.g. 15e12; got {args.tokens}")
-    if args.mfu is not None and not (args.tokens is not None and 0 < args.mfu <= 1):
-        raise UserError(f"--mfu must be in (0, 1] and comes with --tokens; got {args.mfu}")
+    if args.mfu is not None and args.tokens is None:
+        raise UserError(f"--mfu {args.mfu:g} needs --tokens: it prices a run of that many tokens, e.g. --tokens "
+                        f"15e12 --mfu {args.mfu:g}")
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise UserError(f"--mfu must be in (0, 1], a fraction of the chips' peak (e.g. 0.4 for 40%); got {args.mfu:g}")
     cfg = config.load(args.config, args.set)
     runtime.configure(None)  # `cpu:N` measures this machine's CPU
     from scaletrain.planner import budget, roofline
@@ -163,13 +166,19 @@ def plan(args: argparse.Namespace) -> int:
     training = chips = None
     if args.tokens is not None:
         training = result["training"] = budget.training(cfg, result, args.tokens, args.mfu)
+        result["warnings"] += budget.warnings(training, result)
         chips = None if result["chip"] == "cpu" else budget.min_chips(cfg, args.hardware)
+        if chips:
+            chips["training"] = budget.on_fewest_chips(cfg, chips, args.tokens, args.mfu)
         result["min_chips"] = chips and chips["min_chips"]
         result["min_chips_detail"] = chips
     if args.json:
         print(json.dumps(result, indent=1))
-    else:
-        print("\n".join([roofline.format_table(result), "", *budget.describe(training, chips, result)]).rstrip())
+        return 0
+    # The warnings last, below the budget they may be about.
+    sections = [roofline.format_table({**result, "warnings": []}), budget.describe(training, chips, result),
+                [f"warning: {w}" for w in result["warnings"]]]
+    print("\n\n".join(s if isinstance(s, str) else "\n".join(s) for s in sections if s))
     return 0
 
 

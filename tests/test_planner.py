@@ -4,6 +4,7 @@ on TPUs", https://jax-ml.github.io/scaling-book/applied-training). Pure Python: 
 
 import json
 import math
+import os
 import types
 
 import jax
@@ -85,7 +86,7 @@ def test_topology(text, dims, slices, chips, wraps):
     ("v5p4x4x4", "is not of the form"),
     ("v5p:4x4", "needs 3 sizes"),
     ("v5e:4x4x4", "needs 2 sizes"),
-    ("v5p:4x4x32", "at most 16x20x28"),
+    ("v5p:4x4x30", "4x4x30 does not fit in a v5p pod of 16x20x28 chips; beyond its axes, only whole 4x4x4 cubes"),
     ("h100:12", "a multiple of 8"),
     ("2xv4:4x4x4", "no DCN bandwidth"),
 ])
@@ -879,8 +880,80 @@ def test_plan_cli_answers_the_budget_questions():
     assert r["min_chips"] == r["min_chips_detail"]["min_chips"] == 1  # the tiny model fits one v5e
     text = run_cli(command, module=True).stdout
     assert "training on 1e+09 tokens" in text and "fewest chips that fit: 1 (v5e:1x1" in text
-    refused = run_cli([*command[:-2], "--mfu", "0.5"], module=True)
-    assert refused.returncode == 2 and refused.stderr.startswith("error: --mfu must be in (0, 1] and comes with")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mfu", "0.4"], "error: --mfu 0.4 needs --tokens: it prices a run of that many tokens"),
+    (["--tokens", "1e9", "--mfu", "40"], "error: --mfu must be in (0, 1], a fraction of the chips' peak (e.g. 0.4 "
+                                         "for 40%); got 40"),
+])
+def test_mfu_errors_say_what_is_wrong(args, message, capsys):
+    from scaletrain.__main__ import main
+
+    assert main(["plan", "--config", "configs/llama_tiny.yaml", "--hardware", "v5e:2x4", *args]) == 2
+    assert capsys.readouterr().err == message + (", e.g. --tokens 15e12 --mfu 0.4\n" if "needs" in message else "\n")
+
+
+def test_a_plan_flags_its_own_assumptions(capsys, monkeypatch):
+    """The book's 70B on the whole v5p pod (issue 30): the trainer refuses fsdp=8960, the roofline predicts at most
+    7.3% MFU, and 40% was assumed. The days and chip-hours say that their mesh is refused, the MFU is a warning
+    (with the days at the bound), and the fewest chips that fit get their own days."""
+    from scaletrain.__main__ import main
+
+    # What the command sets (runtime.configure), for this test only.
+    for name, value in (("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_ACCELERATOR_TYPE", "v5p-8")):
+        monkeypatch.setenv(name, os.environ.get(name, value))
+    command = ["plan", "--config", "configs/llama3_70b.yaml", "--hardware", "v5p:16x20x28", "--tokens", "15e12",
+               "--mfu", "0.4"]
+    assert main(command) == 0
+    text = capsys.readouterr().out
+    assert main([*command, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    t, fewest = r["training"], r["min_chips_detail"]["training"]
+    assert (t["mesh_refused"], t["mfu_above_bound"], round(t["mfu_upper_bound"], 3)) == (True, True, 0.073)
+    assert "47.4 days on 8960 chips, 1.02e+07 chip-hours - on a mesh the trainer refuses (see the warnings)" in text
+    bound = next(w for w in r["warnings"] if w.startswith("--mfu"))
+    assert f"warning: {bound}" in text.splitlines()
+    assert bound.startswith("--mfu 0.4 is above this plan's predicted bound of 7.3% MFU (its step, ici-bound, takes "
+                            "at least 1.57 s)") and bound.endswith(f"{t['days'] * 0.4 / t['mfu_upper_bound']:.3g} "
+                                                                   f"days, 5.58e+07 chip-hours")
+    # The fewest chips: 32 (v5p:2x4x4, fsdp=32), a mesh the trainer takes, at the same 40% - below its bound.
+    assert (fewest["hardware"], fewest["chips"], fewest["mesh_refused"], fewest["mfu_above_bound"]) == (
+        "v5p:2x4x4", 32, False, False)
+    assert fewest["days"] == pytest.approx(t["days"] * 8960 / 32)
+    assert f"  training there at MFU 40.0% (given): {fewest['days']:.3g} days on 32 chips" in text
+    assert text.rstrip().splitlines()[-1].startswith("warning: --mfu 0.4")  # the warnings come last
+
+
+def test_slices_cloud_tpu_does_not_rent_are_a_warning():
+    r = roofline.plan(_cfg(), "v5p:3x3x3")
+    assert ("Cloud TPU rents no v5p slice of 3x3x3 (27 chips); the nearest it rents: v5p:2x2x4 (16 chips) and "
+            "v5p:2x4x4 (32 chips)") in r["warnings"][-1]
+    # Accelerator types in any axis order, and (v4, v5p) shapes of whole 4x4x4 cubes up to the largest slice.
+    assert [hardware.rented("v5p", d) for d in ((4, 4, 2), (4, 4, 48), (16, 16, 24), (8, 8, 100), (4, 4, 6))] == [
+        True, True, True, False, False]
+    assert [hardware.rented("v5e", d) for d in ((4, 2), (3, 3), (16, 16))] == [True, False, True]
+    assert hardware.rented("tpu7x", (4, 4, 4)) is None
+    assert roofline.plan(_cfg(), "tpu7x:2x2x2")["warnings"][-1] == (
+        "hardware.yaml lists no Cloud TPU slices of tpu7x: not checked that a 2x2x2 slice is rented")
+    for rented in ("v5p:2x2x2", "v5e:2x4", "2xv5p:4x4x4", "h100:8"):
+        warnings = roofline.plan(_cfg(**{"mesh.dcn_data": -1}), rented)["warnings"]
+        assert not any("rent" in w for w in warnings), rented
+    with pytest.raises(ConfigError, match=r"'v5p:8x8x100': 8x8x100 does not fit in a v5p pod of 16x20x28 chips; "
+                                          r"beyond its axes, only whole 4x4x4 cubes of at most 6144 chips"):
+        hardware.topology("v5p:8x8x100")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_fewer_microbatches_than_stages_is_a_warning(schedule):
+    def warnings(microbatches):
+        return roofline.plan(_cfg(**{"mesh.pipeline": 2, "pipeline.schedule": schedule,
+                                     "pipeline.microbatches": microbatches}), "v5p:2x2x2")["warnings"]
+
+    assert warnings(1) == ["pipeline.microbatches=1 is fewer than mesh.pipeline=2 stages: at most 1 of the 2 stages "
+                           "work at once and the bubble is 50% of the step; expected pipeline.microbatches >= 2 "
+                           "(several times it keeps the bubble small)"]
+    assert warnings(2) == warnings(0) == []  # 0: one per stage
 
 
 def test_plan_shows_the_pipeline_schedule():

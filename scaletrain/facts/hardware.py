@@ -297,9 +297,12 @@ def topology(text: str) -> Topology:
         # Optical switches join whole cubes into slices that no block of the pod holds (v5p 4x4x44): a shape
         # that Cloud TPU rents is a slice.
         if (chip.max_pod and any(d > m for d, m in zip(sorted(dims), sorted(chip.max_pod)))
-                and not _rented(chip.name, dims)):
-            raise ConfigError(f"hardware '{text}': a {chip.name} slice is at most "
-                              f"{'x'.join(map(str, chip.max_pod))} chips")
+                and not rented(chip.name, dims)):
+            limit = cloud_tpus().get(chip.name, {}).get("whole_cubes_up_to")
+            beyond = (f"; beyond its axes, only whole 4x4x4 cubes of at most {limit} chips (or a listed "
+                      f"accelerator type) are joined into a slice" if limit else "")
+            raise ConfigError(f"hardware '{text}': {'x'.join(map(str, dims))} does not fit in a {chip.name} pod of "
+                              f"{'x'.join(map(str, chip.max_pod))} chips{beyond} ({_WHERE})")
     if slices > 1 and chip.dcn_bandwidth is None:
         raise ConfigError(f"hardware '{text}': hardware.yaml has no DCN bandwidth for {chip.name}, so it cannot "
                           f"plan across slices; use one slice")
@@ -338,9 +341,35 @@ def cloud_slices(chip: str) -> list[CloudSlice]:
     return [CloudSlice(chip, f"{entry['type_prefix']}-{math.prod(d) * entry['cores_per_chip']}", d) for d in dims]
 
 
-def _rented(chip: str, dims: tuple[int, ...]) -> bool:
-    """Whether an accelerator type names a slice of this shape, in any order of its axes."""
-    return chip in cloud_tpus() and sorted(dims) in (sorted(s.dims) for s in cloud_slices(chip))
+def rented(chip: str, dims: Sequence[int]) -> bool | None:
+    """Whether Cloud TPU rents a slice of `chip` of this shape, in any order of its axes: an accelerator type
+    names it, or every axis is a multiple of 4 (whole 4x4x4 cubes, which --topology takes) within the chip's
+    `whole_cubes_up_to`. None where hardware.yaml lists no slices of the chip."""
+    entry = cloud_tpus().get(chip)
+    if entry is None:
+        return None
+    if sorted(dims) in (sorted(s.dims) for s in cloud_slices(chip)):
+        return True
+    limit = entry.get("whole_cubes_up_to") or 0
+    return all(d % 4 == 0 for d in dims) and math.prod(dims) <= limit
+
+
+def rental_note(topo: Topology) -> str | None:
+    """A plan's warning for a TPU slice Cloud TPU does not rent, naming the nearest sizes it does, or whose chip
+    hardware.yaml lists no slices of; None for a slice it rents, GPUs and this CPU."""
+    if topo.chip.is_gpu:  # this CPU too: both are planned as switches
+        return None
+    chip, shape, chips = topo.chip.name, "x".join(map(str, topo.dims)), topo.chips_per_slice
+    verdict = rented(chip, topo.dims)
+    if verdict is None:
+        return f"hardware.yaml lists no Cloud TPU slices of {chip}: not checked that a {shape} slice is rented"
+    if verdict:
+        return None
+    listed = cloud_slices(chip)
+    nearest = [s for s in listed if s.chips < chips][-1:] + [s for s in listed if s.chips > chips][:1]
+    named = " and ".join(f"{s.hardware()} ({s.chips} chips)" for s in nearest)
+    return (f"Cloud TPU rents no {chip} slice of {shape} ({chips} chips); the nearest it rents: {named} "
+            f"({_WHERE}); planned as asked")
 
 
 def accelerator_type(text: str) -> CloudSlice:

@@ -25,16 +25,44 @@ MAX_GPU_NODES = 4096
 def training(cfg, result: dict, tokens: float, mfu: float | None = None) -> dict:
     """A run of `tokens` tokens on the plan's machine: its model FLOPs (flops.py: 6 per multiplied weight and
     token - the book's 6ND - plus causal attention, which the book leaves out), and its days and chip-hours at
-    model FLOPs utilisation `mfu`, or at the plan's predicted step time when None."""
+    model FLOPs utilisation `mfu`, or at the plan's predicted step time when None. Says whether `mfu` exceeds
+    what the plan predicts the mesh can reach, and whether the trainer would refuse the mesh at all."""
     total = result["flops_per_token"] * tokens
     matmul = total - flops.attention_flops_per_token(cfg.model, cfg.data.seq_len) * tokens
-    used = result["mfu_upper_bound"] if mfu is None else mfu
-    peak = result["step_flops"] / (result["step_time_s"] * result["mfu_upper_bound"])  # all chips' FLOP/s
+    bound = result["mfu_upper_bound"]
+    used = bound if mfu is None else mfu
+    peak = result["step_flops"] / (result["step_time_s"] * bound)  # all chips' FLOP/s
     seconds = total / (peak * used)
     return {"tokens": tokens, "total_flops": total, "matmul_flops": matmul, "attention_flops": total - matmul,
             "steps": math.ceil(tokens / result["tokens_per_step"]), "mfu": used,
             "mfu_source": "given" if mfu is not None else "predicted step time",
-            "days": seconds / DAY_S, "chip_hours": seconds / 3600.0 * result["chips"]}
+            "mfu_upper_bound": bound, "mfu_above_bound": used > bound,
+            "days": seconds / DAY_S, "chip_hours": seconds / 3600.0 * result["chips"],
+            "hardware": result["hardware"], "chips": result["chips"], "mesh_refused": bool(result["refusals"]),
+            "fits": result["fits"]}
+
+
+def on_fewest_chips(cfg, chips: dict, tokens: float, mfu: float | None = None) -> dict | None:
+    """`training` on the slice `min_chips` found, with the mesh it found there (the config's, one degree filling
+    the slice): at the given MFU, or at that slice's own predicted step time. None when no slice fits."""
+    if chips["min_chips"] is None:
+        return None
+    filled = cfg.copy_and_resolve_references()
+    for key, degree in _filling(cfg, hw.topology(chips["hardware"]).chip.is_gpu).items():
+        filled.mesh[key] = degree
+    return training(filled, roofline.plan(filled, chips["hardware"]), tokens, mfu)
+
+
+def warnings(training_: dict, result: dict) -> list[str]:
+    """The plan's warnings about its own budget: an assumed MFU above the one the plan predicts at most."""
+    t = training_
+    if not t["mfu_above_bound"]:
+        return []
+    slower = t["mfu"] / t["mfu_upper_bound"]
+    return [f"--mfu {t['mfu']:g} is above this plan's predicted bound of {100 * t['mfu_upper_bound']:.1f}% MFU (its "
+            f"step, {result['bound']}-bound, takes at least {result['step_time_s']:.3g} s): the days and chip-hours "
+            f"assume what the plan says this mesh cannot reach; at the bound they are {t['days'] * slower:.3g} days, "
+            f"{t['chip_hours'] * slower:.3g} chip-hours"]
 
 
 def _candidates(topo: hw.Topology) -> Iterator[str]:
@@ -103,15 +131,24 @@ def describe(training_: dict | None, chips: dict | None, result: dict) -> list[s
     if training_:
         t = training_
         chips_ = f"{result['chips']} chip{'s' if result['chips'] > 1 else ''}"
+        refused = (" - on a mesh the trainer refuses (see the warnings)" if t["mesh_refused"] else
+                   " - on a mesh that does not fit (see the warnings)" if not t["fits"] else "")
         lines.append(f"training on {t['tokens']:.3g} tokens ({t['steps']:,.0f} steps): {t['total_flops']:.3g} FLOP "
                      f"(matmuls {t['matmul_flops']:.3g}, attention {t['attention_flops']:.3g}); at MFU "
                      f"{100 * t['mfu']:.1f}% ({t['mfu_source']}): {t['days']:.3g} days on {chips_}, "
-                     f"{t['chip_hours']:.3g} chip-hours")
+                     f"{t['chip_hours']:.3g} chip-hours{refused}")
     if chips:
         where = (chips["note"] if chips["min_chips"] is None else
                  f"{chips['min_chips']} ({chips['hardware']}, mesh "
-                 f"{' x '.join(f'{a}={n}' for a, n in chips['mesh'].items() if n > 1)}, "
+                 f"{' x '.join(f'{a}={n}' for a, n in chips['mesh'].items() if n > 1) or '1 device'}, "
                  f"{chips['memory_per_device_bytes'] / 2**30:.1f} GiB per chip)")
         lines.append(f"fewest chips that fit: {where}; the book's count (state and saved activations over HBM): "
                      f"{math.ceil(chips['capacity_chips'])}")
+        f = chips.get("training")
+        if f:
+            above = (f", above its predicted bound of {100 * f['mfu_upper_bound']:.1f}%" if f["mfu_above_bound"]
+                     else "")
+            source = "its predicted step time" if f["mfu_source"] != "given" else f"given{above}"
+            lines.append(f"  training there at MFU {100 * f['mfu']:.1f}% ({source}): {f['days']:.3g} days on "
+                         f"{f['chips']} chips, {f['chip_hours']:.3g} chip-hours")
     return lines

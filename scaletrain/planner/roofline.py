@@ -265,15 +265,24 @@ def refusals(cfg, axes: Mapping[str, int], state: memory.State) -> list[str]:
     return checks.problems(cfg, axes) + ([state.refused] if state.refused else [])
 
 
-def _warnings(cfg, axes: Mapping[str, int], mem: memory.Prediction, chip: hw.Chip, state: memory.State) -> list[str]:
+def _warnings(cfg, axes: Mapping[str, int], mem: memory.Prediction, topo: hw.Topology, refused: list[str],
+              bubble: float) -> list[str]:
     """What the trainer would refuse and what makes the plan less than it seems; the plan is made regardless."""
-    out = [f"the trainer refuses this mesh: {problem}" for problem in refusals(cfg, axes, state)]
-    micro = cfg.train.global_batch / microbatches(cfg, axes)
+    out = [f"the trainer refuses this mesh: {problem}" for problem in refused]
+    stages, n = axes["pipeline"], microbatches(cfg, axes)
+    micro = cfg.train.global_batch / n
     if micro % sharding.batch_ways(axes):
         out.append("planned with the book's sequence sharding (token-level data parallelism)")
-    if mem.total > chip.hbm_bytes:
-        out.append(f"does not fit: {mem.total / GB:.1f} GB per device of {chip.hbm_bytes / GB:.0f} GB HBM")
-    return out
+    if mem.total > topo.chip.hbm_bytes:
+        out.append(f"does not fit: {mem.total / GB:.1f} GB per device of {topo.chip.hbm_bytes / GB:.0f} GB HBM")
+    # A circular schedule with repeats is refused for it already (checks.problems).
+    circular = cfg.pipeline.schedule == "circular" and cfg.pipeline.repeats > 1
+    if 1 < stages and n < stages and not circular:
+        out.append(f"pipeline.microbatches={n} is fewer than mesh.pipeline={stages} stages: at most {n} of the "
+                   f"{stages} stages work at once and the bubble is {100 * bubble:.0f}% of the step; expected "
+                   f"pipeline.microbatches >= {stages} (several times it keeps the bubble small)")
+    rental = hw.rental_note(topo)
+    return out + ([rental] if rental else [])
 
 
 def _pipeline(runner: Runner, bubble: float) -> dict | None:
@@ -328,6 +337,7 @@ def plan(cfg, hardware: str) -> dict:
     step_time = times[bound]
     mem = memory.predict(cfg, axes, state, ragged)
     detail = mem.as_dict()
+    refused = refusals(cfg, axes, state)
     return {
         "hardware": str(topo), "chip": chip.name, "chips": topo.num_chips, "slices": topo.slices,
         "torus": list(topo.dims), "wraparound": list(topo.wraps),
@@ -365,7 +375,8 @@ def plan(cfg, hardware: str) -> dict:
         "alpha": chip.bf16_flops / chip.ici_bandwidth_bidi,
         "critical_batch": critical_batches(cfg, topo, axes, links),
         "fsdp_tensor_split": fsdp_tensor_split(cfg, topo),
-        "warnings": _warnings(cfg, axes, mem, chip, state),
+        "refusals": refused,
+        "warnings": _warnings(cfg, axes, mem, topo, refused, bubble),
     }
 
 
