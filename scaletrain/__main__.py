@@ -115,12 +115,16 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_out(out: str, existing: str | None) -> None:
+def _check_out(out: str, existing: str | None, local: str | None = None) -> None:
     """`--out`, before any compile or restore. Nothing there is replaced: `existing` is what the path may
     already be - "folder", "empty folder" or None (nothing). A missing local parent folder is refused too: a
-    typo there would otherwise surface only once the work is done (a bucket has no folders)."""
+    typo there would otherwise surface only once the work is done (a bucket has no folders). `local` says what
+    the command writes where it takes no gs:// path: refused before the bucket is asked anything (a bucket that
+    cannot be reached costs a minute of retries)."""
     from scaletrain.store import storage
 
+    if local and storage.is_remote(out):
+        raise UserError(f"--out {out}: {local}; expected a local path (copy it to the bucket afterwards)")
     path = storage.path(out)
     if path.is_file() or (path.exists() and existing is None):
         expected = f"a new path or an existing {existing}" if existing else "a new path"
@@ -137,7 +141,8 @@ def sweep(args: argparse.Namespace) -> int:
     from scaletrain.planner import sweep as sweep_lib
 
     spec = sweep_lib.load(args.sweep_file)  # before JAX starts: a bad sweep file costs milliseconds
-    _check_out(args.out, existing="folder")  # an earlier run of the sweep, resumed
+    # An earlier run of the sweep there is resumed.
+    _check_out(args.out, existing="folder", local="a sweep writes its results to a local folder")
     sweep_lib.earlier(spec, args.out)  # another sweep's results there: refused before JAX starts
     runtime.configure(args.cpu_devices)
     records = sweep_lib.run(spec, args.out, log=lambda line: print(line, flush=True))
@@ -224,16 +229,19 @@ def ckpt(args: argparse.Namespace) -> int:
 def convert(args: argparse.Namespace) -> int:
     from scaletrain import runtime
 
-    _check_out(args.out, existing="empty folder")
     runtime.configure(None)
     if args.convert_command == "fold-norms":
         from scaletrain.tools import inference
 
+        _check_out(args.out, existing="empty folder")
         return inference.fold_norms(args.run_dir, args.out)
     from scaletrain.tools import hf
 
     if args.convert_command == "from-hf":
+        hf.read_source(args.hf_dir)  # a local folder: checked before a gs:// --out is asked anything
+        _check_out(args.out, existing="empty folder")
         return hf.from_hf(args.hf_dir, args.out)
+    _check_out(args.out, existing="empty folder", local=hf.LOCAL_OUT)
     return hf.to_hf(args.run_dir, args.out, args.step)
 
 
@@ -260,7 +268,7 @@ def data(args: argparse.Namespace) -> int:
         raise UserError(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
-    _check_out(args.out, existing="empty folder")
+    _check_out(args.out, existing="empty folder", local=prepare.LOCAL_OUT)
     return prepare.main(args.tokenizer, args.input, args.out, args.field, args.eval_fraction, args.workers)
 
 
@@ -269,7 +277,10 @@ def logits(args: argparse.Namespace) -> int:
 
     if not args.out.endswith(".npy"):  # numpy would add the suffix: the file would not be where it was asked
         raise UserError(f"--out {args.out}: expected a path ending in .npy")
-    _check_out(args.out, existing=None)
+    if not os.path.isfile(args.tokens):  # numpy reads local files only
+        raise UserError(f"--tokens {args.tokens}: no such file; expected a local .npy file of int token ids "
+                        f"[batch, seq]")
+    _check_out(args.out, existing=None, local="logits writes a local .npy file")
     runtime.configure(None)
     from scaletrain.tools import inference
 

@@ -1,5 +1,7 @@
 """Bad input: exit status 2 and one `error:` line on stderr, no traceback, nothing written (README.md)."""
 
+import os
+
 import pytest
 
 from tests.conftest import ROOT, run_cli, tiny_overrides
@@ -59,6 +61,7 @@ def test_out_that_would_replace_something_or_lies_in_a_missing_folder(tmp_path, 
     from scaletrain.__main__ import main
 
     (tmp_path / "file.npy").write_bytes(b"mine")
+    (tmp_path / "t.npy").write_bytes(b"")  # read after --out is checked
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "config.yaml").write_text("mine")
     (tmp_path / "sweep.yaml").write_text(f"base: {ROOT / 'configs' / 'llama_tiny.yaml'}\nstages: [run]\n"
@@ -70,3 +73,46 @@ def test_out_that_would_replace_something_or_lies_in_a_missing_folder(tmp_path, 
     err = capsys.readouterr().err
     assert err.startswith(f"error: --out {tmp_path / out}") and err.count("\n") == 1 and message in err, err
     assert (tmp_path / "file.npy").read_bytes() == b"mine" and (tmp_path / "full" / "config.yaml").read_text() == "mine"
+
+
+@pytest.fixture
+def no_bucket(monkeypatch):
+    """Every gs:// access (etils.epath's fsspec backend: gcsfs) raises: what a command checks before it reads or
+    writes a bucket, it checks without one."""
+    from etils.epath import backend
+
+    def asked(self, name):
+        raise AssertionError(f"the command asked a bucket ({name}://) before its local checks")
+
+    monkeypatch.setattr(backend._FileSystemSpecBackend, "_get_filesystem", asked)
+    # What `convert` sets before JAX starts (runtime.configure), for this test only.
+    for name, value in (("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_ACCELERATOR_TYPE", "v5p-8")):
+        monkeypatch.setenv(name, os.environ.get(name, value))
+
+
+@pytest.mark.parametrize("command, message", [
+    (["data", "prepare", "--tokenizer", "bytes", "--input", "{tmp}/a.txt", "--out", "gs://b/ds"],
+     "--out gs://b/ds: a prepared dataset is written to (and read from) a local disk; expected a local path"),
+    (["convert", "to-hf", "--run-dir", "gs://b/run", "--out", "gs://b/hf"],
+     "--out gs://b/hf: to-hf writes a local folder; expected a local path"),
+    (["logits", "--run-dir", "gs://b/run", "--tokens", "{tmp}/t.npy", "--out", "gs://b/l.npy"],
+     "--out gs://b/l.npy: logits writes a local .npy file; expected a local path"),
+    (["logits", "--run-dir", "gs://b/run", "--tokens", "{tmp}/missing.npy", "--out", "{tmp}/l.npy"],
+     "--tokens {tmp}/missing.npy: no such file; expected a local .npy file"),
+    (["sweep", "{tmp}/sweep.yaml", "--out", "gs://b/sweep"],
+     "--out gs://b/sweep: a sweep writes its results to a local folder; expected a local path"),
+    (["convert", "from-hf", "--hf-dir", "{tmp}/missing", "--out", "gs://b/run"],
+     "--hf-dir {tmp}/missing: {tmp}/missing/config.json not found"),
+])
+def test_local_refusals_come_before_any_bucket(tmp_path, capsys, no_bucket, command, message):
+    """A bucket that cannot be reached costs a minute of retries and a page of traceback; what is wrong here is
+    said first, in one line."""
+    from scaletrain.__main__ import main
+
+    (tmp_path / "a.txt").write_text("text")
+    (tmp_path / "t.npy").write_bytes(b"")
+    (tmp_path / "sweep.yaml").write_text(f"base: {ROOT / 'configs' / 'llama_tiny.yaml'}\nstages: [run]\n"
+                                         f"variants: [{{steps: 1}}]\n")
+    assert main([a.format(tmp=tmp_path) for a in command]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message.format(tmp=tmp_path)}") and err.count("\n") == 1, err

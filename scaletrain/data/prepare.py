@@ -41,11 +41,14 @@ CHUNK_CHARS = 1 << 20
 WRITER_OPTIONS = "group_size:1"
 
 
+# Why --out is a local path: the command line refuses a gs:// one before it asks the bucket anything.
+LOCAL_OUT = "a prepared dataset is written to (and read from) a local disk"
+
+
 def main(tokenizer_spec: str, inputs: list[str], out: str, text_field: str, eval_fraction: float,
          workers: int | None) -> int:
     if storage.is_remote(out):
-        raise UserError(f"--out {out}: a prepared dataset is written to (and read from) a local disk; copy it to a "
-                        f"bucket afterwards if you like")
+        raise UserError(f"--out {out}: {LOCAL_OUT}; expected a local path (copy it to a bucket afterwards)")
     tok = tokenizer.load(tokenizer_spec)
     meta = prepare(tok, inputs, out, text_field, eval_fraction, workers or os.cpu_count() or 1)
     counts = "; ".join(f"{name}: {split['documents']} documents, {split['tokens']} tokens"

@@ -42,6 +42,8 @@ DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.f
 # Copied into <run>/tokenizer/ and back: whichever exist.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
+# Why to-hf's --out is a local path: the command line refuses a gs:// one before it asks the bucket anything.
+LOCAL_OUT = "to-hf writes a local folder"
 HF_CONFIG = "hf"  # the folder of the run directory that keeps the original config.json, for to-hf
 SHARD_BYTES = 5 * 10**9
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
@@ -212,9 +214,7 @@ def from_hf(hf_dir: str, out: str) -> int:
     from scaletrain.tools import inference
 
     source = Path(hf_dir)
-    config_json = _read_json(source / "config.json", f"--hf-dir {hf_dir}")
-    keys = model_keys(config_json, f"{source / 'config.json'}")
-    arch = _architecture(config_json, hf_dir)
+    keys, arch = read_source(hf_dir)
     # Validated against the source's tokenizer (nothing is written yet), then written naming the copy.
     cfg = _run_config(keys, out, _tokenizer(source))
     setup = inference.one_device_setup(cfg)
@@ -235,6 +235,13 @@ def from_hf(hf_dir: str, out: str) -> int:
           f"{len(reader.files)} safetensors file{'s' if len(reader.files) > 1 else ''}) into {out} (step 0); "
           f"fine-tune it with checkpoint.init_from={out}")
     return 0
+
+
+def read_source(hf_dir: str) -> tuple[dict[str, Any], str]:
+    """The model.* keys and the architecture a Hugging Face folder's config.json describes. Raises UserError."""
+    source = Path(hf_dir)
+    config_json = _read_json(source / "config.json", f"--hf-dir {hf_dir}")
+    return model_keys(config_json, f"{source / 'config.json'}"), _architecture(config_json, hf_dir)
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -381,7 +388,7 @@ def to_hf(run_dir: str, out: str, step: int | None = None, shard_bytes: int = SH
     from scaletrain.tools import inference
 
     if storage.is_remote(out):
-        raise UserError(f"--out {out}: to-hf writes a local folder; copy it to the bucket afterwards")
+        raise UserError(f"--out {out}: {LOCAL_OUT}; expected a local path (copy it to the bucket afterwards)")
     cfg = inference.load_config(run_dir)
     built = hf_config(cfg.model)  # refuses what Hugging Face's models cannot represent
     kept = _kept_config(run_dir, cfg)
