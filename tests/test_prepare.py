@@ -321,3 +321,25 @@ def test_bad_input_is_one_error_line(tmp_path, hf_dir, prepared):
         lines = [line for line in err.splitlines() if line.strip()]
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and error in lines[0], err
         assert "compiled" not in out
+
+
+@pytest.mark.parametrize("files, found", [({"empty.txt": ""}, "no documents"),
+                                          ({"blank.txt": " \n\t\n", "blank.jsonl": '{"text": "  "}\n\n'},
+                                           "2 documents of whitespace alone")])
+def test_a_corpus_without_text_is_one_error_line(tmp_path, capsys, files, found):
+    """A dataset of separators alone would train on nothing: refused, and nothing is left at --out."""
+    from scaletrain.__main__ import main
+
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    out = tmp_path / "ds"
+    assert main(["data", "prepare", "--tokenizer", "bytes", "--input", str(tmp_path / "*"), "--out", str(out),
+                 "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --input: ") and f"no text ({found}); expected files with text" in err, err
+    assert err.count("\n") == 1 and not out.exists() and len(list(tmp_path.iterdir())) == len(files)
+    (tmp_path / "one.txt").write_text("one document")
+    assert main(["data", "prepare", "--tokenizer", "bytes", "--input", str(tmp_path / "one.txt"), "--out", str(out),
+                 "--workers", "1", "--eval-fraction", "0.99"]) == 2
+    assert capsys.readouterr().err.startswith("error: --eval-fraction 0.99 held out every document (1): the train "
+                                              "split would be empty")

@@ -85,13 +85,21 @@ def _write(tok: tokenizer.Tokenizer, files: list[epath.Path], folder: str, text_
 
     splits = {name: _SplitWriter(folder, name, tok.dtype, record_tokens, records_per_shard)
               for name in ("train", "eval")}
-    index = 0
+    index, texts = 0, _Texts(d for f in files for d in data.documents(f, text_field))
     with tqdm(desc="data prepare", unit=" docs", disable=None) as bar:
-        for ids in _tokenized(_chunks(d for f in files for d in data.documents(f, text_field)), tok.spec, workers):
+        for ids in _tokenized(_chunks(texts), tok.spec, workers):
             for doc in ids:
                 splits["eval" if _held_out(index, eval_fraction) else "train"].add(doc)
                 index += 1
             bar.update(len(ids))
+    if not texts.with_text:
+        named = ", ".join(str(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        found = f"{index} document{'s' * (index != 1)} of whitespace alone" if index else "no documents"
+        raise UserError(f"--input: {named} hold{'s' * (len(files) == 1)} no text ({found}); expected files with "
+                        f"text to tokenize")
+    if not splits["train"].documents:
+        raise UserError(f"--eval-fraction {eval_fraction} held out every document ({index}): the train split would "
+                        f"be empty; expected a smaller fraction or more documents")
     os.makedirs(os.path.join(folder, "tokenizer"))
     for f in tok.files:
         epath.Path(f).copy(epath.Path(folder) / "tokenizer" / epath.Path(f).name)
@@ -103,6 +111,19 @@ def _write(tok: tokenizer.Tokenizer, files: list[epath.Path], folder: str, text_
         "splits": {name: split.close() for name, split in splits.items()},
         "text_field": text_field, "eval_fraction": eval_fraction,
     }
+
+
+class _Texts:
+    """The documents, passed through, counting those with more than whitespace: a corpus without any would be a
+    dataset of separators alone."""
+
+    def __init__(self, texts: Iterable[str]):
+        self._texts, self.with_text = texts, 0
+
+    def __iter__(self) -> Iterator[str]:
+        for text in self._texts:
+            self.with_text += not text.isspace()
+            yield text
 
 
 def _held_out(index: int, fraction: float) -> bool:
