@@ -296,8 +296,11 @@ def _check_coordinator(address: str) -> None:
 
 def train(args: argparse.Namespace) -> int:
     from scaletrain import config, runtime
+    from scaletrain.store import storage
 
     cfg = config.load(args.config, args.set)  # before JAX starts: a bad config costs milliseconds
+    # A run's own config.yaml (a converted run's, fine-tuned from) names its tokenizer relative to the run.
+    cfg.data.tokenizer = storage.resolve(cfg.data.tokenizer, os.path.dirname(args.config) or ".")
     if args.cpu_devices is not None and args.cpu_devices < 1:
         raise UserError(f"--cpu-devices must be >= 1, got {args.cpu_devices}")
     distributed = (args.coordinator, args.num_processes, args.process_id)

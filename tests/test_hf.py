@@ -162,7 +162,7 @@ def test_tokenizer_files_go_with_the_run(converted, source, tmp_path):
     copied = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
     for name in copied:
         assert (run / "tokenizer" / name).read_bytes() == (folder / name).read_bytes()
-    assert f"tokenizer: {run / 'tokenizer'}\n" in (run / "config.yaml").read_text()
+    assert "tokenizer: tokenizer\n" in (run / "config.yaml").read_text()  # RUN_DIR/tokenizer
     assert hf.to_hf(str(run), str(tmp_path / "out")) == 0
     for name in copied:
         assert (tmp_path / "out" / name).read_bytes() == (folder / name).read_bytes()
@@ -338,3 +338,29 @@ def test_in_and_out_of_a_bucket(source, bucket, tmp_path):
     assert main(["convert", "to-hf", "--run-dir", run, "--out", str(tmp_path / "out")]) == 0
     _assert_same_tensors(tmp_path / "out", source("llama")[0])
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (source("llama")[0] / "tokenizer.json").read_bytes()
+
+
+def test_a_moved_run_keeps_its_tokenizer_and_trains_on_every_device(converted, tmp_path, capsys):
+    """config.yaml names the tokenizer relative to the run directory and leaves mesh.fsdp to fill the devices: a
+    copied or moved run still finds its tokenizer - to generate, and to fine-tune from (`--config
+    RUN_DIR/config.yaml`) on this machine's 8 devices. A tokenizer named by an absolute path, as runs converted
+    before wrote it, is used as it is."""
+    run = converted("llama")
+    written = yaml.safe_load((run / "config.yaml").read_text())
+    assert (written["data"]["tokenizer"], written["mesh"]["fsdp"]) == ("tokenizer", -1)
+    moved, hidden = tmp_path / "moved", tmp_path / "hidden"
+    shutil.copytree(run, moved)
+    run.rename(hidden)  # the original gone, as after a move
+    try:
+        capsys.readouterr()
+        assert main(["generate", "--run-dir", str(moved), "--prompt", "hello world", "--max-new-tokens", "2"]) == 0
+        # Refused at the data, after the mesh (fsdp=8) and after the tokenizer loaded: nothing is compiled.
+        assert main(["train", "--config", str(moved / "config.yaml"), "--set", f"run_dir={tmp_path / 'tuned'}",
+                     "--set", f"checkpoint.init_from={moved}", "--set", "data.source=prepared",
+                     "--set", f"data.path={tmp_path / 'none'}"]) == 2
+        assert f"'{tmp_path / 'none'}' is not a prepared dataset" in capsys.readouterr().err
+    finally:
+        hidden.rename(run)
+    written["data"]["tokenizer"] = str(run / "tokenizer")
+    (moved / "config.yaml").write_text(yaml.safe_dump(written))
+    assert inference.load_config(moved).data.tokenizer == str(run / "tokenizer")

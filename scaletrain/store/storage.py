@@ -31,6 +31,17 @@ def path(location: str | os.PathLike) -> epath.Path:
     return epath.Path(location) if is_remote(location) else epath.Path(os.path.abspath(location))
 
 
+def resolve(location: str, base: str | os.PathLike) -> str:
+    """`location` as a run directory's config names it: a relative path that exists under `base` (the folder of
+    the config, local or gs://) is taken there, so a moved or copied run still finds what it keeps (a converted
+    run's tokenizer/); anything else - absolute, gs://, a name such as `bytes`, a path relative to the working
+    directory as configs written by hand use - is returned as it is."""
+    if not location or is_remote(location) or os.path.isabs(location):
+        return location
+    candidate = path(base) / location
+    return str(candidate) if candidate.exists() else location
+
+
 def prepare(location: str | os.PathLike) -> epath.Path:
     """The run directory, created if local. An object store has no directories, and creating one there could
     create a bucket by mistake: a missing bucket must fail at the first write instead."""

@@ -227,7 +227,7 @@ def from_hf(hf_dir: str, out: str) -> int:
     _save_params(setup, params, run)
     _copy({name: source / name for name in TOKENIZER_FILES if (source / name).is_file()}, run / "tokenizer")
     _copy({"config.json": source / "config.json"}, run / HF_CONFIG)
-    cfg = _run_config(keys, out, _tokenizer(run / "tokenizer"))
+    cfg = _run_config(keys, out, _tokenizer(run / "tokenizer", relative_to=run))
     # Last: a run directory without config.yaml is an interrupted conversion, not a run.
     (run / "config.yaml").write_text(config_lib.to_yaml(cfg))
     count = sum(math.prod(x.shape) for x in jax.tree.leaves(setup.abstract_state.params))
@@ -256,17 +256,24 @@ def _read_json(path: Path, what: str) -> dict:
     return value
 
 
-def _tokenizer(folder: Path | epath.Path) -> str:
+def _tokenizer(folder: Path | epath.Path, relative_to: Path | epath.Path | None = None) -> str:
     """data.tokenizer for the tokenizer files in `folder`: the folder where it holds a tokenizer.json, the
-    SentencePiece model where that is all there is, else the byte tokenizer."""
+    SentencePiece model where that is all there is, else the byte tokenizer. With `relative_to` (the run), relative
+    to it: a moved or copied run resolves it there when its config is loaded (storage.resolve)."""
     if (folder / "tokenizer.json").is_file():
-        return str(folder)
-    return str(folder / "tokenizer.model") if (folder / "tokenizer.model").is_file() else "bytes"
+        found = folder
+    elif (folder / "tokenizer.model").is_file():
+        found = folder / "tokenizer.model"
+    else:
+        return "bytes"
+    return str(found if relative_to is None else found.relative_to(relative_to))
 
 
 def _run_config(model: dict[str, Any], run_dir: str, tokenizer: str):
+    # mesh.fsdp=-1: the converted config trains as it is on however many devices there are (every other degree
+    # 1), as the shipped configs do.
     overrides = {**{f"model.{k}": v for k, v in model.items()}, "run_dir": str(storage.path(run_dir)),
-                 "data.tokenizer": tokenizer, "model.param_dtype": "float32"}
+                 "data.tokenizer": tokenizer, "model.param_dtype": "float32", "mesh.fsdp": -1}
     # JSON scalars are YAML scalars: strings stay strings, whatever they hold.
     return config_lib.load(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
 

@@ -31,7 +31,9 @@ def load_config(run_dir: str | Path, overrides: list[str] = (), one_device: bool
     if not path.is_file():
         raise UserError(f"'{run_dir}' is not a run directory: it has no config.yaml")
     mesh = [f"mesh.{p}{a}=1" for p in ("", "dcn_") for a in config_lib.MESH_AXES] if one_device else []
-    return config_lib.load(path, mesh + list(overrides))
+    cfg = config_lib.load(path, mesh + list(overrides))
+    cfg.data.tokenizer = storage.resolve(cfg.data.tokenizer, run_dir)  # kept in the run: tokenizer/
+    return cfg
 
 
 def one_device_setup(cfg):
