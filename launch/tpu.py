@@ -363,7 +363,17 @@ def _double_quoted(text: str) -> str:
     return f'"{escaped}"'
 
 
+def _plan_on_the_cpu() -> None:
+    """The launcher's checks plan with JAX's abstract shapes and need no accelerator: JAX is kept to the CPU, so
+    libtpu is never loaded - on a machine without a TPU it prints errors, on a TPU VM it would hold the chips
+    the run is about to need. Before anything initialises JAX."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _plan_on_the_cpu()
     p = Parser(prog="python launch/tpu.py", description=__doc__.splitlines()[0])
     p.add_argument("command", choices=(*COMMANDS, "manifest"))
     p.add_argument("--config", required=True, help="a launch file, e.g. launch/configs/v5p-64.yaml")

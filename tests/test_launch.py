@@ -37,6 +37,23 @@ def test_single_v5e_16_slice(capsys):
         "--zone=us-west4-a"]
 
 
+def test_a_dry_run_never_loads_libtpu():
+    """The checks plan on the CPU: without a TPU, libtpu would print errors on stderr (and on a TPU VM hold the
+    chips). A fresh process, JAX_PLATFORMS unset as a user's shell leaves it: stderr stays empty and libtpu's
+    plugin is never loaded."""
+    import os
+    import subprocess
+
+    probe = ("import sys; sys.path.insert(0, 'launch'); import tpu; code = tpu.main(['run', '--config', "
+             "'launch/configs/v5p-64.yaml', '--dry-run']); from jax._src.lib import xla_client; "
+             "print('libtpu loaded:', xla_client.pjrt_plugin_loaded('tpu')); sys.exit(code)")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.splitlines()[-1] == "libtpu loaded: False"
+
+
 def test_v5p_64_slice_counts_cores_and_sweeps_in_turn(capsys):
     [create] = _dry(capsys, "create", "v5p-64.yaml")
     assert "--accelerator-type=v5p-64 --runtime-version=v2-alpha-tpuv5 --reserved" in create
