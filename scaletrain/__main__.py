@@ -20,6 +20,17 @@ class Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USAGE)
 
 
+def _step(text: str) -> int:
+    """--step, checked as it is parsed: before a command reads a run directory, which may be in a bucket."""
+    try:
+        step = int(text)
+    except ValueError:
+        step = -1
+    if step < 0:
+        raise argparse.ArgumentTypeError(f"expected a checkpoint's step, an integer >= 0; got '{text}'")
+    return step
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="YAML config, e.g. configs/llama_tiny.yaml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -42,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=Parser)
     inspect = ckpt_sub.add_parser("inspect", help="print a checkpoint's metadata")
     inspect.add_argument("run_dir", help="a run directory, its checkpoints/ folder or one step's folder")
-    inspect.add_argument("--step", type=int, default=None, help="which checkpoint (default: the newest)")
+    inspect.add_argument("--step", type=_step, default=None, help="which checkpoint (default: the newest)")
     inspect.add_argument("--json", action="store_true", help="print the metadata as JSON")
     convert = sub.add_parser("convert", help="rewrite a run's checkpoint")
     convert_sub = convert.add_subparsers(dest="convert_command", required=True, parser_class=Parser)
@@ -56,17 +67,17 @@ def parser() -> argparse.ArgumentParser:
     to_hf = convert_sub.add_parser("to-hf", help="a run's checkpoint to a Hugging Face folder (safetensors)")
     to_hf.add_argument("--run-dir", required=True)
     to_hf.add_argument("--out", required=True, help="the new folder (new or empty, in an existing folder)")
-    to_hf.add_argument("--step", type=int, default=None, help="which checkpoint (default: the newest)")
+    to_hf.add_argument("--step", type=_step, default=None, help="which checkpoint (default: the newest)")
     logits = sub.add_parser("logits", help="float32 logits of a checkpoint for token ids")
     logits.add_argument("--run-dir", required=True)
-    logits.add_argument("--step", type=int, default=None, help="which checkpoint (default: the newest)")
+    logits.add_argument("--step", type=_step, default=None, help="which checkpoint (default: the newest)")
     logits.add_argument("--tokens", required=True, help="int token ids [batch, seq], .npy")
     logits.add_argument("--out", required=True, help="a new .npy file for the logits [batch, seq, vocab]")
     logits.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override the run's config, e.g. --set model.norm=fused")
     gen = sub.add_parser("generate", help="continue a prompt with a run's checkpoint (KV-cached decoding)")
     gen.add_argument("--run-dir", required=True)
-    gen.add_argument("--step", type=int, default=None, help="which checkpoint (default: the newest)")
+    gen.add_argument("--step", type=_step, default=None, help="which checkpoint (default: the newest)")
     gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (the default)")
@@ -228,11 +239,14 @@ def ckpt(args: argparse.Namespace) -> int:
 
 def convert(args: argparse.Namespace) -> int:
     from scaletrain import runtime
+    from scaletrain.store import storage
 
     runtime.configure(None)
     if args.convert_command == "fold-norms":
         from scaletrain.tools import inference
 
+        if storage.is_remote(args.out) and not storage.is_remote(args.run_dir):  # local first
+            inference.load_config(args.run_dir)
         _check_out(args.out, existing="empty folder")
         return inference.fold_norms(args.run_dir, args.out)
     from scaletrain.tools import hf
@@ -299,8 +313,6 @@ def train(args: argparse.Namespace) -> int:
     from scaletrain.store import storage
 
     cfg = config.load(args.config, args.set)  # before JAX starts: a bad config costs milliseconds
-    # A run's own config.yaml (a converted run's, fine-tuned from) names its tokenizer relative to the run.
-    cfg.data.tokenizer = storage.resolve(cfg.data.tokenizer, os.path.dirname(args.config) or ".")
     if args.cpu_devices is not None and args.cpu_devices < 1:
         raise UserError(f"--cpu-devices must be >= 1, got {args.cpu_devices}")
     distributed = (args.coordinator, args.num_processes, args.process_id)
@@ -308,6 +320,8 @@ def train(args: argparse.Namespace) -> int:
         if None in distributed or not 0 <= args.process_id < args.num_processes:
             raise UserError("--coordinator HOST:PORT, --num-processes N and --process-id I (0 <= I < N) go together")
         _check_coordinator(args.coordinator)
+    # A run's own config.yaml (a converted run's, fine-tuned from) names its tokenizer relative to the run.
+    cfg.data.tokenizer = storage.resolve(cfg.data.tokenizer, os.path.dirname(args.config) or ".")
     runtime.configure(args.cpu_devices, *distributed)
     from scaletrain.train import trainer
 

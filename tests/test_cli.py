@@ -103,6 +103,12 @@ def no_bucket(monkeypatch):
      "--out gs://b/sweep: a sweep writes its results to a local folder; expected a local path"),
     (["convert", "from-hf", "--hf-dir", "{tmp}/missing", "--out", "gs://b/run"],
      "--hf-dir {tmp}/missing: {tmp}/missing/config.json not found"),
+    (["convert", "fold-norms", "--run-dir", "{tmp}/missing", "--out", "gs://b/folded"],
+     "'{tmp}/missing' is not a run directory: it has no config.yaml"),
+    (["ckpt", "inspect", "gs://b/run", "--step", "-1"],
+     "argument --step: expected a checkpoint's step, an integer >= 0; got '-1'"),
+    (["train", "--config", "configs/llama_tiny.yaml", "--set", "run_dir=gs://b/run", "--cpu-devices", "0"],
+     "--cpu-devices must be >= 1, got 0"),
 ])
 def test_local_refusals_come_before_any_bucket(tmp_path, capsys, no_bucket, command, message):
     """A bucket that cannot be reached costs a minute of retries and a page of traceback; what is wrong here is
@@ -113,6 +119,10 @@ def test_local_refusals_come_before_any_bucket(tmp_path, capsys, no_bucket, comm
     (tmp_path / "t.npy").write_bytes(b"")
     (tmp_path / "sweep.yaml").write_text(f"base: {ROOT / 'configs' / 'llama_tiny.yaml'}\nstages: [run]\n"
                                          f"variants: [{{steps: 1}}]\n")
-    assert main([a.format(tmp=tmp_path) for a in command]) == 2
+    try:
+        code = main([a.format(tmp=tmp_path) for a in command])
+    except SystemExit as usage:  # argparse's own errors
+        code = usage.code
     err = capsys.readouterr().err
+    assert code == 2, err
     assert err.startswith(f"error: {message.format(tmp=tmp_path)}") and err.count("\n") == 1, err
