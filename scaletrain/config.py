@@ -98,6 +98,7 @@ def defaults() -> ml_collections.ConfigDict:
             "optim": {
                 "learning_rate": 3e-3,
                 "warmup_steps": 20,
+                "schedule_steps": 0,
                 "min_lr_ratio": 0.1,
                 "b1": 0.9,
                 "b2": 0.95,
@@ -158,9 +159,9 @@ _POSITIVE = (
 _NON_NEGATIVE = ("seed", "pipeline.microbatches",
                  "train.profile_start", "train.profile_steps", "train.eval_every_steps", "data.workers",
                  "checkpoint.every_minutes", "model.attention_block", "model.logits_block", "optim.learning_rate",
-                 "optim.warmup_steps", "optim.weight_decay", "optim.eps", "optim.grad_clip_norm", "model.norm_eps",
-                 "model.init_std", "model.qk_norm_eps", "model.num_experts", "model.moe_d_ff",
-                 "model.capacity_factor", "model.router_aux_loss", "model.router_z_loss")
+                 "optim.warmup_steps", "optim.schedule_steps", "optim.weight_decay", "optim.eps",
+                 "optim.grad_clip_norm", "model.norm_eps", "model.init_std", "model.qk_norm_eps", "model.num_experts",
+                 "model.moe_d_ff", "model.capacity_factor", "model.router_aux_loss", "model.router_z_loss")
 _UNIT_INTERVAL = ("optim.min_lr_ratio", "optim.b1", "optim.b2")
 
 # Upper bounds, so that nothing computed from a config overflows into a traceback. Token ids, positions and the

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from typing import Any, Callable
 
 import jax
@@ -23,11 +24,49 @@ from scaletrain.parallel.sharding import is_logical
 
 
 def schedule(optim_cfg, steps: int) -> optax.Schedule:
-    """Linear warmup from 0 to the peak, then cosine decay to peak * min_lr_ratio at `steps`."""
-    warmup = min(optim_cfg.warmup_steps, steps)
+    """Linear warmup from 0 to the peak, then cosine decay to peak * min_lr_ratio at optim.schedule_steps - or at
+    `steps`, the run's, where that is 0 - after which the rate stays there."""
+    length = optim_cfg.schedule_steps or steps
+    warmup = min(optim_cfg.warmup_steps, length)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=optim_cfg.learning_rate, warmup_steps=warmup,
-        decay_steps=max(steps, warmup + 1), end_value=optim_cfg.learning_rate * optim_cfg.min_lr_ratio)
+        decay_steps=max(length, warmup + 1), end_value=optim_cfg.learning_rate * optim_cfg.min_lr_ratio)
+
+
+# The config keys the learning-rate schedule reads.
+SCHEDULE_KEYS = ("steps", "optim.schedule_steps", "optim.learning_rate", "optim.warmup_steps", "optim.min_lr_ratio")
+
+
+def schedule_change(then: dict, now: dict, step: int) -> tuple[str, bool] | None:
+    """How resuming at `step` changes the learning-rate schedule, as (one line naming each changed key's old and
+    new value and the rate the next step takes under each, whether that rate changed); None when no key of
+    SCHEDULE_KEYS changed. `then` and `now`: configs as dicts (a checkpoint's metadata, cfg.to_dict()); a key
+    `then` lacks was not there yet (optim.schedule_steps: 0)."""
+    def value(tree: dict, key: str):
+        *parents, leaf = key.split(".")
+        for part in parents:
+            tree = tree.get(part, {})
+        return tree.get(leaf, 0 if key == "optim.schedule_steps" else None)
+
+    if any(value(then, k) is None for k in SCHEDULE_KEYS):
+        return None  # saved before the schedule had these keys: nothing to compare
+    changed = [(k, value(then, k), value(now, k)) for k in SCHEDULE_KEYS if value(then, k) != value(now, k)]
+    if not changed:
+        return None
+
+    def rate(tree: dict) -> float:
+        optim_cfg = types.SimpleNamespace(**{k.removeprefix("optim."): value(tree, k) for k in SCHEDULE_KEYS[1:]})
+        return float(schedule(optim_cfg, value(tree, "steps"))(step))  # what step `step + 1` takes (lr(state.step))
+
+    def length(tree: dict) -> int:
+        return value(tree, "optim.schedule_steps") or value(tree, "steps")
+
+    before, after = rate(then), rate(now)
+    line = (f"{', '.join(f'{k} {old} -> {new}' for k, old, new in changed)}: the learning rate from step {step + 1} "
+            + (f"is {after:.3g}, as before" if after == before else f"is {after:.3g}, not {before:.3g}"))
+    if after != before and length(now) != length(then):
+        line += f" (optim.schedule_steps={length(then)} keeps the schedule's old length)"
+    return line, after != before
 
 
 def decay_mask(optim_cfg, logical: Any) -> Any:
