@@ -9,11 +9,84 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any
+
+import jax
 
 from scaletrain.store import storage
 
 # Seconds between uploads of a gs:// run directory's metrics files.
 SYNC_EVERY_S = 60
+
+
+class StepClock:
+    """The step time of each record: the mean time of the steps since the previous record, or of the last WINDOW
+    steps where that is more, never less than the devices spent on them - measured without ever making the host
+    wait for a step it would not wait for anyway.
+
+    The loop dispatches step s+1 before it waits for step s, so when the host sees step s finished, step s+1 may
+    have run for a while (the host was busy or descheduled) or be finished too: the time between two such sights
+    can be far below a step. Instead a window of steps (p, c] runs from a moment known to precede the start of step
+    p+1 - the later of its dispatch and the last moment a step up to p was seen unfinished (the host polls a step
+    it waits for) - to the moment step c is seen finished. The devices run steps p+1..c inside it, one after the
+    other, so the window's mean is never less than theirs. It may exceed it by what was left of step p when step
+    p+1 was dispatched: on a TPU, where the host sees each step end, nearly nothing; on a CPU, whose dispatch often
+    waits for the step before, up to a step, which WINDOW steps make small.
+
+    Where the loop waits anyway - to evaluate, to save - it waits for the step first and dispatches the next one
+    only after (`paused`): no step runs in between, and that time is taken out of every window that holds it."""
+
+    WINDOW = 10
+    POLL_S = 1e-3  # the longest sleep between two looks at a step: how late the host may see it finished
+
+    def __init__(self, start_step: int):
+        self._start = self._previous = start_step  # the run's first step - 1; the previous record's step
+        self._dispatched: dict[int, float] = {}
+        self._floor: dict[int, float] = {}  # step -> the last moment a step up to it was seen unfinished
+        self._unfinished = float("-inf")
+        self._seen: tuple[int, float] | None = None  # (the last step seen finished, when)
+        self._paused: dict[int, float] = {}  # step -> seconds from seeing it finished to dispatching the next
+        self._pause: tuple[int, float] | None = None
+
+    def dispatching(self, step: int) -> None:
+        """Just before `step` is dispatched: it cannot start earlier."""
+        now = self._dispatched[step] = time.perf_counter()
+        if self._pause is not None and self._pause[0] == step - 1:
+            self._paused[step - 1] = now - self._pause[1]
+        self._pause = None
+
+    def wait(self, step: int, outputs: Any) -> None:
+        """Until `step`'s outputs (arrays) are ready, looking every so often; the first wait for a step counts."""
+        if self._seen is not None and self._seen[0] >= step:
+            return
+        leaves, pause = jax.tree.leaves(outputs), 1e-5
+        while True:
+            t = time.perf_counter()
+            if all(x.is_ready() for x in leaves):
+                break
+            self._unfinished = t  # the step ends after this
+            time.sleep(pause)
+            pause = min(2 * pause, self.POLL_S)
+        self._seen = (step, time.perf_counter())
+        self._floor[step] = self._unfinished
+
+    def paused(self, step: int) -> None:
+        """No step runs from `step` seen finished until the next is dispatched."""
+        assert self._seen is not None and self._seen[0] == step, (self._seen, step)
+        self._pause = self._seen
+
+    def record(self, step: int) -> float:
+        """The mean step time of the window ending at `step`, which `wait` has seen finished."""
+        seen, finished = self._seen
+        assert seen == step, (seen, step)
+        first = max(self._start, min(self._previous, step - self.WINDOW))  # the window: steps first+1 .. step
+        start = max(self._floor.get(first, float("-inf")), self._dispatched[first + 1])
+        paused = sum(seconds for s, seconds in self._paused.items() if first < s < step)
+        self._previous = step
+        self._dispatched = {s: t for s, t in self._dispatched.items() if s > step - self.WINDOW}
+        self._floor = {s: t for s, t in self._floor.items() if s >= step - self.WINDOW}
+        self._paused = {s: t for s, t in self._paused.items() if s > step - self.WINDOW}
+        return (finished - start - paused) / (step - first)
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -65,6 +138,7 @@ class MetricsLog:
         self.progress = Progress(total_steps)
         self.start_step = resume_step
         self.start_time = time.perf_counter()
+        self.evals: list[tuple[int, float]] = []  # (step, eval_loss) of every record kept or logged
         if not enabled:
             return
         self.mirror = storage.Mirror(run_dir)
@@ -86,8 +160,11 @@ class MetricsLog:
         kept = []
         for line in self.path.read_text().splitlines():
             try:
-                if json.loads(line)["step"] <= step:
+                record = json.loads(line)
+                if record["step"] <= step:
                     kept.append(line)
+                    if "eval_loss" in record:
+                        self.evals.append((record["step"], record["eval_loss"]))
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut short by a kill
         self.path.write_text("".join(k + "\n" for k in kept))
@@ -95,6 +172,8 @@ class MetricsLog:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
+        if "eval_loss" in record:
+            self.evals.append((record["step"], record["eval_loss"]))
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.tb is not None:
@@ -124,3 +203,17 @@ class MetricsLog:
             self.tb.close()
         self.mirror.close()
         self.progress.close()
+
+
+def summary(outcome: str, first: int, last: int, total: int, tokens_per_step: int, seconds: float,
+            evals: list[tuple[int, float]], checkpoint: str | None) -> str:
+    """The line a run ends with: what it did (steps first..last of total; `first` > `last`: none), in how long,
+    the newest and the best held-out loss of the run directory's records, and where its newest checkpoint is."""
+    done = last - first + 1
+    line = (f"scaletrain: {outcome} at step {last} of {total}: "
+            + (f"steps {first}-{last} this run ({done} steps, {done * tokens_per_step:,} tokens)" if done > 0 else
+               "no steps this run") + f" in {_fmt_duration(seconds)} wall time")
+    if evals:
+        (step, loss), (best_step, best) = evals[-1], min(evals, key=lambda e: e[1])
+        line += f"; eval loss {loss:.4f} at step {step}, best {best:.4f} at step {best_step}"
+    return line + f"; newest checkpoint {checkpoint or 'none'}"

@@ -32,7 +32,7 @@ from scaletrain.store.run_lock import RunLock
 from scaletrain.train import layout, offload, optim
 from scaletrain.train.control import Control, Preemption
 from scaletrain.train.evaluation import Evaluator
-from scaletrain.train.metrics import MetricsLog
+from scaletrain.train.metrics import MetricsLog, StepClock, summary
 from scaletrain.train.profiler import Profiler
 from scaletrain.train.runner import Runner
 from scaletrain.train.step import TrainState, make_eval_step, make_train_step
@@ -145,7 +145,7 @@ def run(cfg) -> int:
     """Train to cfg.steps, resuming from the newest checkpoint in cfg.run_dir. Returns the exit status."""
     preemption = Preemption()  # from the start, so a preemption during a long compile also exits 0
     try:
-        return _run(cfg, preemption)
+        return _run(cfg, preemption, time.perf_counter())
     finally:
         preemption.restore()
 
@@ -202,20 +202,20 @@ def _initial_state(cfg, setup: Setup) -> tuple[TrainState, str]:
     return state.replace(params=setup.from_disk(params)), origin
 
 
-def _run(cfg, preemption: Preemption) -> int:
+def _run(cfg, preemption: Preemption, began: float) -> int:
     setup = build(cfg)
     iterator = data_lib.make_iterator(cfg, setup.batch_sharding)  # bad data fails here, before any write
     evaluator = Evaluator(cfg, setup) if cfg.train.eval_every_steps else None
     lock = _lock_run_dir(cfg)
     try:
-        return _run_locked(cfg, preemption, lock, setup, iterator, evaluator)
+        return _run_locked(cfg, preemption, lock, setup, iterator, evaluator, began)
     finally:
         if lock is not None:
             lock.release()
 
 
 def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup, iterator,
-                evaluator: Evaluator | None) -> int:
+                evaluator: Evaluator | None, began: float) -> int:
     main = jax.process_index() == 0
     run_dir = storage.path(cfg.run_dir)
     meta = checkpoint_metadata(setup)
@@ -253,35 +253,47 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
         print(f"scaletrain: {count.total / 1e6:.2f}M parameters{active} on "
               f"{jax.device_count()} {jax.devices()[0].platform} devices ({mesh_lib.describe(setup.mesh.shape)}, "
               f"{cfg.sharding.preset}); {origin}", flush=True)
+    tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+    newest = None if restored is None else start  # the newest checkpoint's step
+
+    def ended(outcome: str, evals: list) -> None:
+        if main:
+            print(summary(outcome, start + 1, step, cfg.steps, tokens_per_step, time.perf_counter() - began, evals,
+                          None if newest is None else str(run_dir / "checkpoints" / str(newest))), flush=True)
+
+    step = start
     if start >= cfg.steps:
         ckpt.close()
+        ended("nothing to do", [])
         return 0
 
     control = Control(setup.mesh, preemption, cfg.checkpoint.every_minutes)
     if control.decide(control.propose()).stop:  # preempted while restoring or compiling: nothing new to save
         ckpt.close()
+        ended("preempted", [])
         if main:
             print(f"preempted before step {start + 1}; rerun the same command to resume", flush=True)
         return 0
 
-    tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     flops_per_step = flops.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens_per_step
     peak = hardware.peak_flops(jax.devices(), cfg.hardware.peak_flops_per_device)
     if main:  # which peak MFU divides by: measured now, or cached and when
         print(f"scaletrain: {hardware.peak_note(jax.devices(), cfg.hardware.peak_flops_per_device)}", flush=True)
     log = MetricsLog(cfg.run_dir, cfg.steps, start, enabled=main)
-    last_read = time.perf_counter()
+    clock = StepClock(start)
 
     diverged = None  # the first step whose update was dropped, when train.on_nonfinite is stop
 
-    def read(step: int, metrics: dict, last: bool) -> None:
-        nonlocal last_read, diverged
+    def read(step: int, metrics: dict, last: bool, timed: dict | None = None) -> None:
+        """Step `step`'s metrics, logged at a log interval, the last step, a dropped update, and with `timed` (the
+        seconds an evaluation or a save at this step took)."""
+        nonlocal diverged
+        clock.wait(step, metrics)
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        now = time.perf_counter()
-        dt, last_read = now - last_read, now
-        if step % cfg.train.log_every_steps == 0 or last or values["update_skipped"] or "eval_loss" in values:
+        if step % cfg.train.log_every_steps == 0 or last or values["update_skipped"] or timed:
+            dt = clock.record(step)
             log.log({"step": step, **values, "tokens_per_sec": tokens_per_step / dt, "step_time_s": dt,
-                     "mfu": flops_per_step / dt / peak if peak else None})
+                     "mfu": flops_per_step / dt / peak if peak else None, **(timed or {})})
         if values["update_skipped"]:
             if main:
                 print(f"\nwarning: step {step}: loss {values['loss']}, gradient norm {values['grad_norm']}; "
@@ -292,16 +304,19 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     # The previous step's metrics and agreed flags are read after this step is dispatched, so the host never
     # waits for the device it is feeding. Everything that decides the loop's course is read from replicated
     # arrays, so every process takes the same course.
+    # The next step's batch is made while this step runs, at every step alike - also before an evaluation or a
+    # save, whose step's time then holds the same host work as any other's.
     step, pending, stop = start, None, False
     profiler = Profiler(cfg)
     try:
+        batch = setup.put_batch(next(iterator))
         while step < cfg.steps and not stop and diverged is None:
             profiler.before(step + 1)
-            state, metrics = step_fn(state, setup.put_batch(next(iterator)))
+            clock.dispatching(step + 1)
+            state, metrics = step_fn(state, batch)
             step += 1
             profiler.after(step, state)
-            if evaluator is not None and (step % cfg.train.eval_every_steps == 0 or step == cfg.steps):
-                metrics = {**metrics, "eval_loss": evaluator(state.params)}
+            evaluate = evaluator is not None and (step % cfg.train.eval_every_steps == 0 or step == cfg.steps)
             agreed = control.propose()
             save = step % cfg.checkpoint.every_steps == 0 or step == cfg.steps
             if pending is not None:
@@ -310,18 +325,34 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
                 decision = control.decide(pending[2])
                 stop, save = decision.stop, save or decision.save or decision.stop
             pending = (step, metrics, agreed)
-            if save:
-                if lock is not None:
-                    lock.check()
-                on_disk = setup.to_disk(state)
-                ckpt.save(step, on_disk, iterator.get_state(), meta)
-                state = setup.from_disk(on_disk)
-                control.saved()
-                # This step's record goes out with the checkpoint: a resume from it must find it (the read
-                # waits for the step, which the save has waited for already).
-                read(step, metrics, last=stop or step == cfg.steps)
+            data_state = iterator.get_state() if save else None  # after this step's batch, before the next
+            if step < cfg.steps and not stop and diverged is None:
+                batch = setup.put_batch(next(iterator))
+            if evaluate or save:
+                # The host waits here anyway. It waits for the step first, then evaluates and saves before the
+                # next step is dispatched: each is timed alone, and neither counts in any step's time.
+                clock.wait(step, metrics)
+                timed = {}
+                if evaluate:
+                    t0 = time.perf_counter()
+                    metrics = {**metrics, "eval_loss": jax.block_until_ready(evaluator(state.params))}
+                    timed["eval_time_s"] = time.perf_counter() - t0
+                if save:
+                    t0 = time.perf_counter()
+                    if lock is not None:
+                        lock.check()
+                    on_disk = setup.to_disk(state)
+                    ckpt.save(step, on_disk, data_state, meta)
+                    state = jax.block_until_ready(setup.from_disk(on_disk))
+                    timed["checkpoint_time_s"] = time.perf_counter() - t0
+                    newest = step
+                    control.saved()
+                # This step's record goes out now; with a checkpoint, a resume from it must find it.
+                read(step, metrics, last=stop or step == cfg.steps, timed=timed)
+                clock.paused(step)
                 pending = (step, None, agreed)
-                log.sync()
+                if save:
+                    log.sync()
         if pending is not None and pending[1] is not None:
             read(*pending[:2], last=True)
         ckpt.wait()
@@ -329,6 +360,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
         profiler.close()
         log.close()
         ckpt.close()
+    ended("stopped (non-finite loss)" if diverged is not None else "preempted" if stop else "finished", log.evals)
     if diverged is not None:
         if main:
             print(f"error: step {diverged}: non-finite loss or gradient norm (train.on_nonfinite=stop); "
