@@ -22,12 +22,12 @@ from jax.sharding import Mesh, NamedSharding
 from scaletrain import config as config_lib
 from scaletrain import models as model_lib
 from scaletrain.data import loader as data_lib
-from scaletrain.errors import UserError, first_line
+from scaletrain.errors import CheckpointError, UserError, first_line
 from scaletrain.facts import fit, flops, hardware
 from scaletrain.parallel import checks, sharding
 from scaletrain.parallel import mesh as mesh_lib
 from scaletrain.store import storage
-from scaletrain.store.checkpoint import Checkpointer, check_resumable, params_source, restore_params
+from scaletrain.store.checkpoint import Checkpointer, check_resumable, params_source, read_metadata, restore_params
 from scaletrain.store.run_lock import RunLock
 from scaletrain.train import layout, offload, optim
 from scaletrain.train.control import Control, Preemption
@@ -214,6 +214,32 @@ def _run(cfg, preemption: Preemption, began: float) -> int:
             lock.release()
 
 
+def describe(cfg, setup: Setup, origin: str) -> str:
+    """The start-up line: the model's size, the devices and how the model is laid out on them, where it starts."""
+    count = flops.param_count(setup.model_cfg)
+    active = f" ({count.active / 1e6:.2f}M active per token)" if count.active != count.total else ""
+    runner = setup.runner
+    pipeline = "" if runner.stages == 1 else (
+        f"; pipeline {runner.schedule}, {runner.stages} stages x {runner.microbatches} microbatches"
+        + (f", {runner.repeats} blocks of layers a stage" if runner.repeats > 1 else ""))
+    return (f"scaletrain: {count.total / 1e6:.2f}M parameters{active} on {jax.device_count()} "
+            f"{jax.devices()[0].platform} devices ({mesh_lib.describe(setup.mesh.shape)}, {cfg.sharding.preset}"
+            f"{pipeline}); {origin}")
+
+
+def _schedule_change(cfg, run_dir, step: int) -> None:
+    """Says, in one line, how this resume changes the learning-rate schedule of the checkpoint's run, if it does."""
+    try:
+        _, saved = read_metadata(run_dir / "checkpoints", step)
+    except CheckpointError:
+        return  # restored a moment ago: unreadable metadata is for `ckpt inspect` to report
+    change = optim.schedule_change(saved.get("config", {}), cfg.to_dict(), step)
+    if change is not None:
+        line, moved = change
+        print(f"warning: resuming with {line}" if moved else f"scaletrain: resuming with {line}",
+              file=sys.stderr if moved else sys.stdout, flush=True)
+
+
 def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup, iterator,
                 evaluator: Evaluator | None, began: float) -> int:
     main = jax.process_index() == 0
@@ -248,11 +274,9 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     ckpt.set_aside_damaged()
     if main:
         (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
-        count = flops.param_count(setup.model_cfg)
-        active = f" ({count.active / 1e6:.2f}M active per token)" if count.active != count.total else ""
-        print(f"scaletrain: {count.total / 1e6:.2f}M parameters{active} on "
-              f"{jax.device_count()} {jax.devices()[0].platform} devices ({mesh_lib.describe(setup.mesh.shape)}, "
-              f"{cfg.sharding.preset}); {origin}", flush=True)
+        print(describe(cfg, setup, origin), flush=True)
+        if restored is not None:
+            _schedule_change(cfg, run_dir, start)
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     newest = None if restored is None else start  # the newest checkpoint's step
 
