@@ -1,0 +1,106 @@
+"""One ahead-of-time compile of scaletrain's train step for a TPU topology, reported as maxtext_driver.py reports
+MaxText's; runs in the project's environment or in MaxText's (with the repository on PYTHONPATH).
+
+    python ours_driver.py --out RESULT.json --config CONFIG --topology v5p:4x4x2 [--set K=V]...
+                          [--unrolled-layers N]
+
+Without --unrolled-layers: the step as the trainer builds it (scanned layers, default compiler options) - its
+memory, XLA's raw costs and its kernels. With --unrolled-layers N: the step with N layers (N units of
+model.moe_every for a mixture of experts: the caller says), one microbatch, every model loop unrolled and
+windowed einsum off - planner/aot.py's cost compile (`unrolled_cost`), whose difference at two depths is the
+loop correction.
+"""
+
+import argparse
+import copy
+import gzip
+import json
+import sys
+import time
+import traceback
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+import kernels  # noqa: E402
+
+
+def _version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("--topology", required=True)
+    p.add_argument("--set", action="append", default=[], metavar="K=V")
+    p.add_argument("--unrolled-layers", type=int)
+    args = p.parse_args()
+    out = args.out
+    res = {"framework": "scaletrain", "config": args.config, "set": args.set, "topology": args.topology,
+           "unrolled_layers": args.unrolled_layers, "no_windowed_einsum": args.unrolled_layers is not None}
+    t0 = time.time()
+    try:
+        import jax
+
+        from scaletrain import config
+        from scaletrain.planner import aot
+        from scaletrain.train import trainer
+
+        res.update(jax=jax.__version__, jaxlib=_version("jaxlib"), libtpu=_version("libtpu"),
+                   python=sys.version.split()[0])
+        cfg = config.load(args.config, args.set)
+        devices = aot.topology_devices(args.topology)
+        res["chips"] = len(devices)
+        res["device_kind"] = devices[0].device_kind
+        res["tokens_per_step"] = cfg.train.global_batch * cfg.data.seq_len
+        options = None
+        if args.unrolled_layers is not None:
+            # As planner/aot.py's _loop_corrected: one microbatch, N layers, every loop unrolled.
+            accum = cfg.train.grad_accum_steps
+            res["grad_accum_steps"] = accum
+            cfg = copy.deepcopy(cfg)
+            cfg.model.num_layers = args.unrolled_layers
+            cfg.train.global_batch //= accum
+            cfg.train.grad_accum_steps = 1
+            options = dict(common.NO_WINDOWED_EINSUM)
+        res["layers"] = cfg.model.num_layers
+        setup = trainer.build(cfg, devices, unroll_loops=args.unrolled_layers is not None)
+        res["mesh"] = {k: int(v) for k, v in setup.mesh.shape.items() if v > 1}
+        t = time.time()
+        try:
+            compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile(options)
+        except Exception as e:  # noqa: BLE001 - running out of HBM is a result
+            if "RESOURCE_EXHAUSTED" in str(e) or "Ran out of memory" in str(e):
+                res.update(fits=False, error=str(e).splitlines()[0][:500], compile_s=round(time.time() - t, 1))
+                raise SystemExit(0) from None
+            raise
+        res["compile_s"] = round(time.time() - t, 1)
+        res["cost"] = common.cost(compiled)
+        res["memory"] = common.memory(compiled.memory_analysis())
+        res["fits"] = True
+        hlo = compiled.as_text()
+        res["kernels"] = kernels.inventory(hlo)
+        res["while_loops"] = kernels.while_loops(hlo)
+        with gzip.open(str(out).removesuffix(".json") + ".hlo.gz", "wt") as f:  # for reading by hand
+            f.write(hlo)
+    except SystemExit:
+        pass
+    except Exception as e:  # noqa: BLE001 - reported in the JSON, exit status 1
+        res["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:500] if str(e) else ''}"
+        res["traceback"] = traceback.format_exc()[-4000:]
+    res["wall_s"] = round(time.time() - t0, 1)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print("RESULT", json.dumps({k: v for k, v in res.items() if k not in ("kernels", "traceback")}), flush=True)
+    sys.exit(1 if "error" in res and res.get("fits") is not False else 0)
+
+
+if __name__ == "__main__":
+    main()
