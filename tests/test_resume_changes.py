@@ -33,7 +33,8 @@ def test_a_resume_says_how_it_moves_the_schedule_and_schedule_steps_keeps_it(tmp
     assert "resuming with" not in out + err
 
     # Longer: the cosine would stretch over 8 steps, so the rate would jump up from the 4-step schedule's end.
-    trainer._schedule_change(config.load(None, tiny_overrides(run, steps=8, **{"optim.warmup_steps": 2})), run, 4)
+    trainer._schedule_change(config.load(None, tiny_overrides(run, steps=8, **{"optim.warmup_steps": 2})), run, 4,
+                             main=True)
     before, after = _rate(4, 4), _rate(8, 4)
     assert after > 2 * before
     assert capsys.readouterr() == ("", f"warning: resuming with steps 4 -> 8: the learning rate from step 5 is "

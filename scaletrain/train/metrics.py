@@ -1,4 +1,5 @@
-"""Where step metrics go: run_dir/metrics.jsonl, TensorBoard scalars in run_dir/tb, and the console.
+"""Where step metrics go: run_dir/metrics.jsonl, TensorBoard scalars in run_dir/tb, and the console; how a step is
+timed (StepClock); the line a run ends with (`summary`). docs/benchmarks.md says what each field measures.
 
 With a gs:// run_dir both files are written locally and uploaded (storage.Mirror) every minute, at each
 checkpoint and at the end: a kill without warning loses at most the records since the last upload, and a resumed

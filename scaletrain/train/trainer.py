@@ -227,14 +227,15 @@ def describe(cfg, setup: Setup, origin: str) -> str:
             f"{pipeline}); {origin}")
 
 
-def _schedule_change(cfg, run_dir, step: int) -> None:
-    """Says, in one line, how this resume changes the learning-rate schedule of the checkpoint's run, if it does."""
+def _schedule_change(cfg, run_dir, step: int, main: bool) -> None:
+    """Says, in one line, how this resume changes the learning-rate schedule of the checkpoint's run, if it does.
+    Every process reads the metadata: Orbax's reads wait for all of them."""
     try:
         _, saved = read_metadata(run_dir / "checkpoints", step)
     except CheckpointError:
         return  # restored a moment ago: unreadable metadata is for `ckpt inspect` to report
     change = optim.schedule_change(saved.get("config", {}), cfg.to_dict(), step)
-    if change is not None:
+    if change is not None and main:
         line, moved = change
         print(f"warning: resuming with {line}" if moved else f"scaletrain: resuming with {line}",
               file=sys.stderr if moved else sys.stdout, flush=True)
@@ -275,8 +276,8 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     if main:
         (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
         print(describe(cfg, setup, origin), flush=True)
-        if restored is not None:
-            _schedule_change(cfg, run_dir, start)
+    if restored is not None:
+        _schedule_change(cfg, run_dir, start, main)
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     newest = None if restored is None else start  # the newest checkpoint's step
 
