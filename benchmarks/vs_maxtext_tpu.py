@@ -276,13 +276,12 @@ def summarize(entry: dict, units: int, peak: float, bandwidth: float) -> dict:
         s["raw_optimal_seconds"] = full["cost"]["optimal_seconds"]
         # The scanned program's kernels, each counted by its loops' trip counts: a cross-check of the correction
         # (read again from the kept HLO, so a change to kernels.py needs no compile).
-        scanned = full["kernels"]
         if entry.get("full_hlo") and Path(entry["full_hlo"]).exists():
             import gzip
             with gzip.open(entry["full_hlo"], "rt") as f:
                 scanned = kernels.inventory(f.read())
-        s["scanned_kernel_flops"] = scanned["flops"]
-        s["scanned_kernel_uncosted"] = scanned["uncosted"]
+            s["scanned_kernel_flops"] = scanned["flops"]
+            s["scanned_kernel_uncosted"] = scanned["uncosted"]
         s["mesh"] = full.get("mesh")
         s["tokens_per_step"] = full.get("tokens_per_step")
         if full.get("maxtext_tflops_per_device"):
@@ -331,6 +330,10 @@ def main() -> None:
                    help="where scaletrain compiles: MaxText's environment (one compiler for both; `auto` falls "
                         "back to the project's own on failure, and says so) or the project's")
     p.add_argument("--variant", help="only scaletrain's variants whose label contains this (e.g. minimal)")
+    p.add_argument("--no-remat-barrier", action="store_true",
+                   help="scaletrain's unrolled compiles as planner/aot.py builds them (XLA then merges each layer's "
+                        "recomputation with its forward pass: no remat in the estimate); kept apart under "
+                        "RESULTS/no-barrier")
     p.add_argument("--results", default=str(ROOT / "runs" / "vs_maxtext_tpu"))
     p.add_argument("--force", action="store_true", help="compile again even when a result is kept")
     p.add_argument("--markdown", help="also write the table and notes to this file")
@@ -377,10 +380,15 @@ def main() -> None:
                             spec["topology"], *[a for s in sets for a in ("--set", s)]]
 
                 def our_layers(n):
-                    return [] if n is None else ["--unrolled-layers", str(n)]
+                    if n is None:
+                        return []
+                    return ["--unrolled-layers", str(n)] + ([] if args.no_remat_barrier else ["--remat-barrier"])
 
+                where = results / ("shared" if ours_shared else "project")
+                if args.no_remat_barrier:
+                    label, where = label + ", unrolled without remat barrier", where / "no-barrier"
                 entry = side_results(row, spec, "ours", f"scaletrain {label}", our_cmd(ours_py), our_layers,
-                                     _env(ours_shared), results / ("shared" if ours_shared else "project"), args)
+                                     _env(ours_shared), where, args)
                 failed = [r for r in (entry["full"], entry["two"], entry["three"])
                           if r and r.get("error") and r.get("fits") is not False]
                 if failed and ours_shared and args.ours_env == "auto":
@@ -388,8 +396,9 @@ def main() -> None:
                     log(f"scaletrain failed in MaxText's environment ({fallback_reason}); compiling it with the "
                         f"project's own environment instead - two compilers")
                     ours_py, ours_shared = project_python(), False
+                    where = results / "project" / ("no-barrier" if args.no_remat_barrier else "")
                     entry = side_results(row, spec, "ours", f"scaletrain {label}", our_cmd(ours_py), our_layers,
-                                         _env(False), results / "project", args)
+                                         _env(False), where, args)
                 entry["label"] = f"scaletrain {label}" + ("" if ours_shared else " [project env]")
                 entries.append(entry)
     if args.dry_run:

@@ -34,6 +34,24 @@ def _version(name: str) -> str | None:
         return None
 
 
+def remat_barrier() -> None:
+    """scaletrain wraps each layer in jax.checkpoint(prevent_cse=False), right for a scanned stack (the loop keeps
+    the recomputation apart from the forward pass). Unrolled, nothing does: XLA merges the recomputed forward
+    with the original (common-subexpression elimination), so the unrolled step runs no recomputation - one
+    forward kernel per layer where the scanned step runs two under full remat - and the loop correction drawn
+    from it leaves the remat out. prevent_cse=True puts the barrier back, as MaxText's unscanned layers have it."""
+    import jax
+
+    from scaletrain import remat
+
+    def apply(fn, name, custom=()):
+        if name == "none":
+            return fn
+        return jax.checkpoint(fn, policy=remat.policy(name, dict(custom)), prevent_cse=True)
+
+    remat.apply = apply
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -41,10 +59,13 @@ def main() -> None:
     p.add_argument("--topology", required=True)
     p.add_argument("--set", action="append", default=[], metavar="K=V")
     p.add_argument("--unrolled-layers", type=int)
+    p.add_argument("--remat-barrier", action="store_true",
+                   help="wrap each layer's jax.checkpoint with prevent_cse=True (see remat_barrier)")
     args = p.parse_args()
     out = args.out
     res = {"framework": "scaletrain", "config": args.config, "set": args.set, "topology": args.topology,
-           "unrolled_layers": args.unrolled_layers, "no_windowed_einsum": args.unrolled_layers is not None}
+           "unrolled_layers": args.unrolled_layers, "no_windowed_einsum": args.unrolled_layers is not None,
+           "remat_barrier": args.remat_barrier}
     t0 = time.time()
     try:
         import jax
@@ -55,6 +76,8 @@ def main() -> None:
 
         res.update(jax=jax.__version__, jaxlib=_version("jaxlib"), libtpu=_version("libtpu"),
                    python=sys.version.split()[0])
+        if args.remat_barrier:
+            remat_barrier()
         cfg = config.load(args.config, args.set)
         devices = aot.topology_devices(args.topology)
         res["chips"] = len(devices)
