@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 from flax import nnx
 
 from scaletrain import config
@@ -77,6 +78,10 @@ def test_fine_tune_an_imported_model_with_evaluation_and_export_it(imported, tmp
 
     run = tmp_path / "run"
     assert trainer.run(config.load(RECIPE, recipe(imported, run))) == 0
+    # The run keeps its own copy of the tokenizer and names it relative to itself: moved, or once the imported
+    # run is gone, it still generates and converts.
+    assert yaml.safe_load((run / "config.yaml").read_text())["data"]["tokenizer"] == "tokenizer"
+    assert (run / "tokenizer" / "tokenizer.json").read_bytes() == (imported / "hf" / "tokenizer.json").read_bytes()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "eval_loss" in r] == [2, 4]
     # The step-4 evaluation, recomputed from the step-4 checkpoint on one device, without the trainer.

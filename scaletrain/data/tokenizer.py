@@ -167,6 +167,16 @@ def exists(spec: str) -> bool:
     return spec == "bytes" or epath.Path(spec).exists()
 
 
+def copy_to(spec: str, folder: epath.Path) -> None:
+    """The files that define tokenizer `spec` (not `bytes`) into `folder`, under the names `load` looks for in a
+    folder: the folder then names the same tokenizer, wherever the original goes."""
+    tok = load(spec)
+    first = "tokenizer.model" if isinstance(tok, SentencePieceTokenizer) else "tokenizer.json"
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, source in enumerate(tok.files):
+        (folder / (first if i == 0 else source.name)).write_bytes(source.read_bytes())
+
+
 @functools.lru_cache(maxsize=None)
 def load(spec: str) -> Tokenizer:
     """The tokenizer `spec` names (cached: config validation, data and generation all load it)."""

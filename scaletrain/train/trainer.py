@@ -6,6 +6,7 @@ objects a training run uses.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib.metadata
@@ -22,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from scaletrain import config as config_lib
 from scaletrain import models as model_lib
 from scaletrain.data import loader as data_lib
+from scaletrain.data import tokenizer as tokenizer_lib
 from scaletrain.errors import CheckpointError, UserError, first_line
 from scaletrain.facts import fit, flops, hardware
 from scaletrain.parallel import checks, sharding
@@ -202,6 +204,20 @@ def _initial_state(cfg, setup: Setup) -> tuple[TrainState, str]:
     return state.replace(params=setup.from_disk(params)), origin
 
 
+def _keeping_tokenizer(cfg, run_dir):
+    """The config a run directory keeps: naming its own copy of the tokenizer (RUN_DIR/tokenizer, relative, as
+    storage.resolve finds it), so the run - and a run fine-tuned from it - generates and converts wherever it is
+    moved or copied, whatever becomes of the tokenizer it was started with."""
+    if cfg.data.tokenizer == "bytes":
+        return cfg
+    own = run_dir / "tokenizer"
+    if not str(storage.path(cfg.data.tokenizer)).startswith(str(own)):
+        tokenizer_lib.copy_to(cfg.data.tokenizer, own)
+    kept = copy.deepcopy(cfg)
+    kept.data.tokenizer = "tokenizer"
+    return kept
+
+
 def _run(cfg, preemption: Preemption, began: float) -> int:
     setup = build(cfg)
     iterator = data_lib.make_iterator(cfg, setup.batch_sharding)  # bad data fails here, before any write
@@ -274,7 +290,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     # The run proceeds: only now is anything in the run directory changed.
     ckpt.set_aside_damaged()
     if main:
-        (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
+        (run_dir / "config.yaml").write_text(config_lib.to_yaml(_keeping_tokenizer(cfg, run_dir)))
         print(describe(cfg, setup, origin), flush=True)
     if restored is not None:
         _schedule_change(cfg, run_dir, start, main)
