@@ -39,20 +39,26 @@ def policy(name: str, custom: Mapping[str, str]) -> Callable:
         offload_src="device", offload_dst="pinned_host")
 
 
-def apply(fn: Callable, name: str, custom: tuple[tuple[str, str], ...] = ()) -> Callable:
-    """Wrap a layer body in jax.checkpoint with the named policy; 'none' keeps every activation."""
+def apply(fn: Callable, name: str, custom: tuple[tuple[str, str], ...] = (), unrolled: bool = False) -> Callable:
+    """Wrap a layer body in jax.checkpoint with the named policy; 'none' keeps every activation.
+
+    In a scan the loop keeps XLA from merging the recomputation with the forward pass, so no barrier is needed
+    (prevent_cse=False lets XLA optimise across it). `unrolled` (the cost-estimate compiles, model.unroll_loops)
+    has no loop: without the barrier XLA drops the recomputation as a duplicate, and the estimate would leave out
+    work the scanned step does."""
     if name == "none":
         return fn
-    return jax.checkpoint(fn, policy=policy(name, dict(custom)), prevent_cse=False)
+    return jax.checkpoint(fn, policy=policy(name, dict(custom)), prevent_cse=unrolled)
 
 
-def around_stages(fn: Callable, name: str, custom: tuple[tuple[str, str], ...], input_name: str) -> Callable:
+def around_stages(fn: Callable, name: str, custom: tuple[tuple[str, str], ...], input_name: str,
+                  unrolled: bool = False) -> Callable:
     """Wrap one pipeline iteration (every stage's block of layers) in jax.checkpoint: its input, tagged
     `input_name`, is kept, and within it what the policy keeps - so the backward pass recomputes each iteration's
     layers from its input instead of keeping every layer's input for every microbatch, and a policy's saved (or
-    offloaded) activations stay saved. 'none' keeps every activation: no wrap."""
+    offloaded) activations stay saved. 'none' keeps every activation: no wrap. `unrolled`: as in `apply`."""
     if name == "none":
         return fn
     keep = jax.checkpoint_policies.save_only_these_names(input_name)
     return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_from_both_policies(policy(name, dict(custom)), keep),
-                          prevent_cse=False)
+                          prevent_cse=unrolled)

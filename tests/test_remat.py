@@ -58,3 +58,20 @@ def test_offloaded_activations_live_in_host_memory():
     # layers (XLA adds a staging layer's worth at this depth: 786,432 bytes measured).
     qkv = 2 * (16 // 8) * 256 * (4 + 2 * 2) * 16 * 4
     assert qkv <= offloaded["host_temporaries"] <= 2 * qkv
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_the_cost_estimates_unrolled_step_keeps_its_recomputation(pipelined):
+    """The loop correction's compiles unroll the layers (planner/aot.py); with no loop around a rematerialised
+    layer, XLA would merge its recomputation with the forward pass and the estimate would leave it out. So an
+    unrolled step puts a barrier around each rematerialised layer (or pipeline iteration), and a scanned one, where
+    the loop is the barrier, does not."""
+    stages = ["mesh.pipeline=2", "pipeline.microbatches=2"] if pipelined else []
+    cfg = config.load(None, tiny_overrides("unused", steps=STEPS) + ["remat.policy=full", *stages])
+
+    def lowered(unroll_loops):
+        setup = trainer.build(cfg, jax.devices()[:2 if pipelined else 1], unroll_loops=unroll_loops)
+        return setup.step.lower(setup.abstract_state, setup.abstract_batch()).as_text()
+
+    assert "optimization_barrier" in lowered(True)
+    assert "optimization_barrier" not in lowered(False)

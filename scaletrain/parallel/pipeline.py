@@ -120,7 +120,7 @@ def gpipe(body: Callable, x: jax.Array, stacked: Any, extras: tuple, stages: int
         out, aux = jax.vmap(stage, spmd_axis_name=stage_axis or None)(params, inputs, microbatch, repeat)
         return constrain(out, where), aux
 
-    run_stages = remat.around_stages(run_stages, remat_policy, remat_custom, STAGE_INPUT)
+    run_stages = remat.around_stages(run_stages, remat_policy, remat_custom, STAGE_INPUT, unroll)
 
     def iteration(carry, i):
         state, outputs, aux = carry
