@@ -193,7 +193,8 @@ class Decoder(nnx.Module):
             x_btd = checkpoint_name(constrain(x_btd, ("batch", "residual_seq", "embed")), "decoder_layer_input")
             return nnx.merge(graphdef, placed(layer_params))(x_btd, sin_bth, cos_bth, segment_ids_bt)
 
-        return x_btd, remat.apply(layer, cfg.remat, cfg.remat_custom, cfg.unroll_loops), stacked, (sin_bth, cos_bth, segment_ids_bt)
+        body = remat.apply(layer, cfg.remat, cfg.remat_custom, cfg.unroll_loops)
+        return x_btd, body, stacked, (sin_bth, cos_bth, segment_ids_bt)
 
     def final_stream(self, x_btd: jax.Array) -> jax.Array:
         # Gathered along the sequence for the vocab-parallel output projection. The standard norm runs before
