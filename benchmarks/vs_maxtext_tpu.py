@@ -334,9 +334,10 @@ def main() -> None:
                         "back to the project's own on failure, and says so) or the project's")
     p.add_argument("--variant", help="only scaletrain's variants whose label contains this (e.g. minimal)")
     p.add_argument("--no-remat-barrier", action="store_true",
-                   help="scaletrain's unrolled compiles as planner/aot.py builds them (XLA then merges each layer's "
-                        "recomputation with its forward pass: no remat in the estimate); kept apart under "
-                        "RESULTS/no-barrier")
+                   help="scaletrain's unrolled compiles without the driver's remat barrier, kept apart under "
+                        "RESULTS/.../no-barrier: before commit fcc80ba scaletrain's unrolled step had none (XLA "
+                        "merged each layer's recomputation with its forward pass); since, scaletrain adds it "
+                        "itself and this changes nothing")
     p.add_argument("--results", default=str(ROOT / "runs" / "vs_maxtext_tpu"))
     p.add_argument("--force", action="store_true", help="compile again even when a result is kept")
     p.add_argument("--markdown", help="also write the table and notes to this file")

@@ -34,22 +34,30 @@ def _version(name: str) -> str | None:
         return None
 
 
-def remat_barrier() -> None:
-    """scaletrain wraps each layer in jax.checkpoint(prevent_cse=False), right for a scanned stack (the loop keeps
-    the recomputation apart from the forward pass). Unrolled, nothing does: XLA merges the recomputed forward
-    with the original (common-subexpression elimination), so the unrolled step runs no recomputation - one
-    forward kernel per layer where the scanned step runs two under full remat - and the loop correction drawn
-    from it leaves the remat out. prevent_cse=True puts the barrier back, as MaxText's unscanned layers have it."""
+def remat_barrier() -> str:
+    """scaletrain wrapped each layer in jax.checkpoint(prevent_cse=False), right for a scanned stack (the loop
+    keeps the recomputation apart from the forward pass). Unrolled, nothing did: XLA merged the recomputed
+    forward with the original (common-subexpression elimination), so the unrolled step ran no recomputation -
+    one forward attention kernel per layer where the scanned step runs two under full remat - and the loop
+    correction drawn from it left the remat out. prevent_cse=True puts the barrier back, as MaxText's unscanned
+    layers have it. scaletrain's remat.apply now takes `unrolled` and adds the barrier itself (then nothing is
+    patched: "project"); for a checkout from before, apply is wrapped here ("patched")."""
+    import inspect
+
     import jax
 
     from scaletrain import remat
 
-    def apply(fn, name, custom=()):
+    if "unrolled" in inspect.signature(remat.apply).parameters:
+        return "project"
+
+    def apply(fn, name, custom=(), *_):
         if name == "none":
             return fn
         return jax.checkpoint(fn, policy=remat.policy(name, dict(custom)), prevent_cse=True)
 
     remat.apply = apply
+    return "patched"
 
 
 def main() -> None:
@@ -77,7 +85,7 @@ def main() -> None:
         res.update(jax=jax.__version__, jaxlib=_version("jaxlib"), libtpu=_version("libtpu"),
                    python=sys.version.split()[0])
         if args.remat_barrier:
-            remat_barrier()
+            res["remat_barrier"] = remat_barrier()
         cfg = config.load(args.config, args.set)
         devices = aot.topology_devices(args.topology)
         res["chips"] = len(devices)
