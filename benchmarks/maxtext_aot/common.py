@@ -1,4 +1,14 @@
-"""What both drivers report the same way: memory per device from `compiled.memory_analysis()`, XLA's costs."""
+"""What both drivers do the same way: compile, and report memory per device from `compiled.memory_analysis()`,
+XLA's costs and the kernels in the compiled program; write the result."""
+
+import gzip
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import kernels
 
 COSTS = ("flops", "bytes accessed", "optimal_seconds")
 # libtpu options of the cost compiles, as scaletrain's planner/aot.py passes them: no windowed-einsum loops
@@ -25,3 +35,39 @@ def cost(compiled) -> dict:
     c = compiled.cost_analysis()
     c = c[0] if isinstance(c, (list, tuple)) else c
     return {k: float(c.get(k, 0.0)) for k in COSTS}
+
+
+def compile_into(res: dict, compile_step, out) -> None:
+    """`compile_step()`'s program into `res`: compile time, costs, memory, kernels and loops (its HLO beside `out`,
+    for reading by hand). A step that does not fit in HBM is a result (fits: false), reported by SystemExit."""
+    t = time.time()
+    try:
+        compiled = compile_step()
+    except Exception as e:  # noqa: BLE001 - running out of HBM is a result
+        if "RESOURCE_EXHAUSTED" in str(e) or "Ran out of memory" in str(e):
+            res.update(fits=False, error=str(e).splitlines()[0][:500], compile_s=round(time.time() - t, 1))
+            raise SystemExit(0) from None
+        raise
+    res["compile_s"] = round(time.time() - t, 1)
+    res["cost"] = cost(compiled)
+    res["memory"] = memory(compiled.memory_analysis())
+    res["fits"] = True
+    hlo = compiled.as_text()
+    res["kernels"] = kernels.inventory(hlo)
+    res["while_loops"] = kernels.while_loops(hlo)
+    with gzip.open(str(out).removesuffix(".json") + ".hlo.gz", "wt") as f:
+        f.write(hlo)
+
+
+def failed(res: dict, e: Exception) -> None:
+    res["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:500] if str(e) else ''}"
+    res["traceback"] = traceback.format_exc()[-4000:]
+
+
+def finish(res: dict, out, t0: float) -> None:
+    """Write `res` to `out`, print its summary line and exit: 1 for an error other than not fitting."""
+    res["wall_s"] = round(time.time() - t0, 1)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(res, indent=1))
+    print("RESULT", json.dumps({k: v for k, v in res.items() if k not in ("kernels", "traceback")}), flush=True)
+    sys.exit(1 if "error" in res and res.get("fits") is not False else 0)

@@ -11,19 +11,15 @@ windowed-einsum loops off as compiler options (MaxText's compile_xla_flags), as 
 Set JAX_PLATFORMS=cpu and DECOUPLE_GCLOUD=TRUE (vs_maxtext_tpu.py does).
 """
 
-import gzip
-import json
 import os
 import sys
 import time
-import traceback
 from importlib.metadata import version
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-import kernels  # noqa: E402
 
 # The same two libtpu options as common.NO_WINDOWED_EINSUM, in MaxText's compile_xla_flags spelling.
 NO_WINDOWED_EINSUM = " ".join(f"--{k}={str(v).lower()}" for k, v in common.NO_WINDOWED_EINSUM.items())
@@ -67,24 +63,9 @@ def main(argv) -> None:
         data_sharding = sharding.get_input_data_sharding(config, mesh)
         func, in_shard, out_shard, static, donate = maxtext_utils.get_functional_train_with_signature(
             train.train_step, data_sharding, in_state, model, config, params_shardings)
-        t = time.time()
-        try:
-            compiled = tc.jit_and_compile(func, args, kwargs, mesh, in_shard, out_shard, static, donate, config,
-                                          axis_rules(config.logical_axis_rules))
-        except Exception as e:  # noqa: BLE001 - running out of HBM is a result
-            if "RESOURCE_EXHAUSTED" in str(e) or "Ran out of memory" in str(e):
-                res.update(fits=False, error=str(e).splitlines()[0][:500], compile_s=round(time.time() - t, 1))
-                raise SystemExit(0) from None
-            raise
-        res["compile_s"] = round(time.time() - t, 1)
-        res["cost"] = common.cost(compiled)
-        res["memory"] = common.memory(compiled.memory_analysis())
-        res["fits"] = True
-        hlo = compiled.as_text()
-        res["kernels"] = kernels.inventory(hlo)
-        res["while_loops"] = kernels.while_loops(hlo)
-        with gzip.open(str(out).removesuffix(".json") + ".hlo.gz", "wt") as f:  # for reading by hand
-            f.write(hlo)
+        common.compile_into(res, lambda: tc.jit_and_compile(
+            func, args, kwargs, mesh, in_shard, out_shard, static, donate, config,
+            axis_rules(config.logical_axis_rules)), out)
         try:
             tot, weights, attn = maxtext_utils.calculate_tflops_training_per_device(config)
             res["maxtext_tflops_per_device"] = {"total": tot, "weights": weights, "attention": attn}
@@ -93,14 +74,8 @@ def main(argv) -> None:
     except SystemExit:
         pass
     except Exception as e:  # noqa: BLE001 - reported in the JSON, exit status 1
-        res["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:500] if str(e) else ''}"
-        res["traceback"] = traceback.format_exc()[-4000:]
-    res["wall_s"] = round(time.time() - t0, 1)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(res, indent=1))
-    print("RESULT", json.dumps({k: v for k, v in res.items() if k not in ("kernels", "traceback")}), flush=True)
-    sys.exit(1 if "error" in res and res.get("fits") is not False else 0)
-
+        common.failed(res, e)
+    common.finish(res, out, t0)
 
 if __name__ == "__main__":
     main(sys.argv)

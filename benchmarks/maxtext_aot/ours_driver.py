@@ -13,18 +13,14 @@ loop correction.
 
 import argparse
 import copy
-import gzip
-import json
 import sys
 import time
-import traceback
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-import kernels  # noqa: E402
 
 
 def _version(name: str) -> str | None:
@@ -70,7 +66,6 @@ def main() -> None:
     p.add_argument("--remat-barrier", action="store_true",
                    help="wrap each layer's jax.checkpoint with prevent_cse=True (see remat_barrier)")
     args = p.parse_args()
-    out = args.out
     res = {"framework": "scaletrain", "config": args.config, "set": args.set, "topology": args.topology,
            "unrolled_layers": args.unrolled_layers, "no_windowed_einsum": args.unrolled_layers is not None,
            "remat_barrier": args.remat_barrier}
@@ -104,34 +99,13 @@ def main() -> None:
         res["layers"] = cfg.model.num_layers
         setup = trainer.build(cfg, devices, unroll_loops=args.unrolled_layers is not None)
         res["mesh"] = {k: int(v) for k, v in setup.mesh.shape.items() if v > 1}
-        t = time.time()
-        try:
-            compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile(options)
-        except Exception as e:  # noqa: BLE001 - running out of HBM is a result
-            if "RESOURCE_EXHAUSTED" in str(e) or "Ran out of memory" in str(e):
-                res.update(fits=False, error=str(e).splitlines()[0][:500], compile_s=round(time.time() - t, 1))
-                raise SystemExit(0) from None
-            raise
-        res["compile_s"] = round(time.time() - t, 1)
-        res["cost"] = common.cost(compiled)
-        res["memory"] = common.memory(compiled.memory_analysis())
-        res["fits"] = True
-        hlo = compiled.as_text()
-        res["kernels"] = kernels.inventory(hlo)
-        res["while_loops"] = kernels.while_loops(hlo)
-        with gzip.open(str(out).removesuffix(".json") + ".hlo.gz", "wt") as f:  # for reading by hand
-            f.write(hlo)
+        common.compile_into(res, lambda: setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile(
+            options), args.out)
     except SystemExit:
         pass
     except Exception as e:  # noqa: BLE001 - reported in the JSON, exit status 1
-        res["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:500] if str(e) else ''}"
-        res["traceback"] = traceback.format_exc()[-4000:]
-    res["wall_s"] = round(time.time() - t0, 1)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    print("RESULT", json.dumps({k: v for k, v in res.items() if k not in ("kernels", "traceback")}), flush=True)
-    sys.exit(1 if "error" in res and res.get("fits") is not False else 0)
-
+        common.failed(res, e)
+    common.finish(res, args.out, t0)
 
 if __name__ == "__main__":
     main()
