@@ -210,8 +210,8 @@ def _keeping_tokenizer(cfg, run_dir):
     moved or copied, whatever becomes of the tokenizer it was started with."""
     if cfg.data.tokenizer == "bytes":
         return cfg
-    own = run_dir / "tokenizer"
-    if not str(storage.path(cfg.data.tokenizer)).startswith(str(own)):
+    own, named = run_dir / "tokenizer", storage.path(cfg.data.tokenizer)
+    if named != own and own not in named.parents:  # not already the run's own copy (a resume from its config)
         tokenizer_lib.copy_to(cfg.data.tokenizer, own)
     kept = copy.deepcopy(cfg)
     kept.data.tokenizer = "tokenizer"
