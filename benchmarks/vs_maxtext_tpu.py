@@ -95,6 +95,10 @@ ROWS = {
                     "sa_block_kv_dkv=2048", "sa_block_kv_dkv_compute=2048", "sa_block_q_dq=2048",
                     "sa_block_kv_dq=2048", "sa_use_fused_bwd_kernel=true"],
         "maxtext_note": "pdb 36 x 4096, remat full, FSDP, megablox, splash 2048 blocks fused bwd, bf16 weights",
+        # The recipe's scoped-VMEM limit (MaxText's MOE_VMEM_LIMIT_FLAG), for both sides: without it libtpu
+        # 0.0.50.1 refuses MaxText's step (CompileTimeScopedVmemOom). The recipe's other libtpu options reorder
+        # collectives around compute, which XLA's cost estimate does not see; none is passed to either side.
+        "libtpu_args": "--xla_tpu_scoped_vmem_limit_kib=81920",
         "ours": {"config (expert 8 x fsdp 8, full remat)": ("configs/mixtral_8x7b.yaml", [
             "train.global_batch=2304", "data.seq_len=4096"])},
     },
@@ -181,11 +185,13 @@ def project_python() -> str:
     return str(venv) if venv.exists() else sys.executable
 
 
-def _env(shared: bool) -> dict:
+def _env(shared: bool, libtpu_args: str = "") -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE", TF_CPP_MIN_LOG_LEVEL="2",
                # libtpu refuses a second process while one holds its lockfile; no TPU is attached here.
                ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     env.pop("LIBTPU_INIT_ARGS", None)
+    if libtpu_args:  # a row's own libtpu options, read by libtpu when it loads, in both drivers
+        env["LIBTPU_INIT_ARGS"] = libtpu_args
     if shared:
         env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
@@ -195,6 +201,8 @@ def run_compile(cmd: list[str], out: Path, env: dict, force: bool, dry: bool, ca
     """One compile in its own process, its JSON cached at `out` (reused when its command is the same). None: not
     compiled (a dry run, or `cached_only`)."""
     key = shlex.join(cmd[1:])  # the interpreter may move; what is compiled may not
+    if env.get("LIBTPU_INIT_ARGS"):
+        key = f"LIBTPU_INIT_ARGS={shlex.quote(env['LIBTPU_INIT_ARGS'])} {key}"
     if out.exists() and not force:
         cached = json.loads(out.read_text())
         if cached.get("command") == key and ("error" not in cached or cached.get("fits") is False):
@@ -374,7 +382,7 @@ def main() -> None:
                                              f"base_num_decoder_layers={n}", "--no-windowed-einsum"]
 
             entries.append(side_results(row, spec, "maxtext", f"MaxText 0.2.5 recipe ({spec['maxtext_note']})",
-                                        base, mt_layers, _env(True), results, args))
+                                        base, mt_layers, _env(True, spec.get("libtpu_args", "")), results, args))
         if "ours" in sides:
             for label, (cfg, sets) in spec["ours"].items():
                 if args.variant and args.variant not in label:
@@ -392,7 +400,7 @@ def main() -> None:
                 if args.no_remat_barrier:
                     label, where = label + ", unrolled without remat barrier", where / "no-barrier"
                 entry = side_results(row, spec, "ours", f"scaletrain {label}", our_cmd(ours_py), our_layers,
-                                     _env(ours_shared), where, args)
+                                     _env(ours_shared, spec.get("libtpu_args", "")), where, args)
                 failed = [r for r in (entry["full"], entry["two"], entry["three"])
                           if r and r.get("error") and r.get("fits") is not False]
                 if failed and ours_shared and args.ours_env == "auto":
@@ -402,7 +410,7 @@ def main() -> None:
                     ours_py, ours_shared = project_python(), False
                     where = results / "project" / ("no-barrier" if args.no_remat_barrier else "")
                     entry = side_results(row, spec, "ours", f"scaletrain {label}", our_cmd(ours_py), our_layers,
-                                         _env(False), where, args)
+                                         _env(False, spec.get("libtpu_args", "")), where, args)
                 entry["label"] = f"scaletrain {label}" + ("" if ours_shared else " [project env]")
                 entries.append(entry)
     if args.dry_run:
