@@ -2,6 +2,8 @@
 here) and the Triton kernel (GPU, interpreted here) - against the plain jnp twin and against the XLA path, alone
 and in the whole model on many devices; the TPU kernel compiled ahead of time for real chips."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,6 +109,10 @@ def test_remat_policies_see_the_kernels_residuals(policy, forward_kernels):
     kernels = [line for line in text.splitlines() if "custom-call(" in line and "tpu_custom_call" in line]
     assert len(kernels) == forward_kernels + 2  # and dq, dkv
     assert sum("splash_mha_fwd" in line for line in kernels) == forward_kernels
+    # The side-by-side benchmark's kernel count follows the layer loop: each kernel in its body once per layer.
+    found = _kernel_costs().inventory(text)
+    assert found["calls_in_loops"] == len(kernels) and not found["uncosted"]
+    assert found["calls"] == cfg.model.num_layers * (forward_kernels + 2)
 
 
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"])
@@ -131,6 +137,14 @@ def test_splash_compiles_for_tpu_at_llama3_8b_shapes(topology):
 
     text = jax.jit(step).lower(*shapes, segments).compile().as_text()
     assert text.count("tpu_custom_call") >= 3  # forward, dq, dkv: Mosaic kernels
+    # benchmarks/maxtext_aot/kernels.py costs them as XLA does not: 2, 3 and 4 matmuls of 2·H·T·S·D each over
+    # the causal mask's visited blocks, counted here block by block with the generation's block sizes.
+    visited = sum(kb * kernel.block_kv <= (qb + 1) * kernel.block_q - 1
+                  for qb in range(t // kernel.block_q) for kb in range(t // kernel.block_kv))
+    f = visited / ((t // kernel.block_q) * (t // kernel.block_kv))
+    found = _kernel_costs().inventory(text)
+    assert sorted(k["kind"] for k in found["kernels"]) == ["dkv", "dq", "fwd"] and not found["uncosted"]
+    assert found["flops"] == pytest.approx(2 * (2 + 3 + 4) * 32 * t * t * 128 * f, rel=1e-9)
 
 
 def test_the_triton_kernel_lowers_for_cuda_at_llama3_8b_shapes():
@@ -145,6 +159,17 @@ def test_the_triton_kernel_lowers_for_cuda_at_llama3_8b_shapes():
 
     text = jax.jit(step).trace(*shapes, segments).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") >= 3  # forward, and the backward's kernels
+
+
+def _kernel_costs():
+    """benchmarks/maxtext_aot/kernels.py, which the side-by-side benchmark runs in MaxText's environment too."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "maxtext_aot" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("maxtext_aot_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_flash_is_a_config_choice():
