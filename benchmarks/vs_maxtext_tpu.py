@@ -86,21 +86,23 @@ ROWS = {
         "title": "Mixtral 8x7B, v5p-128 (64 chips)",
         "topology": "v5p:4x4x4", "maxtext_topology": "v5p-128", "layers": 32,
         # MaxText's v5p recipe for Mixtral 8x7B (its benchmarks' mixtral_8x7b_dropless_v5p_512, written for
-        # v5p-512): per-device batch 36 x 4096, remat full, FSDP, splash with 2048 blocks and the fused backward
-        # kernel, megablox grouped matmuls (dropless), bf16 weights.
-        "maxtext": ["model_name=mixtral-8x7b", "per_device_batch_size=36", "max_target_length=4096",
+        # v5p-512): remat full, FSDP, splash with 2048 blocks and the fused backward kernel, megablox grouped
+        # matmuls (dropless), bf16 weights - at 8 sequences of 4096 per chip, not the recipe's 36: compiled here,
+        # 36 need 132.6 GiB of HBM per chip with MaxText and 185.7 GB of temporaries with scaletrain, more than a
+        # v5p has (docs/maxtext-comparison.md).
+        "maxtext": ["model_name=mixtral-8x7b", "per_device_batch_size=8", "max_target_length=4096",
                     "remat_policy=full", "ici_fsdp_parallelism=-1", "dtype=bfloat16", "weight_dtype=bfloat16",
                     "attention=flash", "megablox=true", "sparse_matmul=true",
                     "sa_block_q=2048", "sa_block_kv=2048", "sa_block_kv_compute=2048", "sa_block_q_dkv=2048",
                     "sa_block_kv_dkv=2048", "sa_block_kv_dkv_compute=2048", "sa_block_q_dq=2048",
                     "sa_block_kv_dq=2048", "sa_use_fused_bwd_kernel=true"],
-        "maxtext_note": "pdb 36 x 4096, remat full, FSDP, megablox, splash 2048 blocks fused bwd, bf16 weights",
+        "maxtext_note": "pdb 8 x 4096, remat full, FSDP, megablox, splash 2048 blocks fused bwd, bf16 weights",
         # The recipe's scoped-VMEM limit (MaxText's MOE_VMEM_LIMIT_FLAG), for both sides: without it libtpu
         # 0.0.50.1 refuses MaxText's step (CompileTimeScopedVmemOom). The recipe's other libtpu options reorder
         # collectives around compute, which XLA's cost estimate does not see; none is passed to either side.
         "libtpu_args": "--xla_tpu_scoped_vmem_limit_kib=81920",
         "ours": {"config (expert 8 x fsdp 8, full remat)": ("configs/mixtral_8x7b.yaml", [
-            "train.global_batch=2304", "data.seq_len=4096"])},
+            "train.global_batch=512", "data.seq_len=4096"])},
     },
 }
 COMMON_MAXTEXT = ["compile_topology_num_slices=1", "dataset_type=synthetic", "enable_checkpointing=false",
