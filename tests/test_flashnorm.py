@@ -12,7 +12,7 @@ from jax.experimental.pallas import tpu as pltpu
 from scaletrain import config
 from scaletrain.kernels import norm_matmul as nm
 from scaletrain.kernels import norm_matmul_tpu as tpu
-from tests.conftest import tiny_overrides, train_steps
+from tests.conftest import lower_for_cuda, tiny_overrides, train_steps
 from tests.numerics import assert_close, assert_trees_close
 
 EPS = 1e-5
@@ -128,8 +128,7 @@ def test_the_gpu_kernels_lower_to_triton_for_cuda_at_llama3_8b_shapes():
     def step(x, g, w, dz):
         return _value_and_grads(lambda x, g, w: nm.norm_matmul(x, g, w, EPS, blocks=nm.GpuBlocks()), x, g, w, dz)
 
-    text = jax.jit(step).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dx/dg, dW
+    assert lower_for_cuda(step, *shapes).count("__gpu$xla.gpu.triton") == 3  # forward, dx/dg, dW
 
 
 STEPS = 3
