@@ -1,5 +1,12 @@
 # Two commands do the whole set-up: `make train` and `make test` (README.md).
-PYTHON ?= python3
+# jax 0.12 needs Python >= 3.12: the first of these that runs and is new enough makes the venv (pyenv's shims for a
+# version not selected fail, so are passed over). `make PYTHON=/path/to/python3.12` chooses another.
+PYENV_ROOT ?= $(HOME)/.pyenv
+PYTHON_CANDIDATES := python3 python3.12 python3.13 python3.14 $(wildcard $(PYENV_ROOT)/versions/3.1[2-9]*/bin/python3)
+PYTHON_OK := -c 'import sys; sys.exit(sys.version_info < (3, 12))'
+ifndef PYTHON
+PYTHON := $(shell for p in $(PYTHON_CANDIDATES); do $$p $(PYTHON_OK) 2>/dev/null && { command -v $$p; break; }; done)
+endif
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -9,9 +16,12 @@ CPU_DEVICES ?= 8
 
 venv: $(STAMP)
 
-# The stamp is rebuilt whenever pyproject.toml or constraints.txt changes: `make venv` is a no-op when current.
+# The stamp is rebuilt whenever pyproject.toml or constraints.txt changes: `make venv` is a no-op when current. A venv
+# of an older Python (made before the move to jax 0.12) is made anew.
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) $(PYTHON_OK) 2>/dev/null || { \
+		test -n "$(PYTHON)" || { echo "make: no Python >= 3.12 found (jax 0.12 needs it): install python3.12 and its venv module, or pyenv install 3.12, or pass PYTHON=/path/to/python3.12"; exit 1; }; \
+		echo "rm -rf $(VENV) && $(PYTHON) -m venv $(VENV)"; rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)

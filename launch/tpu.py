@@ -135,14 +135,14 @@ def create(launch: Launch) -> list[list[str]]:
                     *capacity)]
 
 
-# TPU VM images ship Python 3.10; scaletrain needs 3.11+. uv installs one beside it, into ~/venv.
+# TPU VM images ship Python 3.10; scaletrain needs 3.12+ (jax 0.12). uv installs one beside it, into ~/venv.
 PYTHON = "~/venv/bin/python"
 
 
 def _install() -> str:
     return ("(command -v ~/.local/bin/uv > /dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh) && "
-            "~/.local/bin/uv venv --quiet --allow-existing --python 3.11 ~/venv && "
-            f"~/.local/bin/uv pip install --quiet --python {PYTHON} -c constraints.txt -e . 'jax[tpu]==0.10.2'")
+            "~/.local/bin/uv venv --quiet --allow-existing --python 3.12 ~/venv && "
+            f"~/.local/bin/uv pip install --quiet --python {PYTHON} -c constraints.txt -e . 'jax[tpu]==0.12.0.1'")
 
 
 def setup(launch: Launch) -> list[list[str]]:

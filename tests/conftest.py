@@ -46,6 +46,16 @@ def tiny_overrides(run_dir: Path | str, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in values.items()]
 
 
+def lower_for_cuda(fn, *shapes) -> str:
+    """`fn` lowered for `shapes` on a GPU with no GPU here: Pallas writes the Triton IR for the GPU the program is
+    lowered for, here an abstract H100 (compute capability 9.0). The program's StableHLO text."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    h100 = AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("gpu",), (AxisType.Explicit,), abstract_device=h100)):
+        return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def train_steps(batches, overrides: list[str], devices=None) -> tuple[list[float], dict]:
     """Losses and final parameters (on the host) of the tiny model with `overrides`, one step per batch, on
     `devices` (as many as the mesh takes by default): tests/equivalence.py's `run`, which records more."""

@@ -106,15 +106,15 @@ def test_a_pipeline_across_two_slices(schedule, corrected):
 def test_the_loop_correction_stands_for_the_unrolled_program():
     """The corrected counts of an 8-layer step (from compiles of 2 and 3 layers, aot._loop_corrected) against XLA's
     counts of the whole step unrolled. The FLOPs are linear in the layers; the bytes (and optimal_seconds, which
-    follow them for this memory-bound model) are not quite: XLA fuses the unrolled program a little differently
-    as it grows (36 fusions a layer between 6 and 8 layers, 33.5 between 4 and 6), and the corrected bytes
-    come out 4.6% below (docs/benchmarks.md). Had the correction used 1 and 2 layers, as it once did, they
-    would be 11% below."""
+    follow them for this memory-bound model) are not: XLA fuses the unrolled program differently as it grows, and
+    libtpu 0.0.50.1 counts 110 MB for the third layer, 122 for the fourth to sixth and 138 for the seventh and
+    eighth, so the corrected bytes come out 9.1% below (docs/benchmarks.md; libtpu 0.0.42: 4.6%), held to 12%.
+    A correction that missed a layer would be 12.5% off in FLOPs, which are held to 1%."""
     from scaletrain.planner import aot
 
     cfg = config.load("configs/llama_tiny.yaml", ["model.num_layers=8"])
     devices = aot.topology_devices("v5p:2x2x2")
     corrected, unrolled = aot._loop_corrected(cfg, devices), aot.unrolled_cost(cfg, devices)
     assert corrected["flops"] == pytest.approx(unrolled["flops"], rel=0.01)
-    assert corrected["bytes accessed"] == pytest.approx(unrolled["bytes accessed"], rel=0.08)
-    assert corrected["optimal_seconds"] == pytest.approx(unrolled["optimal_seconds"], rel=0.08)
+    assert corrected["bytes accessed"] == pytest.approx(unrolled["bytes accessed"], rel=0.12)
+    assert corrected["optimal_seconds"] == pytest.approx(unrolled["optimal_seconds"], rel=0.12)

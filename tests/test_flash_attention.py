@@ -13,7 +13,7 @@ from scaletrain import config
 from scaletrain.kernels import flash_attention as fa
 from scaletrain.train import trainer
 from tests import equivalence
-from tests.conftest import tiny_overrides
+from tests.conftest import lower_for_cuda, tiny_overrides
 
 STEPS = 3
 HEAD_DIM = 64
@@ -157,7 +157,7 @@ def test_the_triton_kernel_lowers_for_cuda_at_llama3_8b_shapes():
         out, vjp = jax.vjp(lambda q, k, v: fa.flash_attention(q, k, v, seg, fa.Triton()), q, k, v)
         return out, vjp(out)
 
-    text = jax.jit(step).trace(*shapes, segments).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(step, *shapes, segments)
     assert text.count("__gpu$xla.gpu.triton") >= 3  # forward, and the backward's kernels
 
 

@@ -18,6 +18,7 @@ from scaletrain.kernels import norm_matmul as nm
 from scaletrain.kernels import norm_matmul_tpu as tpu
 from scaletrain.tools import inference
 from scaletrain.tools.generate import compute_dtype_params, generate_tokens
+from tests.conftest import lower_for_cuda
 from tests.test_flashnorm import EPS, MEGACORE, _operands, _races_found, _relative
 
 F32 = jnp.float32
@@ -150,8 +151,7 @@ def test_the_gpu_decode_kernel_lowers_to_triton_at_llama_widths():
         for k, n in DECODE_SHAPES:
             shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (k,), (k, n))]
             fn = functools.partial(nm.norm_matmul, eps=EPS, blocks=nm.GpuBlocks())
-            text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-            assert text.count("__gpu$xla.gpu.triton") == 1, (m, k, n)
+            assert lower_for_cuda(fn, *shapes).count("__gpu$xla.gpu.triton") == 1, (m, k, n)
 
 
 # --- the same tokens in every mode -----------------------------------------------------------------------

@@ -61,9 +61,9 @@ def test_v5p_64_slice_counts_cores_and_sweeps_in_turn(capsys):
     setup = _dry(capsys, "setup", "v5p-64.yaml")
     assert setup[0].startswith("tar -czf /tmp/scaletrain-llama8b-v5p64.tgz --exclude=./.venv")
     assert "scp /tmp/scaletrain-llama8b-v5p64.tgz 'llama8b-v5p64:~/scaletrain.tgz' --worker=all" in setup[1]
-    # TPU VM images have Python 3.10: a 3.11 venv beside it, the pinned stack inside.
-    assert ("uv venv --quiet --allow-existing --python 3.11 ~/venv && ~/.local/bin/uv pip install --quiet "
-            "--python ~/venv/bin/python -c constraints.txt -e . 'jax[tpu]==0.10.2'") in setup[2]
+    # TPU VM images have Python 3.10: a 3.12 venv beside it, the pinned stack inside.
+    assert ("uv venv --quiet --allow-existing --python 3.12 ~/venv && ~/.local/bin/uv pip install --quiet "
+            "--python ~/venv/bin/python -c constraints.txt -e . 'jax[tpu]==0.12.0.1'") in setup[2]
     sweep = _dry(capsys, "sweep", "v5p-64.yaml")
     assert len(sweep) == 5 and all("--worker=all" in line and "nohup" not in line for line in sweep)
     # The sweep's 5 steps plus a warm-up, no checkpoint, and a failed variant does not stop the rest.

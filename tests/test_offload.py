@@ -87,3 +87,26 @@ def test_a_nonfinite_step_changes_no_offloaded_state(batches):
     assert float(metrics["update_skipped"]) == 1.0
     for a, b in zip(jax.tree.leaves(jax.device_get((state.params, state.opt_state))), jax.tree.leaves(before)):
         np.testing.assert_array_equal(a, b)
+
+
+
+def test_jax_still_mistypes_a_host_memory_gradient_in_two_nested_scans():
+    """Why a pipeline fetches its stage's weights whole under params.offload (runner.Runner.fetches_layers): the
+    pipeline's iterations and a stage's layers are two nested scans, and JAX (0.10.2 and 0.12.0.1) types the
+    gradient of a weight fetched from host memory inside both in the wrong memory space (one scan works: the
+    plain layer stack). When this fails, JAX is fixed: let pipelines fetch a layer at a time too."""
+    mesh = jax.make_mesh((1,), ("x",))
+    host = jax.NamedSharding(mesh, jax.P(), memory_kind="pinned_host")
+    weights = jax.device_put(np.full((4, 8, 8), 0.1, np.float32), host)
+
+    def layer(h, w):
+        return jax.numpy.tanh(h @ jax.device_put(w, jax.memory.Space.Device)), None  # constrain_param's fetch
+
+    def loss(weights, x):
+        def iteration(total, x):
+            return total + jax.lax.scan(layer, x, weights)[0].sum(), None
+        return jax.lax.scan(iteration, 0.0, x)[0]
+
+    grad = jax.jit(jax.grad(loss), out_shardings=host)
+    with pytest.raises(ValueError, match=r"Expected cotangent type float32\[8,8\] but got float32<host>\[8,8\]"):
+        grad(weights, np.ones((3, 2, 8), np.float32))

@@ -17,7 +17,7 @@ from tests import equivalence
 from tests.conftest import tiny_overrides
 
 STEPS = 4
-LAYERS = ["model.num_layers=4"]
+MODEL = ["model.num_layers=4", "optim.eps=3e-3"]  # eps = lr: a rounding difference stays one (tests/test_pipeline.py)
 # Router losses far above their defaults, so that a penalty's gradient lost or doubled in a schedule's hand-written
 # backward pass shows in the gradient norm.
 MOE = ["model.num_experts=4", "model.experts_per_token=2", "model.moe_d_ff=64", "model.router_aux_loss=0.5",
@@ -43,8 +43,8 @@ FEATURES = {
 @pytest.mark.parametrize("feature", FEATURES)
 def test_a_pipeline_composes_with(batches, feature, schedule):
     overrides, mesh = FEATURES[feature]
-    want = equivalence.reference(batches, *LAYERS, *overrides)
-    got = equivalence.run(batches, *LAYERS, *overrides, *SCHEDULES[schedule], *mesh)
+    want = equivalence.reference(batches, *MODEL, *overrides)
+    got = equivalence.run(batches, *MODEL, *overrides, *SCHEDULES[schedule], *mesh)
     metrics = ("loss", "grad_norm") + (ROUTER_METRICS if overrides is MOE else ())
     equivalence.assert_same(got, want, metrics=metrics)
     if feature == "parameter offload":  # trained from host memory, a stage's weights fetched whole (runner.py)
@@ -57,8 +57,8 @@ def test_the_router_penalty_shows_in_the_gradient_norm(batches):
     """What makes the mixture-of-experts pairings able to fail: a schedule that lost the penalty's gradient (1F1B
     pulls it through its hand-written backward slots, pipeline_1f1b.py) would train on the cross-entropy alone,
     whose gradient norm differs from the penalised one's by more than the tests' 1e-5."""
-    plain = equivalence.reference(batches, *LAYERS, *MOE[:3], "model.router_aux_loss=0", "model.router_z_loss=0")
-    penalised = equivalence.reference(batches, *LAYERS, *MOE)
+    plain = equivalence.reference(batches, *MODEL, *MOE[:3], "model.router_aux_loss=0", "model.router_z_loss=0")
+    penalised = equivalence.reference(batches, *MODEL, *MOE)
     assert abs(penalised.grad_norms[0] - plain.grad_norms[0]) > 1e-3 * plain.grad_norms[0]
 
 
@@ -73,7 +73,7 @@ def test_parameter_offload_composes_with_gradient_accumulation(batches):
     (["train.grad_accum_steps=2", "mesh.pipeline=2"], "the pipeline's microbatches replace gradient accumulation"),
 ])
 def test_refused_pairings_say_why(overrides, reason):
-    cfg = config.load(None, tiny_overrides("unused") + LAYERS + overrides)
+    cfg = config.load(None, tiny_overrides("unused") + MODEL + overrides)
     with pytest.raises(ConfigError, match=reason):
         trainer.build(cfg, jax.devices()[:2])
 

@@ -7,7 +7,7 @@ import pytest
 
 from scaletrain.planner import hlo, memory
 from tests import equivalence
-from tests.test_pipeline import LAYERS, _setup, assert_bubbles_reach_nothing, assert_like_one_device
+from tests.test_pipeline import MODEL, _setup, assert_bubbles_reach_nothing, assert_like_one_device
 
 STEPS = 3
 
@@ -15,7 +15,7 @@ STEPS = 3
 @pytest.fixture(scope="module")
 @equivalence.computed_once
 def reference(batches):
-    return equivalence.reference(batches, *LAYERS)
+    return equivalence.reference(batches, *MODEL)
 
 
 CASES = {
@@ -45,8 +45,8 @@ def test_1f1b_equals_gpipe(batches):
     """The same pipeline, scheduled 1F1B by hand (pipeline_1f1b.py) or GPipe by jax.grad: the same sums, in
     another order - losses and parameters within 1e-6, gradient norms and Adam moments within 1e-5."""
     mesh = ("mesh.pipeline=2", "mesh.fsdp=2", "pipeline.microbatches=4")
-    gpipe = equivalence.reference(batches, *LAYERS, *mesh)
-    one_f_one_b = equivalence.run(batches, *LAYERS, *mesh, "pipeline.schedule=1f1b")
+    gpipe = equivalence.reference(batches, *MODEL, *mesh)
+    one_f_one_b = equivalence.run(batches, *MODEL, *mesh, "pipeline.schedule=1f1b")
     equivalence.assert_same(one_f_one_b, gpipe, loss=1e-6, params=1e-6)
 
 

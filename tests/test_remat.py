@@ -55,9 +55,10 @@ def test_offloaded_activations_live_in_host_memory():
     offloaded = _compiled_memory("qkv_proj_offloaded", devices, *shape)
     assert on_device["host_total"] == 0
     # At least Q, K, V of every layer: per device, batch 16 / 8, seq 256, (4 + 2 + 2 heads) x 16, float32, 2
-    # layers (XLA adds a staging layer's worth at this depth: 786,432 bytes measured).
+    # layers; XLA adds staging buffers at this depth (measured: 786,432 bytes with jax 0.10.2's libtpu, 1,310,720 =
+    # 2.5 x Q, K, V with 0.12.0.1's).
     qkv = 2 * (16 // 8) * 256 * (4 + 2 * 2) * 16 * 4
-    assert qkv <= offloaded["host_temporaries"] <= 2 * qkv
+    assert qkv <= offloaded["host_temporaries"] <= 3 * qkv
 
 
 @pytest.mark.parametrize("pipelined", [False, True])

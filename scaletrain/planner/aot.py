@@ -177,7 +177,7 @@ def _kernels(cfg, mesh, chip: hardware.Chip | None) -> dict | None:
 def _out_of_memory(message: str) -> int | None:
     """The bytes XLA says a step needs, when it refused to compile one that does not fit in HBM (None when the
     message does not say)."""
-    m = re.search(r"RESOURCE_EXHAUSTED: Ran out of memory[^(]*\(([\d.]+)([KMGT])\)", message)
+    m = re.search(r"Ran out of memory[^(]*\(([\d.]+)([KMGT])\)", message)
     return int(float(m.group(1)) * 2 ** (10 * "KMGT".index(m.group(2)) + 10)) if m else None
 
 

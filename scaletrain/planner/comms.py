@@ -184,8 +184,8 @@ def _layout(dims: tuple[int, ...], sizes: Sequence[tuple[str, int]]) -> dict[str
     """Chips each mesh axis takes along each physical axis, after jax.experimental.mesh_utils' rule: axes
     innermost first (tensor first: the most network-intensive), each on whole free physical axes whose product is
     its size (as many as possible), else on factors of them, taken in physical-axis order (mesh.py allows split
-    physical axes). jax's own splitting is not called: it cannot factor a size with a prime factor above its
-    square root (it fails on the full v5p pod's 28)."""
+    physical axes). jax's own splitting is not called: jax 0.10's could not factor a size with a prime factor
+    above its square root (it failed on the full v5p pod's 28)."""
     free, out = list(dims), {}
     for name, size in reversed(sizes):
         take = [1] * len(dims)
