@@ -161,6 +161,28 @@ def test_the_triton_kernel_lowers_for_cuda_at_llama3_8b_shapes():
     assert text.count("__gpu$xla.gpu.triton") >= 3  # forward, and the backward's kernels
 
 
+def test_a_kernel_that_declares_its_cost_is_counted_once():
+    """megablox's grouped matmul (MaxText's MoE kernel) declares its cost (pl.CostEstimate), which XLA takes into
+    its own counts: the side-by-side benchmark lists it as declared and adds nothing (splash attention declares
+    none: the test above)."""
+    from jax.experimental import topologies
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    device = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    m, k, n, groups = 1024, 512, 768, 4
+    args = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((groups,), jnp.int32, sharding=sharding)]
+    compiled = jax.jit(lambda x, w, sizes: gmm(x, w, sizes, tiling=(128, 128, 128))).lower(*args).compile()
+    found = _kernel_costs().inventory(compiled.as_text())
+    assert found["declared"]["calls"] == 1 and found["declared"]["flops"] == 2 * m * k * n
+    assert found["calls"] == 0 and found["flops"] == 0 and not found["uncosted"]
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    assert cost["flops"] >= 2 * m * k * n  # XLA's count holds the declared cost
+
+
 def _kernel_costs():
     """benchmarks/maxtext_aot/kernels.py, which the side-by-side benchmark runs in MaxText's environment too."""
     import importlib.util

@@ -20,6 +20,10 @@ Bytes: every operand and result once, plus, for attention, the key/value (or for
 read again once per visited block row. A kernel's time is max(FLOPs / peak, bytes / HBM bandwidth): the
 roofline. A tpu_custom_call of any other kind is listed as uncosted.
 
+A kernel that declares its own cost (`pl.CostEstimate`, kept in the HLO as the custom call's "cost_estimate") is
+already in XLA's counts - megablox's gmm and tgmm declare theirs, splash attention does not - so it is listed
+under "declared" with what it declares and not added again.
+
 A kernel inside a while loop's body counts once per iteration (the loop's trip count: `_trip_count`; nested
 loops multiplied): the scanned program's count, a cross-check of the unrolled compiles' count.
 """
@@ -42,6 +46,7 @@ _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$"
 _CALLS = re.compile(r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_DECLARED = re.compile(r'"cost_estimate":\{"flops":"(\d+)"[^}]*"bytes_accessed":"(\d+)"')
 
 
 def _shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -68,7 +73,7 @@ def _instructions(hlo: str):
             if current:
                 yield computation, current
             current = line
-        elif line.startswith("}"):
+        elif line.rstrip() == "}":  # a computation ends; "}}, metadata=..." continues a kernel
             if current:
                 yield computation, current
             current = None
@@ -198,10 +203,12 @@ def _cost_gmm(kind: str, operands, results) -> tuple[float, float, dict]:
 
 def inventory(hlo: str) -> dict:
     """Every tpu_custom_call of a compiled program with its cost: {"kernels": [{name, kind, count, flops, bytes,
-    shapes}], "flops", "bytes", "uncosted": [names], "in_loops": how many kernel calls sit in a while body}."""
+    shapes}], "flops", "bytes", "uncosted": [names], "in_loops": how many kernel calls sit in a while body,
+    "declared": {"calls", "flops", "bytes"} of the kernels XLA has counted already, by their own estimates}."""
     mult = _multiplicities(hlo)
     found: dict[tuple, dict] = {}
     uncosted, in_loops = [], 0
+    declared = {"calls": 0, "flops": 0.0, "bytes": 0.0}
     for computation, inst in _instructions(hlo):
         if 'custom_call_target="tpu_custom_call"' not in inst:
             continue
@@ -211,6 +218,12 @@ def inventory(hlo: str) -> dict:
         times = mult.get(computation, 1) or 1
         if times > 1:
             in_loops += 1
+        own = _DECLARED.search(inst)
+        if own and int(own.group(1)) > 0:
+            declared["calls"] += times
+            declared["flops"] += int(own.group(1)) * times
+            declared["bytes"] += int(own.group(2)) * times
+            continue
         head = inst.split(" custom-call(", 1)[0].split("=", 1)[1]
         results = _shapes(head)
         layouts = re.search(r"operand_layout_constraints=\{(.*?)\}(?:,\s*[a-z_]+=|$)", inst, re.S)
@@ -236,7 +249,7 @@ def inventory(hlo: str) -> dict:
     kernels = sorted(found.values(), key=lambda e: -e["flops"])
     return {"kernels": kernels, "flops": sum(e["flops"] for e in kernels),
             "bytes": sum(e["bytes"] for e in kernels), "calls": sum(e["count"] for e in kernels),
-            "uncosted": sorted(set(uncosted)), "calls_in_loops": in_loops}
+            "uncosted": sorted(set(uncosted)), "calls_in_loops": in_loops, "declared": declared}
 
 
 def seconds(flops: float, bytes_: float, peak_flops: float, hbm_bandwidth: float) -> float:
