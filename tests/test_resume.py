@@ -14,7 +14,7 @@ from etils import epath
 
 from tests.conftest import ROOT, run_cli, tiny_overrides
 
-STEPS = 30
+STEPS = 18  # saves at 4, 8, 12, 16 and the last step: a kill at 8, 11 or 14 lands among them
 EVERY = 4
 
 
@@ -166,32 +166,33 @@ def _uncommit(step_dir):
 def test_damaged_newest_checkpoint_is_skipped_and_rewritten(tmp_path, uninterrupted, damage, problem):
     done, uninterrupted = uninterrupted
     shutil.copytree(done, tmp_path, dirs_exist_ok=True)
-    assert sorted(_finished_checkpoints(tmp_path)) == [24, 28, STEPS]
+    assert sorted(_finished_checkpoints(tmp_path)) == [STEPS - 6, STEPS - 2, STEPS]
     damage(tmp_path / "checkpoints" / str(STEPS))
     result = run_cli(_command(tmp_path, **{"checkpoint.max_to_keep": 1}))
     assert result.returncode == 0, result.stderr
     # XLA's C++ logging may share stderr's lines: the warning is looked for anywhere in them.
     warnings = re.findall(r"warning: checkpoint at step \d+ is \w+", result.stderr)
     assert len(warnings) == 1 and re.fullmatch(f"warning: checkpoint at step {STEPS} is {problem}", warnings[0])
-    assert _resumed_step(result) == 28
+    assert _resumed_step(result) == STEPS - 2
     assert _losses(tmp_path) == uninterrupted  # and the final step was saved again
     assert run_cli(["ckpt", "inspect", str(tmp_path)], module=True).stdout.startswith(f"step {STEPS} ")
     # With max_to_keep=1, the step resumed from is kept all the same, and a damaged step is set aside, not deleted.
-    assert sorted(_finished_checkpoints(tmp_path)) == [28, STEPS]
+    assert sorted(_finished_checkpoints(tmp_path)) == [STEPS - 2, STEPS]
     assert (tmp_path / "damaged_checkpoints" / str(STEPS)).is_dir() == (problem != "incomplete")
 
 
 def test_no_usable_checkpoint_is_an_error_and_deletes_nothing(tmp_path, uninterrupted):
     done, _ = uninterrupted
     shutil.copytree(done, tmp_path, dirs_exist_ok=True)
-    for step in (24, 28):
+    for step in (STEPS - 6, STEPS - 2):
         _truncate(tmp_path / "checkpoints" / str(step))
     _uncommit(tmp_path / "checkpoints" / str(STEPS))
     result = run_cli(_command(tmp_path))
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "no readable checkpoint" in errors[0] and "Traceback" not in result.stderr
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == sorted(map(str, [24, 28, STEPS]))
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == sorted(map(str, [STEPS - 6, STEPS - 2, STEPS]))
 
 
 def _contents(directory):
@@ -199,7 +200,7 @@ def _contents(directory):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"model.d_model": 32}, "error: run_dir '{}' holds checkpoints (step 30) of another model: model.d_model is 64 "
+    ({"model.d_model": 32}, "error: run_dir '{}' holds checkpoints (step {}) of another model: model.d_model is 64 "
                             "there, 32 here. Nothing was changed."),
     ({"data.seq_len": 16384}, "error: the train step does not fit: 8 CPU devices need "),
 ])
@@ -210,7 +211,7 @@ def test_a_run_that_cannot_proceed_changes_nothing(tmp_path, uninterrupted, chan
     result = run_cli(_command(tmp_path, **change))
     assert result.returncode == 2
     [line] = [x for x in result.stderr.splitlines() if x.strip()]
-    assert line.startswith(message.format(tmp_path))
+    assert line.startswith(message.format(tmp_path, STEPS))
     assert _contents(tmp_path) == before
 
 
@@ -251,9 +252,10 @@ def test_time_based_saves(tmp_path):
 def test_init_from_takes_the_parameters_of_another_run(tmp_path, uninterrupted):
     done, losses = uninterrupted
     mesh = {"mesh.fsdp": 4, "mesh.data": 2, "steps": 2}
-    result = run_cli(_command(tmp_path / "new", **mesh, **{"checkpoint.init_from": str(done / "checkpoints" / "28")}))
+    source = done / "checkpoints" / str(STEPS - 2)
+    result = run_cli(_command(tmp_path / "new", **mesh, **{"checkpoint.init_from": str(source)}))
     assert result.returncode == 0, result.stderr
-    assert f"starting at step 0 from the parameters of {done / 'checkpoints' / '28'} (step 28)" in result.stdout
+    assert f"starting at step 0 from the parameters of {source} (step {STEPS - 2})" in result.stdout
     assert _losses(tmp_path / "new")[0] < losses[0] - 1  # the same first batch, trained parameters
     other = run_cli(_command(tmp_path / "other", **mesh, **{"checkpoint.init_from": str(done), "model.d_ff": 256}))
     assert other.returncode == 2
@@ -272,8 +274,8 @@ def test_checkpoints_describe_themselves(uninterrupted):
     assert w_gate == {"shape": [2, 64, 128], "dtype": "float32", "logical": ["layers", "embed", "mlp"]}
     moments = [a for p, a in meta["arrays"].items() if p.startswith(".opt_state") and a["shape"] == [2, 64, 128]]
     assert len(moments) == 4 and all(a["logical"] == ["layers", "embed", "mlp"] for a in moments)  # mu, nu of gate, up
-    result = run_cli(["ckpt", "inspect", str(run_dir), "--step", "28"], module=True)
-    assert result.returncode == 0 and result.stdout.startswith("step 28  scaletrain 0.1.0")
+    result = run_cli(["ckpt", "inspect", str(run_dir), "--step", str(STEPS - 2)], module=True)
+    assert result.returncode == 0 and result.stdout.startswith(f"step {STEPS - 2}  scaletrain 0.1.0")
     result = run_cli(["ckpt", "inspect", str(run_dir), "--step", "5"], module=True)
     assert result.returncode == 2 and result.stderr.startswith("error: no checkpoint at step 5")
 
