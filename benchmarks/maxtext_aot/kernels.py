@@ -15,7 +15,9 @@ f the fraction of (query block, key block) pairs a causal mask visits with the k
 - splash backward, dkv kernel: recomputed QK^T, dO·V^T, P^T·dO and dS^T·Q: 8·B·H·T·S·D·f;
 - splash backward, fused kernel (dq, dk and dv in one, `use_fused_bwd_kernel`): 10·B·H·T·S·D·f;
 - grouped matmul (megablox gmm / tgmm; every row meets one group's weights): 2·rows·K·N, i.e. 2 x (elements of
-  the first floating-point operand) x (last dim of the result).
+  the first floating-point operand) x (last dim of the result);
+- a kernel with integer results only (such as XLA's ragged-dot group metadata: tile indices from group sizes):
+  no FLOPs, its bytes.
 Bytes: every operand and result once, plus, for attention, the key/value (or for dkv the query-side) operands
 read again once per visited block row. A kernel's time is max(FLOPs / peak, bytes / HBM bandwidth): the
 roofline. A tpu_custom_call of any other kind is listed as uncosted.
@@ -219,7 +221,7 @@ def inventory(hlo: str) -> dict:
         if times > 1:
             in_loops += 1
         own = _DECLARED.search(inst)
-        if own and int(own.group(1)) > 0:
+        if own:  # XLA's figures hold what it declares (for ragged_dot's group metadata kernel: nothing)
             declared["calls"] += times
             declared["flops"] += int(own.group(1)) * times
             declared["bytes"] += int(own.group(2)) * times
@@ -231,7 +233,9 @@ def inventory(hlo: str) -> dict:
         kind = _kind(name, op_name)
         base = re.sub(r"\.\d+$", "", name)
         try:
-            if kind in ("fwd", "dq", "dkv"):
+            if kind is None and results and not any(dt in FLOAT for dt, _ in results):
+                kind, flops, bytes_, info = "integer", 0.0, _bytes(operands) + _bytes(results), {"kind": "integer"}
+            elif kind in ("fwd", "dq", "dkv"):
                 flops, bytes_, info = _cost_attention(kind, operands, results, _kernel_meta(inst))
             elif kind in ("gmm", "tgmm"):
                 flops, bytes_, info = _cost_gmm(kind, operands, results)
