@@ -247,6 +247,9 @@ def corrected(two: dict, three: dict, units: int, peak: float, bandwidth: float)
     out["kernel_calls"] = k2["calls"] + (units - 2) * (k3["calls"] - k2["calls"])
     out["uncosted_kernels"] = sorted(set(k2["uncosted"]) | set(k3["uncosted"]))
     out["kernels_in_loops"] = k2["calls_in_loops"] + k3["calls_in_loops"]
+    # Kernels XLA counted by their own declared estimates (kernels.py): noted, not added.
+    d2, d3 = k2.get("declared", {}).get("flops", 0.0), k3.get("declared", {}).get("flops", 0.0)
+    out["declared_kernel_flops"] = d2 + (units - 2) * (d3 - d2)
     out["step_with_kernels"] = out["optimal_seconds"] + out["kernel_seconds"]
     return out
 
@@ -311,13 +314,10 @@ def summarize(entry: dict, units: int, peak: float, bandwidth: float) -> dict:
         if full.get("maxtext_tflops_per_device"):
             s["maxtext_model_tflops_per_chip"] = full["maxtext_tflops_per_device"]["total"]
     if two and three and two.get("cost") and three.get("cost"):
-        for result, name in ((two, "unrolled2"), (three, "unrolled3")):
-            result["kernels"] = _kept_kernels(entry.get("hlo", {}).get(name)) or result["kernels"]
+        hlo = entry.get("hlo", {})
+        two = {**two, "kernels": _kept_kernels(hlo.get("unrolled2")) or two["kernels"]}
+        three = {**three, "kernels": _kept_kernels(hlo.get("unrolled3")) or three["kernels"]}
         s.update(corrected(two, three, units, peak, bandwidth))
-        declared = two["kernels"].get("declared", {}).get("flops", 0.0)
-        if declared:  # kernels XLA counted by their own estimates (kernels.py), corrected like the rest
-            s["declared_kernel_flops"] = declared + (units - 2) * (
-                three["kernels"]["declared"]["flops"] - declared)
     missing = [n for n, r in (("full", full), ("2 layers", two), ("3 layers", three)) if r is None]
     if missing:
         s["error"] = "not compiled yet: " + ", ".join(missing)
@@ -393,6 +393,7 @@ def main() -> None:
     entries = []
     for row in rows:
         spec = ROWS[row]
+        libtpu_args = spec.get("libtpu_args", "")
         if "maxtext" in sides:
             base = [str(shared_py), str(HERE / "maxtext_driver.py"), f"compile_topology={spec['maxtext_topology']}",
                     f"run_name=vs_{row}", f"base_output_directory={results / row / 'maxtext_out'}",
@@ -403,7 +404,7 @@ def main() -> None:
                                              f"base_num_decoder_layers={n}", "--no-windowed-einsum"]
 
             entries.append(side_results(row, spec, "maxtext", f"MaxText 0.2.5 recipe ({spec['maxtext_note']})",
-                                        base, mt_layers, _env(True, spec.get("libtpu_args", "")), results, args))
+                                        base, mt_layers, _env(True, libtpu_args), results, args))
         if "ours" in sides:
             for label, (cfg, sets) in spec["ours"].items():
                 if args.variant and args.variant not in label:
@@ -421,7 +422,7 @@ def main() -> None:
                 if args.no_remat_barrier:
                     label, where = label + ", unrolled without remat barrier", where / "no-barrier"
                 entry = side_results(row, spec, "ours", f"scaletrain {label}", our_cmd(ours_py), our_layers,
-                                     _env(ours_shared, spec.get("libtpu_args", "")), where, args)
+                                     _env(ours_shared, libtpu_args), where, args)
                 failed = [r for r in (entry["full"], entry["two"], entry["three"])
                           if r and r.get("error") and r.get("fits") is not False]
                 if failed and ours_shared and args.ours_env == "auto":
@@ -431,7 +432,7 @@ def main() -> None:
                     ours_py, ours_shared = project_python(), False
                     where = results / "project" / ("no-barrier" if args.no_remat_barrier else "")
                     entry = side_results(row, spec, "ours", f"scaletrain {label}", our_cmd(ours_py), our_layers,
-                                         _env(False, spec.get("libtpu_args", "")), where, args)
+                                         _env(False, libtpu_args), where, args)
                 entry["label"] = f"scaletrain {label}" + ("" if ours_shared else " [project env]")
                 entries.append(entry)
     if args.dry_run:

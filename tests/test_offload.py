@@ -89,7 +89,6 @@ def test_a_nonfinite_step_changes_no_offloaded_state(batches):
         np.testing.assert_array_equal(a, b)
 
 
-
 def test_jax_still_mistypes_a_host_memory_gradient_in_two_nested_scans():
     """Why a pipeline fetches its stage's weights whole under params.offload (runner.Runner.fetches_layers): the
     pipeline's iterations and a stage's layers are two nested scans, and JAX (0.10.2 and 0.12.0.1) types the

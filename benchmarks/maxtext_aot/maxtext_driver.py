@@ -77,5 +77,6 @@ def main(argv) -> None:
         common.failed(res, e)
     common.finish(res, out, t0)
 
+
 if __name__ == "__main__":
     main(sys.argv)

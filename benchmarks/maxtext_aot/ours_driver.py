@@ -107,5 +107,6 @@ def main() -> None:
         common.failed(res, e)
     common.finish(res, args.out, t0)
 
+
 if __name__ == "__main__":
     main()
