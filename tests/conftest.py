@@ -122,6 +122,34 @@ def run_cli(args: list[str], module: bool = False, timeout: float = 300):
                           timeout=timeout)
 
 
+def run_main(args: list[str], capfd=None, module: bool = False):
+    """run_cli's result without starting a process: `python train.py ARGS` (or `python -m scaletrain ARGS` with
+    module=True) as scaletrain.__main__.main in this process, its exit code and everything written to stdout and
+    stderr (the file descriptors, so XLA's C++ logging too) as run_cli returns them. A fresh process costs seconds
+    (Python, JAX and scaletrain imported again, the compiled programs loaded again from the cache); what a process
+    of its own proves - a kill, a run beside another, a lone `error:` line at start-up - stays with run_cli.
+    Without `capfd` (a module fixture has none) its output is pytest's and comes back empty. The command's settings
+    of the environment and of JAX (runtime.configure) are undone after it."""
+    import subprocess
+
+    from scaletrain.__main__ import main
+
+    saved_env = dict(os.environ)
+    options = ("jax_num_cpu_devices", "jax_cpu_collectives_implementation", "jax_enable_preemption_service")
+    saved = {name: getattr(jax.config, name) for name in options}
+    if capfd is not None:
+        capfd.readouterr()
+    try:
+        code = main(args if module else ["train", *args])
+    finally:
+        out, err = capfd.readouterr() if capfd is not None else ("", "")
+        os.environ.clear()
+        os.environ.update(saved_env)
+        for name, value in saved.items():
+            jax.config.update(name, value)
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 @pytest.fixture(scope="session")
 def stdlib_dataset():
     """The built-in corpus, loaded once for the whole session."""

@@ -1,4 +1,8 @@
-"""Kill a training run (SIGKILL, SIGTERM), rerun the same command: every step's loss is bitwise identical."""
+"""Kill a training run (SIGKILL, SIGTERM), rerun the same command: every step's loss is bitwise identical.
+
+The runs killed, and those beside another, are processes of their own; the others - the uninterrupted run, each
+rerun, every refusal and `ckpt inspect` - run the same command in the test's process (conftest.run_main), which
+spares each a process start and JAX's import (about 4 s)."""
 
 import json
 import os
@@ -12,7 +16,7 @@ import time
 import pytest
 from etils import epath
 
-from tests.conftest import ROOT, run_cli, tiny_overrides
+from tests.conftest import ROOT, run_main, tiny_overrides
 
 STEPS = 18  # saves at 4, 8, 12, 16 and the last step: a kill at 8, 11 or 14 lands among them
 EVERY = 4
@@ -65,7 +69,7 @@ def _wait_for_step(proc, run_dir, step, timeout=240):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("uninterrupted")
-    result = run_cli(_command(run_dir))
+    result = run_main(_command(run_dir))
     assert result.returncode == 0, result.stderr
     assert (run_dir / "config.yaml").exists() and (run_dir / "tb").is_dir()
     losses = _losses(run_dir)
@@ -80,7 +84,7 @@ def _resumed_step(result):
 
 
 @pytest.mark.parametrize("point, step", [("between-steps", 14), ("mid-step", 11), ("mid-save", 8)])
-def test_sigkill_at_any_moment_then_rerun_is_bitwise_identical(tmp_path, uninterrupted, point, step):
+def test_sigkill_at_any_moment_then_rerun_is_bitwise_identical(tmp_path, uninterrupted, point, step, capfd):
     _, uninterrupted = uninterrupted
     killed = _run_with_fault(point, step, tmp_path)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
@@ -88,7 +92,7 @@ def test_sigkill_at_any_moment_then_rerun_is_bitwise_identical(tmp_path, uninter
     if point == "mid-save":  # the half-written step is on disk, uncommitted; the older one is untouched
         assert (tmp_path / "checkpoints" / f"{step}.orbax-checkpoint-tmp").is_dir()
         assert committed == step - EVERY
-    result = run_cli(_command(tmp_path))
+    result = run_main(_command(tmp_path), capfd)
     assert result.returncode == 0, result.stderr
     # Nothing committed is lost. A save waits for the previous one, so the newest durable save is at most two
     # save intervals old: that many steps at most are redone.
@@ -97,7 +101,7 @@ def test_sigkill_at_any_moment_then_rerun_is_bitwise_identical(tmp_path, uninter
     assert not list((tmp_path / "checkpoints").glob("*tmp*"))  # the killed save's leftovers are gone
 
 
-def test_sigkill_mid_save_in_a_bucket_then_rerun_is_bitwise_identical(bucket, uninterrupted):
+def test_sigkill_mid_save_in_a_bucket_then_rerun_is_bitwise_identical(bucket, uninterrupted, capfd):
     """In a bucket a step is written in its final folder (no rename): the killed save leaves step 8 there without
     its commit markers, and the rerun must resume from step 4, not read it."""
     from etils import epath
@@ -107,13 +111,13 @@ def test_sigkill_mid_save_in_a_bucket_then_rerun_is_bitwise_identical(bucket, un
     killed = _run_with_fault("mid-save", 8, run_dir)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert (run_dir / "checkpoints" / "8").exists() and max(_finished_checkpoints(run_dir)) == 4
-    result = run_cli(_command(run_dir))
+    result = run_main(_command(run_dir), capfd)
     assert result.returncode == 0, result.stderr
     assert _resumed_step(result) == 4
     assert _losses(run_dir) == uninterrupted
 
 
-def test_sigterm_saves_exits_0_and_resumes_at_the_next_step(tmp_path, uninterrupted):
+def test_sigterm_saves_exits_0_and_resumes_at_the_next_step(tmp_path, uninterrupted, capfd):
     _, uninterrupted = uninterrupted
     proc = _start(tmp_path)
     _wait_for_step(proc, tmp_path, 5)
@@ -122,7 +126,7 @@ def test_sigterm_saves_exits_0_and_resumes_at_the_next_step(tmp_path, uninterrup
     assert proc.returncode == 0, err
     saved = max(_finished_checkpoints(tmp_path))
     assert saved < STEPS and f"preempted: checkpointed at step {saved}" in out
-    result = run_cli(_command(tmp_path))
+    result = run_main(_command(tmp_path), capfd)
     assert result.returncode == 0, result.stderr
     assert f"resumed at step {saved}" in result.stdout
     assert _losses(tmp_path) == uninterrupted
@@ -163,31 +167,31 @@ def _uncommit(step_dir):
 # fingerprints (damaged): which, depends on the file that happens to be largest.
 @pytest.mark.parametrize("damage, problem", [(_garble, "unreadable"), (_truncate, "unreadable"),
                                              (_garble_in_place, "(unreadable|damaged)"), (_uncommit, "incomplete")])
-def test_damaged_newest_checkpoint_is_skipped_and_rewritten(tmp_path, uninterrupted, damage, problem):
+def test_damaged_newest_checkpoint_is_skipped_and_rewritten(tmp_path, uninterrupted, damage, problem, capfd):
     done, uninterrupted = uninterrupted
     shutil.copytree(done, tmp_path, dirs_exist_ok=True)
     assert sorted(_finished_checkpoints(tmp_path)) == [STEPS - 6, STEPS - 2, STEPS]
     damage(tmp_path / "checkpoints" / str(STEPS))
-    result = run_cli(_command(tmp_path, **{"checkpoint.max_to_keep": 1}))
+    result = run_main(_command(tmp_path, **{"checkpoint.max_to_keep": 1}), capfd)
     assert result.returncode == 0, result.stderr
     # XLA's C++ logging may share stderr's lines: the warning is looked for anywhere in them.
     warnings = re.findall(r"warning: checkpoint at step \d+ is \w+", result.stderr)
     assert len(warnings) == 1 and re.fullmatch(f"warning: checkpoint at step {STEPS} is {problem}", warnings[0])
     assert _resumed_step(result) == STEPS - 2
     assert _losses(tmp_path) == uninterrupted  # and the final step was saved again
-    assert run_cli(["ckpt", "inspect", str(tmp_path)], module=True).stdout.startswith(f"step {STEPS} ")
+    assert run_main(["ckpt", "inspect", str(tmp_path)], capfd, module=True).stdout.startswith(f"step {STEPS} ")
     # With max_to_keep=1, the step resumed from is kept all the same, and a damaged step is set aside, not deleted.
     assert sorted(_finished_checkpoints(tmp_path)) == [STEPS - 2, STEPS]
     assert (tmp_path / "damaged_checkpoints" / str(STEPS)).is_dir() == (problem != "incomplete")
 
 
-def test_no_usable_checkpoint_is_an_error_and_deletes_nothing(tmp_path, uninterrupted):
+def test_no_usable_checkpoint_is_an_error_and_deletes_nothing(tmp_path, uninterrupted, capfd):
     done, _ = uninterrupted
     shutil.copytree(done, tmp_path, dirs_exist_ok=True)
     for step in (STEPS - 6, STEPS - 2):
         _truncate(tmp_path / "checkpoints" / str(step))
     _uncommit(tmp_path / "checkpoints" / str(STEPS))
-    result = run_cli(_command(tmp_path))
+    result = run_main(_command(tmp_path), capfd)
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "no readable checkpoint" in errors[0] and "Traceback" not in result.stderr
@@ -204,34 +208,34 @@ def _contents(directory):
                             "there, 32 here. Nothing was changed."),
     ({"data.seq_len": 16384}, "error: the train step does not fit: 8 CPU devices need "),
 ])
-def test_a_run_that_cannot_proceed_changes_nothing(tmp_path, uninterrupted, change, message):
+def test_a_run_that_cannot_proceed_changes_nothing(tmp_path, uninterrupted, change, message, capfd):
     done, _ = uninterrupted
     shutil.copytree(done, tmp_path, dirs_exist_ok=True)
     before = _contents(tmp_path)
-    result = run_cli(_command(tmp_path, **change))
+    result = run_main(_command(tmp_path, **change), capfd)
     assert result.returncode == 2
     [line] = [x for x in result.stderr.splitlines() if x.strip()]
     assert line.startswith(message.format(tmp_path, STEPS))
     assert _contents(tmp_path) == before
 
 
-def test_a_checkpoints_path_that_is_a_file_is_refused_before_compiling(tmp_path):
+def test_a_checkpoints_path_that_is_a_file_is_refused_before_compiling(tmp_path, capfd):
     (tmp_path / "checkpoints").write_text("not a folder")
-    result = run_cli(_command(tmp_path))
+    result = run_main(_command(tmp_path), capfd)
     assert result.returncode == 2 and "compiled" not in result.stdout
     [line] = [x for x in result.stderr.splitlines() if x.strip()]
     assert line == f"error: '{tmp_path / 'checkpoints'}' is a file; expected the run's checkpoints folder (or nothing)"
 
 
 @pytest.mark.parametrize("where", ["local", "bucket"])
-def test_two_runs_on_one_directory_one_proceeds(tmp_path, request, uninterrupted, where):
+def test_two_runs_on_one_directory_one_proceeds(tmp_path, request, uninterrupted, where, capfd):
     _, uninterrupted = uninterrupted
     run_dir = tmp_path if where == "local" else f"{request.getfixturevalue('bucket')}/two-runs"
     first = _start(run_dir)
     while not (epath.Path(run_dir) / "run.lock").exists():
         assert first.poll() is None, first.communicate()
         time.sleep(0.05)
-    second = run_cli(_command(run_dir))
+    second = run_main(_command(run_dir), capfd)
     assert second.returncode == 2
     [line] = [x for x in second.stderr.splitlines() if x.strip()]
     assert line.startswith(f"error: run_dir '{run_dir}' is in use by process {first.pid} on ")
@@ -241,30 +245,31 @@ def test_two_runs_on_one_directory_one_proceeds(tmp_path, request, uninterrupted
     assert not (epath.Path(run_dir) / "run.lock").exists()
 
 
-def test_time_based_saves(tmp_path):
-    result = run_cli(_command(tmp_path, **{"steps": 12, "checkpoint.every_steps": 1000, "checkpoint.max_to_keep": 100,
-                                           "checkpoint.every_minutes": 0.0005}))  # 30 ms: about every other step
+def test_time_based_saves(tmp_path, capfd):
+    result = run_main(_command(tmp_path, **{"steps": 12, "checkpoint.every_steps": 1000, "checkpoint.max_to_keep": 100,
+                                           "checkpoint.every_minutes": 0.0005}), capfd)  # 30 ms: about every other step
     assert result.returncode == 0, result.stderr
     saved = sorted(_finished_checkpoints(tmp_path))
     assert saved[-1] == 12 and len(saved) >= 3, saved
 
 
-def test_init_from_takes_the_parameters_of_another_run(tmp_path, uninterrupted):
+def test_init_from_takes_the_parameters_of_another_run(tmp_path, uninterrupted, capfd):
     done, losses = uninterrupted
     mesh = {"mesh.fsdp": 4, "mesh.data": 2, "steps": 2}
     source = done / "checkpoints" / str(STEPS - 2)
-    result = run_cli(_command(tmp_path / "new", **mesh, **{"checkpoint.init_from": str(source)}))
+    result = run_main(_command(tmp_path / "new", **mesh, **{"checkpoint.init_from": str(source)}), capfd)
     assert result.returncode == 0, result.stderr
     assert f"starting at step 0 from the parameters of {source} (step {STEPS - 2})" in result.stdout
     assert _losses(tmp_path / "new")[0] < losses[0] - 1  # the same first batch, trained parameters
-    other = run_cli(_command(tmp_path / "other", **mesh, **{"checkpoint.init_from": str(done), "model.d_ff": 256}))
+    other = run_main(_command(tmp_path / "other", **mesh, **{"checkpoint.init_from": str(done), "model.d_ff": 256}),
+                     capfd)
     assert other.returncode == 2
     assert other.stderr.startswith("error: checkpoint.init_from: parameter ['layers']['mlp']")  # before compiling
 
 
-def test_checkpoints_describe_themselves(uninterrupted):
+def test_checkpoints_describe_themselves(uninterrupted, capfd):
     run_dir, _ = uninterrupted
-    result = run_cli(["ckpt", "inspect", str(run_dir), "--json"], module=True)
+    result = run_main(["ckpt", "inspect", str(run_dir), "--json"], capfd, module=True)
     assert result.returncode == 0, result.stderr
     meta = json.loads(result.stdout)
     assert meta["step"] == STEPS and meta["config"]["steps"] == STEPS and len(meta["config_hash"]) == 16
@@ -274,20 +279,20 @@ def test_checkpoints_describe_themselves(uninterrupted):
     assert w_gate == {"shape": [2, 64, 128], "dtype": "float32", "logical": ["layers", "embed", "mlp"]}
     moments = [a for p, a in meta["arrays"].items() if p.startswith(".opt_state") and a["shape"] == [2, 64, 128]]
     assert len(moments) == 4 and all(a["logical"] == ["layers", "embed", "mlp"] for a in moments)  # mu, nu of gate, up
-    result = run_cli(["ckpt", "inspect", str(run_dir), "--step", str(STEPS - 2)], module=True)
+    result = run_main(["ckpt", "inspect", str(run_dir), "--step", str(STEPS - 2)], capfd, module=True)
     assert result.returncode == 0 and result.stdout.startswith(f"step {STEPS - 2}  scaletrain 0.1.0")
-    result = run_cli(["ckpt", "inspect", str(run_dir), "--step", "5"], module=True)
+    result = run_main(["ckpt", "inspect", str(run_dir), "--step", "5"], capfd, module=True)
     assert result.returncode == 2 and result.stderr.startswith("error: no checkpoint at step 5")
 
 
-def test_nonfinite_loss_stops_or_skips_as_configured(tmp_path):
+def test_nonfinite_loss_stops_or_skips_as_configured(tmp_path, capfd):
     def command(mode):
         sets = tiny_overrides(tmp_path / mode, **{"mesh.fsdp": -1, "steps": 6, "checkpoint.every_steps": 1,
                                                   "optim.learning_rate": 1e30, "optim.grad_clip_norm": 0,
                                                   "train.on_nonfinite": mode})
         return ["--config", "configs/llama_tiny.yaml", "--cpu-devices", "8"] + [a for s in sets for a in ("--set", s)]
 
-    stop = run_cli(command("stop"))
+    stop = run_main(command("stop"), capfd)
     assert stop.returncode == 1, stop.stderr
     error = [line for line in stop.stderr.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and "non-finite loss or gradient norm" in error[0]
@@ -295,7 +300,7 @@ def test_nonfinite_loss_stops_or_skips_as_configured(tmp_path):
     assert skipped[-1]["update_skipped"] == 1.0 or skipped[-2]["update_skipped"] == 1.0
     assert len(skipped) < 6
 
-    skip = run_cli(command("skip"))
+    skip = run_main(command("skip"), capfd)
     assert skip.returncode == 0, skip.stderr
     records = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 6 and any(r["update_skipped"] for r in records)
