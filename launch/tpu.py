@@ -189,7 +189,7 @@ def sweep_variants(launch: Launch) -> list[tuple[str, str, tuple[str, ...]]]:
     for variant in spec.variants:
         name = re.sub(r"[^a-z0-9.=-]+", "_", sweep_lib.name(variant).lower())
         # The sweep's steps (plus one for the compile) and no checkpoints: a layout is measured, not trained.
-        extra = (*spec.common, *(f"{k}={sweep_lib._scalar(v)}" for k, v in variant.items()),
+        extra = (*spec.common, *sweep_lib.overrides(variant),
                  f"steps={spec.steps + 1}", f"checkpoint.every_steps={spec.steps + 2}")
         out.append((name, f"{launch.run_dir}/sweep/{name}", extra))
     return out

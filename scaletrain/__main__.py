@@ -123,6 +123,19 @@ def parser() -> argparse.ArgumentParser:
                        "an earlier run of the same sweep there is resumed")
     sweep.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                        help="simulate N devices on the CPU for the run stage (ignored where an accelerator is present)")
+    tune = sub.add_parser("tune", help="the fastest configuration that fits a TPU topology: every layout, remat "
+                          "policy and offload planned, the best compiled ahead of time (docs/tune.md)")
+    _add_config_args(tune)
+    tune.add_argument("--topology", required=True, help="a TPU topology, e.g. v5p:4x4x2, 2xv5p:4x4x4; or cpu:N")
+    tune.add_argument("--budget", type=int, default=4, metavar="N",
+                      help="candidates compiled ahead of time, the best N by the plan (default 4; each is three "
+                           "compiles with the loop correction)")
+    tune.add_argument("--out", required=True, help="directory for best.yaml, tune.md, plan.jsonl and the "
+                      "compiles' results.jsonl, summary.md, sweep.png; an earlier search there is resumed")
+    tune.add_argument("--no-loop-correction", action="store_true",
+                      help="one compile per candidate, ranked by XLA's raw estimate (loop bodies counted once)")
+    tune.add_argument("--cpu-devices", type=int, default=None, metavar="N",
+                      help="with --topology cpu:N: simulate N devices on this CPU")
     return p
 
 
@@ -159,6 +172,28 @@ def sweep(args: argparse.Namespace) -> int:
     records = sweep_lib.run(spec, args.out, log=lambda line: print(line, flush=True))
     ok = sum(r["status"] == "ok" for r in records)
     print(f"{ok} of {len(records)} variants ok; {args.out}/summary.md, results.jsonl, sweep.png")
+    return 0
+
+
+def tune(args: argparse.Namespace) -> int:
+    from scaletrain import config, runtime
+
+    if args.budget < 1:
+        raise UserError(f"--budget must be at least 1 (the candidates compiled); got {args.budget}")
+    config.load(args.config, args.set)  # before JAX starts: a bad config costs milliseconds
+    # An earlier search there is resumed.
+    _check_out(args.out, existing="folder", local="tune writes its results to a local folder")
+    runtime.configure(args.cpu_devices)
+    from scaletrain.planner import tune as tune_lib
+
+    best = tune_lib.run(args.config, tuple(args.set), args.topology, args.budget, args.out,
+                        loop_correction=not args.no_loop_correction, log=lambda line: print(line, flush=True))
+    if best is None:
+        print(f"error: no candidate fits {args.topology}; {args.out}/{tune_lib.REPORT} says what each needs",
+              file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    print(f"best: {best['name'] or 'the config as it is'}: {args.out}/{tune_lib.BEST}; ranked in "
+          f"{args.out}/{tune_lib.REPORT}")
     return 0
 
 
@@ -329,7 +364,7 @@ def train(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"train": train, "ckpt": ckpt, "convert": convert, "logits": logits, "generate": generate, "data": data,
-            "plan": plan, "compile": compile_, "sweep": sweep}
+            "plan": plan, "compile": compile_, "sweep": sweep, "tune": tune}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -195,7 +195,7 @@ def _unknown_key(key: str, known: Iterable[str]) -> ConfigError:
     return ConfigError(f"unknown config key '{key}'{hint}")
 
 
-def _get(cfg: ml_collections.ConfigDict, key: str) -> Any:
+def get(cfg: ml_collections.ConfigDict, key: str) -> Any:
     node = cfg
     for part in key.split("."):
         node = node[part]
@@ -312,17 +312,17 @@ def load(path: str | Path | None = None, overrides: Iterable[str] = ()) -> ml_co
 def validate(cfg: ml_collections.ConfigDict) -> None:
     """Checks that need no devices. Mesh and divisibility checks live with the mesh and sharding rules."""
     for key, options in CHOICES.items():
-        if _get(cfg, key) not in options:
-            raise ConfigError(f"{key} must be one of {', '.join(options)}; got '{_get(cfg, key)}'")
+        if get(cfg, key) not in options:
+            raise ConfigError(f"{key} must be one of {', '.join(options)}; got '{get(cfg, key)}'")
     for key in _POSITIVE:
-        if _get(cfg, key) <= 0:
-            raise ConfigError(f"{key} must be > 0, got {_get(cfg, key)}")
+        if get(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be > 0, got {get(cfg, key)}")
     for key in _NON_NEGATIVE:
-        if _get(cfg, key) < 0:
-            raise ConfigError(f"{key} must be >= 0, got {_get(cfg, key)}")
+        if get(cfg, key) < 0:
+            raise ConfigError(f"{key} must be >= 0, got {get(cfg, key)}")
     for key in _UNIT_INTERVAL:
-        if not 0 <= _get(cfg, key) <= 1:
-            raise ConfigError(f"{key} must be in [0, 1], got {_get(cfg, key)}")
+        if not 0 <= get(cfg, key) <= 1:
+            raise ConfigError(f"{key} must be in [0, 1], got {get(cfg, key)}")
     for key in flat_keys(cfg.mesh):
         degree = cfg.mesh[key]
         if degree == 0 or degree < -1:
@@ -393,7 +393,7 @@ def _check_data(cfg: ml_collections.ConfigDict) -> None:
 
 def _check_bounds(cfg: ml_collections.ConfigDict) -> None:
     for key in flat_keys(cfg):
-        value = _get(cfg, key)
+        value = get(cfg, key)
         if type(value) is int and key != "seed" and value > _INT32_MAX:
             raise ConfigError(f"{key} must be <= 2**31 - 1 = {_INT32_MAX} (the largest int32: sizes and counts "
                               f"are int32 on the device), got {value}")
@@ -406,9 +406,9 @@ def _check_bounds(cfg: ml_collections.ConfigDict) -> None:
                           f"{tokens} tokens a step, over 2**31 - 1 (the largest int32: a step's tokens are indexed "
                           f"in int32)")
     for what, keys in _largest_arrays(cfg).items():
-        elements = math.prod(_get(cfg, key) for key in keys)
+        elements = math.prod(get(cfg, key) for key in keys)
         if elements > _MAX_ELEMENTS:
-            raise ConfigError(f"{' x '.join(keys)} = {' x '.join(str(_get(cfg, key)) for key in keys)} = "
+            raise ConfigError(f"{' x '.join(keys)} = {' x '.join(str(get(cfg, key)) for key in keys)} = "
                               f"{elements:.3g} elements in {what}, over the 2**52 any array may hold (16 PiB as "
                               f"float32)")
 

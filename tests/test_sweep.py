@@ -45,7 +45,7 @@ variants:
 
 def test_every_stage_of_every_valid_variant_is_recorded(swept):
     records, out = swept
-    assert [r["name"] for r in records] == ["tensor=1", "tensor=2", "tensor=3", "data=8 sharding.preset=dp"]
+    assert [r["name"] for r in records] == ["tensor=1", "tensor=2", "tensor=3", "data=8 preset=dp"]
     # 8 devices are not a multiple of tensor=3: recorded, and the sweep went on.
     assert [r["status"] for r in records] == ["ok", "ok", "invalid", "ok"]
     assert "mesh.tensor=3" in records[2]["error"]
@@ -108,7 +108,7 @@ def test_example_sweeps_are_valid(path, monkeypatch):
     spec = sweep_lib.load(path)
     assert len(spec.variants) >= 4
     for variant in spec.variants:
-        cfg = config.load(spec.base, [*spec.common, *(f"{k}={sweep_lib._scalar(v)}" for k, v in variant.items())])
+        cfg = config.load(spec.base, [*spec.common, *sweep_lib.overrides(variant)])
         assert roofline.plan(cfg, spec.hardware)["fits"]
 
 

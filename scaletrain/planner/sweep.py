@@ -101,6 +101,11 @@ def _scalar(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
+def overrides(variant: dict[str, Any]) -> list[str]:
+    """A variant's {key: value} as `--set` overrides, KEY=VALUE with the value a YAML scalar."""
+    return [f"{k}={_scalar(v)}" for k, v in variant.items()]
+
+
 def _variants(raw: dict, path: Path) -> list[dict[str, Any]]:
     """The grid's combinations (last key fastest), then the listed variants."""
     grid, listed = raw.get("grid") or {}, raw.get("variants") or []
@@ -115,9 +120,27 @@ def _variants(raw: dict, path: Path) -> list[dict[str, Any]]:
     return out
 
 
+# Key prefixes a variant's name leaves out, and the longer keys it shortens.
+_SHORT = {"mesh.": "", "remat.policy": "remat", "sharding.preset": "preset",
+          "train.grad_accum_steps": "accum", "model.logits_block": "logits_block"}
+
+
 def name(variant: dict[str, Any]) -> str:
     """`mesh.fsdp=4 mesh.tensor=2` -> `fsdp=4 tensor=2`: short enough for a plot's axis."""
-    return " ".join(f"{k.removeprefix('mesh.')}={v}" for k, v in variant.items()) or "base"
+    def short(key: str) -> str:
+        for long, new in _SHORT.items():
+            if key.startswith(long):
+                return new + key.removeprefix(long)
+        return key
+
+    custom: dict[str, list[str]] = {}  # a custom policy's names by mode: one entry in the name
+    for k, v in variant.items():
+        if k.startswith("remat.custom."):
+            custom.setdefault(v, []).append(k.removeprefix("remat.custom."))
+    parts = [f"{short(k)}={v}" for k, v in variant.items() if not k.startswith("remat.custom.")]
+    if custom:
+        parts.append("(" + "; ".join(f"{mode}: {','.join(names)}" for mode, names in custom.items()) + ")")
+    return " ".join(parts) or "base"
 
 
 # --- stages ----------------------------------------------------------------------------------------------
@@ -137,8 +160,8 @@ def _compile(cfg, sweep: Sweep) -> dict:
 
     c = aot.compile_step(cfg, sweep.topology, loop_correction=sweep.loop_correction)
     return {k: c[k] for k in ("topology", "fits", "hbm_per_device_bytes", "hbm_capacity_bytes", "xla_flops",
-                              "xla_optimal_seconds", "xla_roofline_seconds", "loop_corrected", "collectives",
-                              "compile_seconds")}
+                              "xla_optimal_seconds", "xla_roofline_seconds", "xla_with_kernels_seconds",
+                              "loop_corrected", "collectives", "compile_seconds")}
 
 
 def _run(cfg, sweep: Sweep) -> dict:
@@ -186,14 +209,14 @@ def checks(record: dict, sweep: Sweep) -> list[str]:
     plan, comp, run = record.get("plan"), record.get("compile"), record.get("run")
     pairs = []
     if plan and comp and comp.get("xla_flops") is not None and sweep.topology == sweep.hardware:
-        pairs += [("step time", "plan", plan["step_time_s"], "compile (XLA)", _xla_time(comp)),
+        pairs += [("step time", "plan", plan["step_time_s"], "compile (XLA)", xla_time(comp)),
                   ("memory", "plan", plan["memory_per_device_bytes"], "compile", comp["hbm_per_device_bytes"])]
     if plan and run and plan["chip"] == run["chip"]:
         pairs += [("step time", "plan", plan["step_time_s"], "run", run["step_time_s"]),
                   ("memory", "plan", plan["memory_per_device_bytes"], "run (compiled here)",
                    run["memory_per_device_bytes"])]
     if comp and run and comp["topology"].startswith("cpu") and run["chip"] == "cpu":
-        pairs.append(("step time", "compile (XLA)", _xla_time(comp), "run", run["step_time_s"]))
+        pairs.append(("step time", "compile (XLA)", xla_time(comp), "run", run["step_time_s"]))
     flags = []
     for what, a_name, a, b_name, b in pairs:
         if a is not None and b and abs(a - b) / b > TOLERANCE:
@@ -201,9 +224,10 @@ def checks(record: dict, sweep: Sweep) -> list[str]:
     return flags
 
 
-def _xla_time(comp: dict) -> float | None:
-    """XLA's own estimate, else the chip's roofline of XLA's counts (libtpu's estimate is sometimes missing)."""
-    return comp.get("xla_optimal_seconds") or comp.get("xla_roofline_seconds")
+def xla_time(comp: dict) -> float | None:
+    """XLA's own estimate - with the flash kernels' time added, which XLA counts as nothing (aot.compile_step) -,
+    else the chip's roofline of XLA's counts (libtpu's estimate is sometimes missing)."""
+    return comp.get("xla_with_kernels_seconds") or comp.get("xla_optimal_seconds") or comp.get("xla_roofline_seconds")
 
 
 def _fmt(what: str, value: float) -> str:
@@ -215,8 +239,8 @@ def best_time(record: dict) -> tuple[float, str] | None:
     if record.get("run"):
         return record["run"]["step_time_s"], "measured"
     comp = record.get("compile") or {}
-    if _xla_time(comp):
-        return _xla_time(comp), "XLA"
+    if xla_time(comp):
+        return xla_time(comp), "XLA"
     if record.get("plan"):
         return record["plan"]["step_time_s"], "roofline"
     return None
@@ -232,14 +256,14 @@ def run(sweep: Sweep, out: str | Path, log=print) -> list[dict]:
     sweep_id = identity(sweep)
     records = []
     for i, variant in enumerate(sweep.variants):
-        overrides = [*sweep.common, *(f"{k}={_scalar(v)}" for k, v in variant.items())]
+        given = [*sweep.common, *overrides(variant)]
         log(f"[{i + 1}/{len(sweep.variants)}] {name(variant)}")
-        record = kept.get(tuple(overrides))
+        record = kept.get(tuple(given))
         if record is not None:
             log(f"    {record['status']}, kept from an earlier run")
             records.append(record)
             continue
-        record = {"name": name(variant), "overrides": overrides, "sweep": sweep_id, **_measure(sweep, overrides)}
+        record = {"name": name(variant), "overrides": given, "sweep": sweep_id, **_measure(sweep, given)}
         log(f"    {record['status']}" + (f": {record['error']}" if "error" in record else "")
             + "".join(f"\n    check: {c}" for c in record["checks"]))
         records.append(record)
@@ -325,7 +349,7 @@ def summary(records: list[dict], sweep: Sweep) -> str:
         lines.append(" | ".join([
             f"| {rank}", r["name"], f"{best[0]:.4g} s ({best[1]})" if best else "-",
             _cell(plan.get("step_time_s")), plan.get("bound", "-"),
-            _cell(_xla_time(comp)),
+            _cell(xla_time(comp)),
             _cell(run_.get("step_time_s")), _cell(plan.get("memory_per_device_bytes"), 2**30),
             _cell(comp.get("hbm_per_device_bytes"), 2**30), _cell(run_.get("memory_per_device_bytes"), 2**30),
             "-" if fits is None else "yes" if fits else "NO", "; ".join(r["checks"]) or "ok"]) + " |")
@@ -347,7 +371,7 @@ def plot(records: list[dict], path: Path) -> None:
     valid = [r for r in records if r["status"] == "ok"]
     series = {
         "step time (s)": [("predicted", lambda r: (r.get("plan") or {}).get("step_time_s")),
-                          ("XLA", lambda r: _xla_time(r.get("compile") or {})),
+                          ("XLA", lambda r: xla_time(r.get("compile") or {})),
                           ("measured", lambda r: (r.get("run") or {}).get("step_time_s"))],
         "memory per device (GiB)": [
             ("predicted", lambda r: _gib((r.get("plan") or {}).get("memory_per_device_bytes"))),

@@ -1,0 +1,326 @@
+"""`python -m scaletrain tune --config C --topology T [--budget N] --out DIR`: the fastest configuration of C that
+fits T, found ahead of time, on any machine (docs/tune.md).
+
+1. Search. Every combination of the choices that leave the model's maths alone (`space`): the mesh's
+   factorisations over ICI and DCN, the sharding preset, the remat policy (the named ones and a few custom ones
+   from the model's checkpoint names), gradient accumulation and optimizer / parameter offload where the step
+   would not fit without them, then the logits block of the best. Each is planned by the roofline
+   (`roofline.plan`: milliseconds); what the config checks or the trainer would refuse is dropped with its
+   reason, never proposed.
+2. Prune. Fit first (the plan's memory within the chip's HBM), then the predicted step time (ties: the less
+   time the hidden terms take, then the less memory).
+3. Compile. The best `budget` candidates, ahead of time for T with the loop correction, through the sweep's
+   machinery (planner/sweep.py: results.jsonl - an interrupted search resumes from it -, summary.md,
+   sweep.png); ranked by XLA's estimate with the kernels' time, the fastest that fits written as best.yaml, a
+   config to train with as it is, and tune.md, the table with why each other candidate lost.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import yaml
+
+from scaletrain import remat
+from scaletrain.config import MESH_AXES
+from scaletrain.errors import ConfigError
+from scaletrain.planner import sweep as sweep_lib
+
+PLANS = "plan.jsonl"
+BEST = "best.yaml"
+REPORT = "tune.md"
+PRESETS = ("fsdp", "zero1", "zero2")  # how the state is split over the fsdp axis (docs/sharding.md)
+MAX_LOGITS_BLOCK = 2048  # positions: beyond it a block's float32 logits cost memory and save no time
+
+
+def logits_blocks(seq_len: int) -> list[int]:
+    """model.logits_block values tried on the best candidates: the whole sequence (0), an eighth, a quarter and a
+    half of it, up to MAX_LOGITS_BLOCK."""
+    return [0] + [b for b in (seq_len // 8, seq_len // 4, seq_len // 2) if 1 <= b <= MAX_LOGITS_BLOCK]
+MAX_TENSOR = 8  # tensor parallelism stays within a host's chips: its per-layer collectives cannot cross more
+# Relief for a step that does not fit as it is, the cheapest first: more microbatches, then host memory.
+RELIEF = ({"train.grad_accum_steps": 2}, {"train.grad_accum_steps": 4}, {"optim.offload": True},
+          {"train.grad_accum_steps": 2, "optim.offload": True}, {"params.offload": True})
+SHOWN = 20  # candidates listed in tune.md below the compiled ones
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _factorisations(n: int, axes: tuple[str, ...]) -> Iterator[dict[str, int]]:
+    """Every way of writing n as a product of one factor per axis, in order."""
+    if len(axes) == 1:
+        yield {axes[0]: n}
+        return
+    for d in _divisors(n):
+        for rest in _factorisations(n // d, axes[1:]):
+            yield {axes[0]: d, **rest}
+
+
+def meshes(cfg, chips_per_slice: int, slices: int) -> Iterator[dict[str, int]]:
+    """Mesh degrees (every `mesh.` key) for a topology: the slice's chips factored over data, fsdp, tensor (at most
+    MAX_TENSOR) and, for a mixture of experts, expert (dividing the experts); the slices over DCN by data, fsdp
+    or - where the layers divide - pipeline."""
+    m = cfg.model
+    ici_axes = ("data", "fsdp", "tensor") + (("expert",) if m.num_experts else ())
+    dcn_axes = [None] if slices == 1 else ["data", "fsdp"] + (["pipeline"] if m.num_layers % slices == 0 else [])
+    for dcn in dcn_axes:
+        for ici in _factorisations(chips_per_slice, ici_axes):
+            if ici["tensor"] > MAX_TENSOR or (m.num_experts and m.num_experts % ici["expert"]):
+                continue
+            yield {**{f"mesh.{a}": ici.get(a, 1) for a in MESH_AXES},
+                   **{f"mesh.dcn_{a}": (slices if a == dcn else 1) for a in MESH_AXES}}
+
+
+def remat_choices(cfg) -> list[dict[str, Any]]:
+    """The named policies, then custom ones that keep more than `minimal`: everything but the MLP's (or the
+    experts') gate and up projections on the device; everything but up; and everything, gate and up offloaded to
+    host memory - the policies between `minimal` and `none` a large batch may still fit."""
+    m = cfg.model
+    out = [{"remat.policy": p} for p in remat.POLICIES if p != "custom"]
+    dense, moe = not m.num_experts or m.moe_every > 1, bool(m.num_experts)
+    inputs = ("mlp_gate", "mlp_up") * dense + ("moe_gate", "moe_up") * moe
+    absent = {"mlp_gate", "mlp_up", "moe_gate", "moe_up"} - set(inputs)
+    ups = tuple(n for n in inputs if n.endswith("_up"))
+    for modes in ({n: "remat" for n in inputs}, {n: "remat" for n in ups}, {n: "offload" for n in inputs}):
+        # A name the model does not have is left as recomputed (the default): no choice, not in the name.
+        custom = {n: "remat" if n in absent else modes.get(n, "device")
+                  for n in remat.NAMES if n != "decoder_layer_input"}
+        out.append({"remat.policy": "custom", **{f"remat.custom.{n}": mode for n, mode in custom.items()}})
+    return out
+
+
+def space(cfg, chips_per_slice: int, slices: int) -> Iterator[dict[str, Any]]:
+    """The first search's candidates: mesh x preset x remat, at the config's own accumulation, offload and logits
+    block. (Relief and logits blocks come after planning: `search`.)"""
+    for mesh in meshes(cfg, chips_per_slice, slices):
+        fsdp = mesh["mesh.fsdp"] * mesh["mesh.dcn_fsdp"]
+        presets = PRESETS if fsdp > 1 else (cfg.sharding.preset,)
+        pipeline = {"pipeline.schedule": "1f1b"} if mesh["mesh.dcn_pipeline"] > 1 else {}
+        for preset, policy in itertools.product(presets, remat_choices(cfg)):
+            yield {**mesh, "sharding.preset": preset, **pipeline, **policy}
+
+
+# --- search and prune ------------------------------------------------------------------------------------
+
+def _differing(base, choices: dict[str, Any]) -> dict[str, Any]:
+    """The choices whose value differs from the base config's: the candidate's name and overrides."""
+    from scaletrain.config import get
+
+    return {k: v for k, v in choices.items() if get(base, k) != v}
+
+
+def evaluate(path: Path, common: tuple[str, ...], base, choices: dict[str, Any], hardware: str) -> dict:
+    """One candidate planned: its status ('fits', 'does not fit' or 'refused', with the reason) and the plan."""
+    from scaletrain import config
+    from scaletrain.planner import roofline
+
+    choices = _differing(base, choices)
+    record = {"name": sweep_lib.name(choices), "choices": choices}
+    try:
+        cfg = config.load(path, [*common, *sweep_lib.overrides(choices)])
+        p = roofline.plan(cfg, hardware)
+    except ConfigError as e:
+        return {**record, "status": "refused", "reason": str(e)}
+    if p["refusals"]:
+        return {**record, "status": "refused", "reason": p["refusals"][0]}
+    memory = p["memory_per_device_bytes"]["total"]
+    plan = {"step_time_s": p["step_time_s"], "bound": p["bound"], "hidden_s": sum(p["time_s"].values()),
+            "memory_per_device_bytes": memory, "hbm_capacity_bytes": p["hbm_capacity_bytes"]}
+    return {**record, "status": "fits" if p["fits"] else "does not fit", "plan": plan}
+
+
+def rank_key(record: dict) -> tuple:
+    plan = record.get("plan") or {}
+    return (record["status"] != "fits", plan.get("step_time_s", math.inf), plan.get("hidden_s", math.inf),
+            plan.get("memory_per_device_bytes", math.inf))
+
+
+def search(path: Path, common: tuple[str, ...], hardware: str, budget: int, log: Callable = print) -> list[dict]:
+    """Every candidate planned, ranked (rank_key). Stage 1: `space`. Stage 2: each candidate that does not fit
+    with RELIEF's changes. Stage 3: the best 3 x budget with each of `logits_blocks`."""
+    from scaletrain import config
+    from scaletrain.facts import hardware as hw
+
+    base = config.load(path, common)
+    topo = hw.topology(hardware)
+    start = time.perf_counter()
+    records: dict[tuple, dict] = {}
+
+    def add(choices: dict[str, Any]) -> dict:
+        key = tuple(sorted(_differing(base, choices).items()))
+        if key not in records:
+            records[key] = evaluate(path, common, base, choices, hardware)
+        return records[key]
+
+    primary = list(space(base, topo.chips_per_slice, topo.slices))
+    for i, choices in enumerate(primary):
+        if add(choices)["status"] == "does not fit":
+            for relief in RELIEF:
+                add({**choices, **relief})
+        if (i + 1) % 200 == 0:
+            log(f"  planned {i + 1} of {len(primary)} layouts ...")
+    best = sorted((r for r in records.values() if r["status"] == "fits"), key=rank_key)[:3 * budget]
+    for record in best:
+        for block in logits_blocks(base.data.seq_len):
+            add({**record["choices"], "model.logits_block": block})
+    ranked = sorted(records.values(), key=rank_key)
+    counts = {s: sum(r["status"] == s for r in ranked) for s in ("fits", "does not fit", "refused")}
+    log(f"planned {len(ranked)} candidates in {time.perf_counter() - start:.0f} s: {counts['fits']} fit, "
+        f"{counts['does not fit']} do not, {counts['refused']} refused by the config checks or the trainer")
+    return ranked
+
+
+def _layout(record: dict) -> tuple:
+    """A candidate's choices but its logits block: what the compile budget is spread over."""
+    return tuple(sorted((k, v) for k, v in record["choices"].items() if k != "model.logits_block"))
+
+
+def select(ranked: list[dict], budget: int) -> list[dict]:
+    """The `budget` candidates to compile: the best that fit by the plan, one per layout (`_layout`) - candidates
+    that differ only in their logits block plan within a percent of each other, and a budget spent on them would
+    compile one layout several times."""
+    seen, out = set(), []
+    for record in ranked:
+        if record["status"] == "fits" and _layout(record) not in seen and len(out) < budget:
+            seen.add(_layout(record))
+            out.append(record)
+    return out
+
+
+# --- compile and report ----------------------------------------------------------------------------------
+
+def _compiled_time(record: dict) -> float | None:
+    comp = record.get("compile") or {}
+    return sweep_lib.xla_time(comp)
+
+
+def run(path: str | Path, common: tuple[str, ...], topology: str, budget: int, out: str | Path,
+        loop_correction: bool = True, log: Callable = print) -> dict | None:
+    """The whole search (module docstring). Returns the best compiled record, or None when none fits."""
+    path, out = Path(path).resolve(), Path(out)
+    ranked = search(path, common, topology, budget, log)
+    chosen = select(ranked, budget)
+    spec = sweep_lib.Sweep(base=path, common=tuple(common), stages=("plan", "compile"), hardware=topology,
+                           topology=topology, loop_correction=loop_correction, steps=1,
+                           variants=tuple(r["choices"] for r in chosen))
+    sweep_lib.earlier(spec, out)  # another search's results there: refused before any compile
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / PLANS).open("w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in ranked)
+    if not chosen:
+        (out / REPORT).write_text(report(ranked, [], None, spec, budget))
+        return None
+    log(f"compiling the best {len(chosen)} for {topology}"
+        f"{' (three compiles each: the loop correction)' if loop_correction else ''}:")
+    compiled = sweep_lib.run(spec, out, log=log) if spec.variants else []
+    by_name = {r["name"]: r for r in compiled}
+    fitting = [r for r in compiled if r["status"] == "ok" and (r.get("compile") or {}).get("fits")
+               and _compiled_time(r) is not None]
+    best = min(fitting, key=_compiled_time) if fitting else None
+    if best is not None:
+        (out / BEST).write_text(best_yaml(path, common, best, topology, budget))
+    (out / REPORT).write_text(report(ranked, [by_name[r["name"]] for r in chosen], best, spec, budget))
+    return best
+
+
+def best_yaml(path: Path, common: tuple[str, ...], best: dict, topology: str, budget: int) -> str:
+    """The base config file's own mapping with the common overrides and the winner's choices set: a config to
+    train with as it is, its choices and the search's figures in a comment."""
+    from scaletrain.config import parse_override, read_mapping
+
+    tree = read_mapping(path, "config file", "configs/llama_tiny.yaml")
+    for text in best["overrides"]:
+        key, value = parse_override(text)
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    comp, plan = best["compile"], best["plan"]
+    header = [f"Found by `python -m scaletrain tune --config {path.name} --topology {topology} --budget {budget}` "
+              f"on {datetime.date.today()} (docs/tune.md).",
+              f"Choices over {path.name}: {' '.join(best['overrides']) or 'none (the config as it is)'}.",
+              f"Compiled for {topology}: {comp['hbm_per_device_bytes'] / 2**30:.2f} GiB per chip, "
+              f"{_compiled_time(best):.4g} s per step (XLA's estimate"
+              f"{', loop-corrected' if comp['loop_corrected'] else ''}, kernels counted); "
+              f"planned {plan['memory_per_device_bytes'] / 2**30:.2f} GiB, {plan['step_time_s']:.4g} s."]
+    return "".join(f"# {line}\n" for line in header) + yaml.safe_dump(tree, sort_keys=False)
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f}"
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def verdict(record: dict, best: dict | None) -> str:
+    """Why a compiled candidate lost (or that it won)."""
+    if record["status"] != "ok":
+        return f"{record['status']}: {record['error']}"
+    comp = record["compile"]
+    if not comp["fits"]:
+        return (f"does not fit: compiled {_gib(comp['hbm_per_device_bytes'])} GiB of "
+                f"{_gib(comp['hbm_capacity_bytes'])}")
+    if record is best:
+        return "**best**"
+    if best is None or _compiled_time(record) is None:
+        return "no estimate"
+    return f"{_compiled_time(record) / _compiled_time(best) - 1:+.1%} slower (compiled)"
+
+
+def report(ranked: list[dict], compiled: list[dict], best: dict | None, spec: sweep_lib.Sweep, budget: int) -> str:
+    """tune.md: the compiled candidates ranked by the compiled estimate, then the best of the rest by the plan,
+    and what the search refused and why."""
+    counts = {s: sum(r["status"] == s for r in ranked) for s in ("fits", "does not fit", "refused")}
+    lines = [f"# tune: {spec.base.name} on {spec.topology}", "",
+             f"{len(ranked)} candidates planned: {counts['fits']} fit by the plan, {counts['does not fit']} do not, "
+             f"{counts['refused']} refused by the config checks or the trainer. The best {len(compiled)} by the "
+             f"plan (budget {budget}) compiled ahead of time"
+             f"{' with the loop correction' if spec.loop_correction else ''}; step times are XLA's estimate with "
+             f"the kernels' time added where XLA cannot see them. Common overrides: {' '.join(spec.common) or 'none'}.",
+             "", "## Compiled", "",
+             "| rank | candidate | predicted s | predicted GiB | compiled s | compiled GiB | verdict |",
+             "|---|---|---|---|---|---|---|"]
+    order = sorted(compiled, key=lambda r: (verdict(r, best) != "**best**", r["status"] != "ok",
+                                            not (r.get("compile") or {}).get("fits"),
+                                            _compiled_time(r) or math.inf))
+    for rank, r in enumerate(order, 1):
+        plan, comp = r.get("plan") or {}, r.get("compile") or {}
+        lines.append(f"| {rank} | {r['name']} | {_s(plan.get('step_time_s'))} | "
+                     f"{_gib(plan.get('memory_per_device_bytes'))} | {_s(_compiled_time(r))} | "
+                     f"{_gib(comp.get('hbm_per_device_bytes'))} | {verdict(r, best)} |")
+    names = {r["name"] for r in compiled}
+    layouts = {_layout(r) for r in ranked if r["name"] in names}
+    rest = [(k, r) for k, r in enumerate(ranked, 1) if r["status"] == "fits" and r["name"] not in names][:SHOWN]
+    lines += ["", f"## Not compiled: the next {len(rest)} by the plan", "",
+              "| plan rank | candidate | predicted s | bound | predicted GiB | why it lost |", "|---|---|---|---|---|---|"]
+    for k, r in rest:
+        why = ("a compiled layout with another logits block" if _layout(r) in layouts
+               else f"predicted slower than the {len(compiled)} compiled")
+        lines.append(f"| {k} | {r['name']} | {_s(r['plan']['step_time_s'])} | {r['plan']['bound']} | "
+                     f"{_gib(r['plan']['memory_per_device_bytes'])} | {why} |")
+    misfits = sorted((r for r in ranked if r["status"] == "does not fit"),
+                     key=lambda r: r["plan"]["memory_per_device_bytes"])
+    if misfits:
+        r = misfits[0]
+        lines += ["", f"{len(misfits)} candidates do not fit by the plan; the smallest, {r['name']}, needs "
+                      f"{_gib(r['plan']['memory_per_device_bytes'])} GiB of {_gib(r['plan']['hbm_capacity_bytes'])}."]
+    reasons: dict[str, int] = {}
+    for r in ranked:
+        if r["status"] == "refused":
+            reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    if reasons:
+        lines += ["", "Refused (never proposed), by reason:", ""]
+        lines += [f"- {n} x {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
+    lines += ["", f"Every candidate's plan: {PLANS}; every compile: {sweep_lib.RESULTS}, summary.md, sweep.png."]
+    return "\n".join(lines) + "\n"

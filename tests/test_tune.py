@@ -1,0 +1,134 @@
+"""`python -m scaletrain tune`: every candidate planned, the refused ones never proposed, the best by the plan
+compiled, the fastest that fits by the compiled estimate written as a config that trains as it is, and an
+interrupted search resumed from its --out."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scaletrain import __main__ as cli
+from scaletrain import config
+from scaletrain.errors import ConfigError
+from scaletrain.planner import sweep as sweep_lib
+from scaletrain.planner import tune
+from tests.conftest import ROOT
+
+BASE = ROOT / "configs" / "llama_tiny.yaml"
+# 2 layers of width 64, 8 sequences of 32: compiles in seconds. Four heads: mesh.tensor=8 is refused.
+TINY = ("model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16",
+        "model.d_ff=128", "model.vocab_size=384", "data.seq_len=32", "train.global_batch=8")
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """The real search for the 8 CPU devices, two candidates compiled."""
+    out = tmp_path_factory.mktemp("tune") / "out"
+    lines = []
+    best = tune.run(BASE, TINY, "cpu:8", budget=2, out=out, loop_correction=False, log=lines.append)
+    return best, out, lines
+
+
+def _plans(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / tune.PLANS).read_text().splitlines()]
+
+
+def test_the_best_fits_compiles_and_trains_as_written(tuned, tmp_path):
+    best, out, lines = tuned
+    assert best is not None and best["status"] == "ok" and best["compile"]["fits"]
+    assert any(line.startswith("[1/2]") for line in lines)  # progress while it compiles
+    for name in (tune.BEST, tune.REPORT, tune.PLANS, sweep_lib.RESULTS, "summary.md", "sweep.png"):
+        assert (out / name).is_file(), name
+    # best.yaml is the base config with the winner's choices, loaded as train.py loads it.
+    written = config.load(out / tune.BEST)
+    assert written.to_dict() == config.load(BASE, best["overrides"]).to_dict()
+    assert (out / tune.BEST).read_text().startswith("# Found by `python -m scaletrain tune")
+    assert "**best**" in (out / tune.REPORT).read_text()
+    # It trains as written: the sweep's run stage, a step after a warm-up one, on the 8 devices it was tuned for.
+    spec = sweep_lib.Sweep(base=out / tune.BEST, common=(), stages=("run",), hardware=None, topology=None,
+                           loop_correction=False, steps=1, variants=({},))
+    assert sweep_lib._STAGE_FNS["run"](written, spec)["finite"]
+
+
+def test_refused_candidates_are_planned_out_and_never_compiled(tuned):
+    _, out, _ = tuned
+    plans = _plans(out)
+    refused = [p for p in plans if p["status"] == "refused"]
+    assert refused and all("mesh.tensor=8" in p["reason"] for p in refused)  # 4 heads
+    assert all(p["choices"].get("mesh.tensor") == 8 for p in refused)
+    compiled = [json.loads(line) for line in (out / sweep_lib.RESULTS).read_text().splitlines()]
+    assert all("mesh.tensor=8" not in r["overrides"] for r in compiled)
+    # Every candidate planned to fit loads and passes the trainer's checks.
+    for p in [p for p in plans if p["status"] == "fits"][:50]:
+        config.load(BASE, [*TINY, *sweep_lib.overrides(p["choices"])])
+    # The space covers what the issue names: meshes, presets, remat policies (custom too), logits blocks.
+    keys = {k for p in plans for k in p["choices"]}
+    assert {"mesh.data", "mesh.fsdp", "mesh.tensor", "sharding.preset", "remat.policy", "model.logits_block"} <= keys
+    assert any(p["choices"].get("remat.policy") == "custom" for p in plans)
+
+
+def _fake_compile(times: dict[str, float], fits: dict[str, bool]):
+    """A compile stage that reports the given step time and fit per candidate name: the ranking's own logic,
+    without compiling."""
+    def compile_(cfg, spec):
+        name = _names[config.config_hash(cfg)]
+        return {"topology": spec.topology, "fits": fits.get(name, True), "hbm_per_device_bytes": 1 << 20,
+                "hbm_capacity_bytes": 1 << 30, "xla_flops": 1.0, "xla_optimal_seconds": times[name],
+                "xla_roofline_seconds": None, "xla_with_kernels_seconds": None, "loop_corrected": False,
+                "collectives": {}, "compile_seconds": 0.0}
+    return compile_
+
+
+_names: dict[str, str] = {}  # a candidate's config fingerprint -> its name
+
+
+def test_ranked_by_the_compiled_estimate_not_the_plan(tmp_path, monkeypatch):
+    """The plan's order reversed by the compile: the plan's last chosen candidate wins; one that does not fit
+    when compiled never does, however fast; a rerun into the same folder compiles nothing again."""
+    ranked = tune.search(BASE.resolve(), TINY, "cpu:8", 3, log=lambda line: None)
+    selected = tune.select(ranked, 3)
+    chosen = [r["name"] for r in selected]
+    assert len(chosen) == 3
+    for r in selected:
+        _names[config.config_hash(config.load(BASE, [*TINY, *sweep_lib.overrides(r["choices"])]))] = r["name"]
+    times = {name: 1.0 + 0.1 * (2 - i) for i, name in enumerate(chosen)}  # the plan's third is the fastest ...
+    times[chosen[1]] = 0.5  # ... but the second is faster still, and does not fit
+    monkeypatch.setitem(sweep_lib._STAGE_FNS, "compile", _fake_compile(times, {chosen[1]: False}))
+    best = tune.run(BASE, TINY, "cpu:8", budget=3, out=tmp_path / "out", log=lambda line: None)
+    assert best["name"] == chosen[2]
+    report = (tmp_path / "out" / tune.REPORT).read_text()
+    assert "does not fit" in report and "slower (compiled)" in report
+
+    def no_compile(cfg, spec):
+        raise AssertionError("a resumed search compiled again")
+
+    monkeypatch.setitem(sweep_lib._STAGE_FNS, "compile", no_compile)
+    lines = []
+    again = tune.run(BASE, TINY, "cpu:8", budget=3, out=tmp_path / "out", log=lines.append)
+    assert again["name"] == chosen[2] and any("kept from an earlier run" in line for line in lines)
+    # Another search's results there (compiled without the loop correction) are refused, not mixed in.
+    with pytest.raises(ConfigError, match="another sweep"):
+        tune.run(BASE, TINY, "cpu:8", budget=3, out=tmp_path / "out", loop_correction=False, log=lambda line: None)
+
+
+def test_a_search_where_nothing_fits_says_so(tmp_path, monkeypatch):
+    monkeypatch.setitem(sweep_lib._STAGE_FNS, "compile", lambda cfg, spec: {
+        "topology": spec.topology, "fits": False, "hbm_per_device_bytes": 1 << 31, "hbm_capacity_bytes": 1 << 30,
+        "xla_flops": None, "xla_optimal_seconds": None, "xla_roofline_seconds": None,
+        "xla_with_kernels_seconds": None, "loop_corrected": False, "collectives": None, "compile_seconds": 0.0})
+    code = cli.main(["tune", "--config", str(BASE), *[a for s in TINY for a in ("--set", s)], "--topology", "cpu:8",
+                     "--budget", "1", "--out", str(tmp_path / "out")])
+    assert code == cli.EXIT_DOES_NOT_FIT
+    assert not (tmp_path / "out" / tune.BEST).exists()
+    assert "does not fit" in (tmp_path / "out" / tune.REPORT).read_text()
+
+
+def test_bad_input_is_one_error_line(tmp_path, capsys):
+    args = ["tune", "--config", str(BASE), "--topology", "cpu:8", "--out", str(tmp_path / "out")]
+    assert cli.main([*args, "--budget", "0"]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err.startswith("error: --budget must be at least 1")
+    assert cli.main([*args, "--set", "model.d_modle=64"]) == cli.EXIT_USAGE
+    assert "unknown config key" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert cli.main([*args[:-1], str(tmp_path / "file")]) == cli.EXIT_USAGE
+    assert "already exists" in capsys.readouterr().err
