@@ -200,6 +200,7 @@ def test_greedy_tokens_are_identical_in_every_mode_on_a_converted_llama_3_2_1b_s
     `convert from-hf`, then decoded in fp32 at batch 2 in every mode."""
     import torch
     import transformers
+    from transformers.initialization import no_init_weights
 
     from scaletrain.__main__ import main
     from scaletrain.store.checkpoint import restore_params
@@ -210,11 +211,18 @@ def test_greedy_tokens_are_identical_in_every_mode_on_a_converted_llama_3_2_1b_s
         num_key_value_heads=8, head_dim=64, tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=64,
         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192})
-    hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Drawn once, as Hugging Face's init draws them (normal, std initializer_range), with trained-looking gains:
+    # from_config alone would draw every weight twice (torch's init, then Hugging Face's), ~5 s at these widths.
+    with no_init_weights():
+        hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hf_model.tie_weights()
+    assert hf_model.lm_head.weight is hf_model.model.embed_tokens.weight
     with torch.no_grad():
-        for name, p in hf_model.named_parameters():  # trained-looking gains; the rest stays as initialised
+        for name, p in hf_model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, config.initializer_range)
     hf_model.save_pretrained(tmp_path / "hf")
     del hf_model
     assert main(["convert", "from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
