@@ -15,7 +15,7 @@ from scaletrain import config
 from scaletrain.errors import ConfigError
 from scaletrain.facts import fit, flops, hardware
 from scaletrain.models import ModelConfig
-from scaletrain.planner import budget, comms, hlo, memory, roofline
+from scaletrain.planner import budget, comms, hlo, memory, residuals, roofline
 from tests.conftest import ROOT
 
 # A model small enough to count by hand: per layer attention 2*64*(4+2)*16 = 12288 (Q and O 8192, K and V 4096),
@@ -396,9 +396,13 @@ def test_offloaded_state_is_counted_in_host_memory():
 
 # fsdp = 8: 8 x 32 / 8 = 32 tokens per device, bfloat16 activations (2 bytes). Elements per token: the layer input
 # D = 64; Q 4 x 16 = 64, K and V 2 x 16 = 32 each; out_proj and mlp_out 64; gate and up 128 each.
-# Policy none: scaling.md's 20 x D x 2 = 2560 bytes per token and layer, plus (no attention_block) the scores:
-# N x T x (4 + 2) = 4 x 32 x 6 = 768 -> 3328 x 32 tokens = 106496 per layer.
+# One layer rematerialised at the peak of its backward pass: scaling.md's 20 x D x 2 = 2560 bytes per token, plus
+# (no attention_block) the scores: N x T x (4 + 2) = 4 x 32 x 6 = 768 -> 3328 x 32 tokens = 106496.
 LAYER_NONE = 3328 * 32
+# Policy none keeps, per token and layer, the residuals the layer body saves (residuals.per_token, checked in
+# test_policy_none_keeps_what_the_layer_saves) and the scores.
+STREAM, INNER = residuals.per_token(ModelConfig.from_config(_cfg().model))
+SAVED_NONE = (STREAM + INNER + 768) * 32
 LOGITS = 2 * 32 * 384 * 4  # float32 logits and their gradient: 98304
 
 
@@ -422,24 +426,25 @@ def test_activations_per_remat_policy(policy, device_per_token, host_per_token):
 
 def test_activations_without_remat_and_custom():
     none = memory.predict(_cfg(), _axes(fsdp=8))
-    assert (none.saved_activations, none.layer_working_set, none.activations) == (2 * LAYER_NONE, 0,
-                                                                                  2 * LAYER_NONE + LOGITS)
-    # attention_block bounds the scores: 2560 bytes per token and layer.
+    assert (none.saved_activations, none.layer_working_set, none.activations) == (2 * SAVED_NONE, 0,
+                                                                                  2 * SAVED_NONE + LOGITS)
+    # attention_block bounds the scores: the residuals alone.
     blocked = memory.predict(_cfg(**{"model.attention_block": 8}), _axes(fsdp=8))
-    assert blocked.saved_activations == 2 * 2560 * 32
+    assert blocked.saved_activations == 2 * (STREAM + INNER) * 32
     custom = memory.predict(_cfg(**{"remat.policy": "custom", "remat.custom.mlp_up": "device",
                                     "remat.custom.attention_out": "offload"}), _axes(fsdp=8))
     assert (custom.saved_activations, custom.host_activations) == (2 * 32 * (64 + 128) * 2, 2 * 32 * 64 * 2)
 
 
 def test_activations_over_tensor_with_and_without_sequence_parallelism():
-    # fsdp = 4 x tensor = 2: 64 tokens per device. With sequence parallelism all 20 d_model tensors split:
-    # 20 x 32 x 2 = 1280 bytes, scores 2 heads x 32 x 6 = 384: 1664 per token. Without, the 6 on the residual
-    # stream stay whole: (6 x 64 + 14 x 32) x 2 + 384 = 2048. Logits split over the vocabulary: 2 x 64 x 192 x 4.
+    # fsdp = 4 x tensor = 2: 64 tokens per device. With sequence parallelism every residual splits, scores
+    # 2 heads x 32 x 6 = 384 per token; without, those on the residual stream stay whole. Logits split over the
+    # vocabulary: 2 x 64 x 192 x 4.
     axes = _axes(fsdp=4, tensor=2)
     sp = memory.predict(_cfg(), axes)
     no_sp = memory.predict(_cfg(**{"sharding.sequence_parallel": False}), axes)
-    assert (sp.saved_activations, no_sp.saved_activations) == (2 * 64 * 1664, 2 * 64 * 2048)
+    assert (sp.saved_activations, no_sp.saved_activations) == pytest.approx(
+        (2 * 64 * ((STREAM + INNER) / 2 + 384), 2 * 64 * (STREAM + INNER / 2 + 384)))
     assert sp.logits == 2 * 64 * 192 * 4
     # model.logits_block: the logits of that many positions per sequence at a time.
     seq = _cfg().data.seq_len
@@ -660,8 +665,9 @@ def test_moe_layer_activations():
     kept = memory.predict(_cfg(**MOE, **{"remat.policy": "custom", "remat.custom.moe_gate": "device",
                                          "remat.custom.moe_up": "device"}), axes)
     assert kept.saved_activations == 2 * 32 * (64 + 2 * 4 * 64) * 2
-    # No remat: every layer holds all of it.
-    assert memory.predict(_cfg(**MOE), axes).saved_activations == 2 * (3328 + 3072) * 32
+    # No remat: every layer holds its residuals (the MoE layer's own, traced) and all of the routed rows.
+    moe_layer = sum(residuals.per_token(ModelConfig.from_config(_cfg(**MOE).model))) + 768
+    assert memory.predict(_cfg(**MOE), axes).saved_activations == 2 * (moe_layer + 3072) * 32
 
 
 def test_a_dense_model_over_expert_is_refused_and_its_batch_split():
@@ -973,3 +979,27 @@ def test_plan_shows_the_pipeline_schedule():
                               "pipeline.repeats": 2, "model.num_layers": 4}), "v5p:2x2x2")
     assert r["pipeline_bubble"] == pytest.approx(1 / 9) and r["pipeline"]["timeline"][1][:3] == [".", "F0.0", "F1.0"]
     assert roofline.plan(_cfg(), "v5p:2x2x2")["pipeline"] is None
+
+
+def test_policy_none_keeps_what_the_layer_saves():
+    """residuals.per_token traces the layer the trainer scans: at least the layer input and every named projection
+    the backward pass reads, and each d_ff-wide residual grows with d_ff (a hand count of 20 [T, D] tensors does
+    not: Llama-3.1-8B's layer saves 38.6)."""
+    named = 2 * (64 + 64 + 32 + 32 + 64 + 64 + 128 + 128 + 64)  # input, Q, K, V, attention out, out, gate, up, mlp_out
+    assert STREAM + INNER > named
+    wider = sum(residuals.per_token(ModelConfig.from_config(_cfg(**{"model.d_ff": 256}).model)))
+    assert wider - (STREAM + INNER) >= 2 * 2 * 128  # gate and up at least, bf16
+    eight_b = ModelConfig.from_config(_cfg("llama3_8b.yaml").model)
+    assert sum(residuals.per_token(eight_b)) / (2 * 4096) == pytest.approx(38.64, abs=0.01)
+
+
+@pytest.mark.parametrize("overrides, compiled_gib", [
+    # Compiled for v5p:4x4x2 (fsdp = 32, 4 x 8192 tokens per chip, flash attention) with jax 0.12.0.1 / libtpu
+    # 0.0.50.1 on 2026-12-02 (`python -m scaletrain compile --no-loop-correction`, docs/tune.md): HBM per chip.
+    ({"remat.policy": "none", "train.grad_accum_steps": 4, "model.logits_block": 512}, 79.98),
+    ({"remat.policy": "save_dots", "train.grad_accum_steps": 4}, 32.55),
+    ({"remat.policy": "minimal"}, 46.81),
+])
+def test_llama3_8b_memory_by_remat_policy_against_the_compiled_step(overrides, compiled_gib):
+    r = roofline.plan(_cfg("llama3_8b.yaml", **{"mesh.fsdp": 32, **overrides}), "v5p:4x4x2")
+    assert r["memory_per_device_bytes"]["total"] / (compiled_gib * fit.GIB) == pytest.approx(1.0, abs=0.10)

@@ -21,6 +21,7 @@ from scaletrain.errors import ConfigError
 from scaletrain.models.mixtral import moe
 from scaletrain.parallel import pipeline_1f1b, sharding
 from scaletrain.parallel.checks import microbatches, shards_kv_heads
+from scaletrain.planner import residuals
 from scaletrain.train import layout as layout_lib
 from scaletrain.train.runner import Runner
 
@@ -28,10 +29,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # Outputs of matmuls without batch dims (remat.policy save_dots): every projection; the attention einsums have
 # batch dims and are recomputed.
 SAVE_DOTS = ("query_proj", "key_proj", "value_proj", "out_proj", "mlp_gate", "mlp_up", "mlp_out")
-# scaling.md: "about 2 * 20 * B*T*D bytes per layer with no remat" - 20 tensors of [tokens, d_model], of which
-# this many lie on the residual stream (the layer input, the two norm outputs, the attention and MLP outputs and
-# the mid-block sum), split over `tensor` only with sequence parallelism; the rest live inside attention and the
-# MLP, split over `tensor` always.
+# The peak of one layer's backward pass under a remat policy, recomputed from its input: scaling.md's "about
+# 2 * 20 * B*T*D bytes per layer" - 20 tensors of [tokens, d_model], of which this many lie on the residual stream
+# (split over `tensor` only with sequence parallelism), the rest inside attention and the MLP. Fewer than the layer
+# saves for its backward pass in all (residuals.per_token: 38.6 on Llama-3.1-8B): XLA frees a recomputed
+# layer's residuals as its backward pass consumes them, and the compiled full-remat steps hold less than the sum.
 NONE_TENSORS, RESIDUAL_TENSORS = 20, 6
 
 
@@ -133,8 +135,8 @@ def expert_rows(cfg, axes: Mapping[str, int], ragged: bool = True) -> tuple[floa
 
 
 def _routed_layer(cfg, axes: Mapping[str, int], dtype_bytes: int, ragged: bool) -> float:
-    """Bytes per token a MoE layer holds beyond a dense layer's 20 tensors (whose feed-forward ones stand for
-    the router's and the combination's): the rows it sends and those that return, the rows its experts receive
+    """Bytes per token a MoE layer holds beyond its per-token tensors (those of the router and the combination:
+    residuals.per_token or NONE_TENSORS): the rows it sends and those that return, the rows its experts receive
     and compute (the dispatch buffers), and the experts' hidden - gate, up and their product - for those."""
     sent, received = expert_rows(cfg, axes, ragged)
     hidden = moe_d_ff(cfg.model) / axes["tensor"]
@@ -154,17 +156,29 @@ def logits_block(cfg) -> int:
     return block if 0 < block < seq else seq
 
 
-def _unremat_layer(cfg, tensor: int, dtype_bytes: int) -> float:
-    """Bytes per token of one layer with nothing rematerialised: scaling.md's 20 tensors of d_model, plus XLA's
-    attention scores when no query blocking bounds them (the float32 softmax output its VJP reads and the
-    probabilities cast for the values matmul: N T elements per token)."""
-    m, sp = cfg.model, cfg.sharding.sequence_parallel
-    d = m.d_model
+def _scores(cfg, tensor: int) -> float:
+    """XLA's attention scores per token when no query blocking bounds them (the float32 softmax output its VJP
+    reads and the probabilities cast for the values matmul: N T elements), else none."""
+    m = cfg.model
+    whole = m.attention == "xla" and not blocked_attention(cfg)  # flash kernels keep scores on-chip
+    return m.num_heads / tensor * cfg.data.seq_len * (4 + DTYPE_BYTES[m.dtype]) if whole else 0.0
+
+
+def _saved_layer(cfg, model_cfg, tensor: int) -> float:
+    """Bytes per token one layer keeps for its backward pass with nothing rematerialised: the residuals the
+    model's own layer body saves (residuals.per_token: the stream's split over `tensor` only with sequence
+    parallelism, the rest always), and the scores."""
+    stream, inner = residuals.per_token(model_cfg)
+    return stream / (tensor if cfg.sharding.sequence_parallel else 1) + inner / tensor + _scores(cfg, tensor)
+
+
+def _rematerialised_layer(cfg, tensor: int, dtype_bytes: int) -> float:
+    """Bytes per token at the peak of one rematerialised layer's backward pass: NONE_TENSORS of d_model, and the
+    scores."""
+    d, sp = cfg.model.d_model, cfg.sharding.sequence_parallel
     residual = RESIDUAL_TENSORS * d / (tensor if sp else 1)
     inner = (NONE_TENSORS - RESIDUAL_TENSORS) * d / tensor
-    whole = m.attention == "xla" and not blocked_attention(cfg)  # flash kernels keep scores on-chip
-    scores = m.num_heads / tensor * cfg.data.seq_len * (4 + dtype_bytes) if whole else 0.0
-    return (residual + inner) * dtype_bytes + scores
+    return (residual + inner) * dtype_bytes + _scores(cfg, tensor)
 
 
 # Copies of the whole batch's residual stream a pipelined step holds beside its microbatches' (measured on the
@@ -245,8 +259,8 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     moments and gradients (a pipeline's stage still holds its parameters and gradients on the device for the
     step, fetched whole).
     Activations: the remat policy's saved tensors for every layer of the device's stage (policy none:
-    scaling.md's 20 [tokens, d_model] tensors per layer), one layer's full set while the backward pass
-    rematerialises it (every other policy), and the float32 logits and their gradient - of one block of
+    the residuals the layer body saves, residuals.per_token), the peak of one layer's backward pass while it
+    rematerialises it (every other policy: NONE_TENSORS), and the float32 logits and their gradient - of one block of
     model.logits_block positions per sequence when that is set. A GPipe stage keeps them for every microbatch;
     under a remat policy it keeps each microbatch's stage input rather than every layer's input (pipeline.py
     rematerialises an iteration from it), and recomputing one iteration holds its layers' inputs. A 1F1B stage
@@ -273,9 +287,8 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     moe = moe_share(m)
     # Bytes per token of a layer with nothing rematerialised: a MoE layer's routed rows on top.
     routed = _routed_layer(cfg, axes, ab, ragged) if moe else 0.0
-    layer = _unremat_layer(cfg, t, ab)
     if policy == "none":
-        every = (layer + moe * routed) * stage_layers
+        every = (_saved_layer(cfg, s.layout.model_cfg, t) + moe * routed) * stage_layers
         saved, working, offloaded = (stage_inputs, every * micro, 0.0) if one_f_one_b else (every * tokens, 0.0, 0.0)
         working += _attention_block_working(cfg, micro if one_f_one_b else tokens, t, ab)
     else:
@@ -283,7 +296,7 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
         named = sum(elements[n] for n, w in where.items() if w == "device")
         host = sum(elements[n] for n, w in where.items() if w == "offload")
         per_layer = (elements["decoder_layer_input"] + named) * ab * stage_layers
-        working = (layer + routed) * micro + _attention_block_working(cfg, micro, t, ab)
+        working = (_rematerialised_layer(cfg, t, ab) + routed) * micro + _attention_block_working(cfg, micro, t, ab)
         if one_f_one_b:  # the stage inputs; a recomputed stage's per-layer tensors for one microbatch
             saved, offloaded = stage_inputs, host * ab * micro * stage_layers
             working += per_layer * micro

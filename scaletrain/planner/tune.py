@@ -303,7 +303,8 @@ def report(ranked: list[dict], compiled: list[dict], best: dict | None, spec: sw
     layouts = {_layout(r) for r in ranked if r["name"] in names}
     rest = [(k, r) for k, r in enumerate(ranked, 1) if r["status"] == "fits" and r["name"] not in names][:SHOWN]
     lines += ["", f"## Not compiled: the next {len(rest)} by the plan", "",
-              "| plan rank | candidate | predicted s | bound | predicted GiB | why it lost |", "|---|---|---|---|---|---|"]
+              "| plan rank | candidate | predicted s | bound | predicted GiB | why it lost |",
+              "|---|---|---|---|---|---|"]
     for k, r in rest:
         why = ("a compiled layout with another logits block" if _layout(r) in layouts
                else f"predicted slower than the {len(compiled)} compiled")

@@ -1,0 +1,62 @@
+"""The bytes per token that one layer's backward pass reads under remat policy none, from the model's own code:
+the layer body the trainer scans, traced with abstract weights (no compile, nothing allocated), and the residuals
+JAX saves for its VJP counted (jax's saved_residuals, what `jax.ad_checkpoint.print_saved_residuals` prints).
+
+A hand count of tensors ("about 20 of [tokens, d_model]") misses what the code keeps besides the named
+projections: the float32 copies RMSNorm computes in, SiLU's intermediates, RoPE's tables, the attention kernel's
+own residuals (its output and log-sum-exp). On Llama-3.1-8B they come to 32 [tokens, d_model] bf16 tensors per
+layer, not 20 (docs/tune.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax._src.ad_checkpoint import saved_residuals  # public as print_saved_residuals, which only prints
+
+# The traced sequence, a length no model axis has: residuals with it once are per-token bytes, those with it twice
+# (XLA attention's scores) are left to the caller, which knows whether attention blocks bound them. Multiples of
+# 128, which the flash kernels take unpadded.
+TOKENS = (640, 896, 1152)
+
+
+def _tokens(cfg) -> int:
+    dims = {cfg.d_model, cfg.d_ff, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.vocab_size,
+            cfg.moe_d_ff}
+    return next(t for t in TOKENS if t not in dims)
+
+
+@functools.lru_cache(maxsize=32)
+def per_token(model_cfg) -> tuple[float, float]:
+    """(bytes on the residual stream - arrays whose last axis is d_model -, all other bytes) per token and layer
+    of the family's layer unit under policy none, for a `models.ModelConfig`, at tensor parallelism 1."""
+    from scaletrain import models
+
+    cfg = dataclasses.replace(model_cfg, remat="none", unroll_loops=False, attention_block=0)
+    graphdef, params, _ = models.abstract(cfg)
+    n = _tokens(cfg)
+    tokens = jnp.zeros((1, n), jnp.int32)
+    positions = jnp.arange(n, dtype=jnp.int32)[None]
+    x = jax.ShapeDtypeStruct((1, n, cfg.d_model), cfg.dtype)
+
+    def layer(x_btd, all_params):
+        decoder = nnx.merge(graphdef, all_params)
+        _, body, stacked, extras = decoder.stack_inputs(tokens, positions, jnp.ones_like(tokens))
+        return body(x_btd, jax.tree.map(lambda a: a[0], stacked), *extras)[0]
+
+    stream = inner = 0.0
+    for aval, _ in saved_residuals(layer, x, params):
+        if aval.shape.count(n) != 1:
+            continue  # weights, per-layer constants, attention scores
+        size = math.prod(aval.shape) * aval.dtype.itemsize / n
+        if aval.shape[-1] == cfg.d_model:
+            stream += size
+        else:
+            inner += size
+    layers = models.family_of(cfg).decoder.unit_layers(cfg)
+    return stream / layers, inner / layers
