@@ -8,11 +8,13 @@ import pytest
 from scaletrain import config
 from scaletrain.facts import flops
 from scaletrain.models import ModelConfig
-from tests.conftest import run_cli
+from tests.conftest import run_main
 
 
-def _compile(*args):
-    return run_cli(["compile", "--json", *args], module=True, timeout=600)
+def _compile(capfd, *args):
+    """`python -m scaletrain compile --json ARGS`, in this process (conftest.run_main): libtpu's topologies are
+    compiled for here as in a process of its own, without one's start (JAX and libtpu loaded again) each time."""
+    return run_main(["compile", "--json", *args], capfd, module=True)
 
 
 def _result(proc) -> dict:
@@ -24,10 +26,10 @@ CONTRACT_KEYS = {"fits", "hbm_per_device_bytes", "hbm_capacity_bytes", "xla_flop
                  "collectives", "compile_seconds"}
 
 
-def test_tiny_step_on_v5p_with_loop_corrected_counts():
+def test_tiny_step_on_v5p_with_loop_corrected_counts(capfd):
     """XLA counts a loop body once; corrected, its FLOPs cover every layer: at least the model FLOPs of the
     step (flops.py; XLA also counts the masked half of causal attention and the rematerialised forward)."""
-    result = _result(_compile("--config", "configs/llama_tiny.yaml", "--topology", "v5p:2x2x2"))
+    result = _result(_compile(capfd, "--config", "configs/llama_tiny.yaml", "--topology", "v5p:2x2x2"))
     assert CONTRACT_KEYS <= result.keys() and result["fits"] and result["chips"] == 8
     assert result["hbm_capacity_bytes"] == 96e9 and 0 < result["hbm_per_device_bytes"] < 1e9
     assert result["loop_corrected"] and result["xla_optimal_seconds"] > 0
@@ -41,33 +43,35 @@ def test_tiny_step_on_v5p_with_loop_corrected_counts():
     assert result["collectives"]["all-gather"]["count"] > 0 and result["collectives"]["reduce-scatter"]["bytes"] > 0
 
 
-def test_tiny_step_on_v5e():
-    result = _result(_compile("--config", "configs/llama_tiny.yaml", "--topology", "v5e:2x2", "--no-loop-correction"))
+def test_tiny_step_on_v5e(capfd):
+    result = _result(_compile(capfd, "--config", "configs/llama_tiny.yaml", "--topology", "v5e:2x2",
+                              "--no-loop-correction"))
     assert result["fits"] and result["chips"] == 4 and result["hbm_capacity_bytes"] == 16e9
     assert result["device_kind"] == "TPU v5 lite" and not result["loop_corrected"]
 
 
-def test_for_this_machines_cpu_devices():
+def test_for_this_machines_cpu_devices(capfd):
     """`--topology cpu:N` compiles for N simulated CPU devices; the capacity is this machine's memory per device."""
-    result = _result(_compile("--config", "configs/llama_tiny.yaml", "--topology", "cpu:8", "--cpu-devices", "8",
+    result = _result(_compile(capfd, "--config", "configs/llama_tiny.yaml", "--topology", "cpu:8", "--cpu-devices", "8",
                               "--no-loop-correction"))
     assert result["fits"] and result["chips"] == 8 and result["device_kind"] == "cpu"
     assert result["xla_roofline_seconds"] > 0
 
 
-def test_llama_1b_fits():
+def test_llama_1b_fits(capfd):
     """A ~1B model (Llama 3.2 1B shapes, 1 x 4096 tokens per chip on a v5p:2x2x2) fits; its state alone is
     1.24e9 x 12 bytes (fp32 parameters, two moments) over the chips. (On a v5e:2x2 it is compiled by the next
     test, with a batch that does not fit.)"""
-    result = _result(_compile("--config", "configs/llama3_1b.yaml", "--topology", "v5p:2x2x2", "--no-loop-correction"))
+    result = _result(_compile(capfd, "--config", "configs/llama3_1b.yaml", "--topology", "v5p:2x2x2",
+                              "--no-loop-correction"))
     chips = result["chips"]
     assert result["fits"] and result["hbm_per_device_bytes"] <= result["hbm_capacity_bytes"]
     assert result["memory"]["device_arguments"] >= 1.2e9 * 12 / chips
     assert not result["loop_corrected"]
 
 
-def test_a_step_that_does_not_fit_exits_3():
-    proc = _compile("--config", "configs/llama3_1b.yaml", "--topology", "v5e:2x2", "--no-loop-correction",
+def test_a_step_that_does_not_fit_exits_3(capfd):
+    proc = _compile(capfd, "--config", "configs/llama3_1b.yaml", "--topology", "v5e:2x2", "--no-loop-correction",
                     "--set", "train.global_batch=32")
     assert proc.returncode == 3, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
@@ -76,20 +80,20 @@ def test_a_step_that_does_not_fit_exits_3():
 
 @pytest.mark.parametrize("topology, says", [("v5x:2x2", "libtpu does not know topology"),
                                             ("v5e", "GENERATION:AxBxC")])
-def test_bad_topology_is_one_error_line(topology, says):
-    proc = _compile("--config", "configs/llama_tiny.yaml", "--topology", topology)
+def test_bad_topology_is_one_error_line(topology, says, capfd):
+    proc = _compile(capfd, "--config", "configs/llama_tiny.yaml", "--topology", topology)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error:") and says in proc.stderr and proc.stderr.count("\n") == 1
 
 
 @pytest.mark.parametrize("schedule, corrected", [("gpipe", False), ("1f1b", True)])
-def test_a_pipeline_across_two_slices(schedule, corrected):
+def test_a_pipeline_across_two_slices(schedule, corrected, capfd):
     """Two v5p slices (libtpu's multislice topology: each device has its slice_index), a stage on each, FSDP over
     each slice's 4 chips: the stages' activations move by collective permutes. 1F1B is loop-corrected (its 4
     layers, 2 units of a layer a stage, compiled whole and unrolled), and its FLOPs checked; GPipe compiles once
     (the correction's extra compile is most of the test's time, and its code is the same for both)."""
     flags = () if corrected else ("--no-loop-correction",)
-    result = _result(_compile("--config", "configs/llama_tiny.yaml", "--topology", "2xv5p:2x2x1", "--set",
+    result = _result(_compile(capfd, "--config", "configs/llama_tiny.yaml", "--topology", "2xv5p:2x2x1", "--set",
                               "mesh.dcn_pipeline=2", "--set", "mesh.fsdp=4", "--set", "pipeline.microbatches=2",
                               "--set", f"pipeline.schedule={schedule}", *flags))
     assert result["fits"] and result["chips"] == 8 and result["loop_corrected"] == corrected
