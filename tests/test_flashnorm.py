@@ -192,22 +192,24 @@ def test_folding_the_gains_keeps_the_function():
             assert_close(logits(folded_cfg, folded), want, ulps=32)
 
 
-def test_fold_norms_and_logits_commands(tmp_path):
-    from tests.conftest import run_cli
+def test_fold_norms_and_logits_commands(tmp_path, capfd):
+    """Trained on one device in a process of its own; the commands then as the command line runs them
+    (scaletrain.__main__.main), in this process (conftest.run_main): three process starts spared."""
+    from tests.conftest import run_cli, run_main
 
     run, folded = tmp_path / "run", tmp_path / "folded"
     done = run_cli(["--config", "configs/llama_tiny.yaml", *sum((["--set", o] for o in tiny_overrides(run, steps=3)),
                                                                  ["--set", "checkpoint.every_steps=3"])])
     assert done.returncode == 0, done.stderr
-    done = run_cli(["convert", "fold-norms", "--run-dir", str(run), "--out", str(folded)], module=True)
+    done = run_main(["convert", "fold-norms", "--run-dir", str(run), "--out", str(folded)], capfd, module=True)
     assert done.returncode == 0, done.stderr
     assert "norm_weights: folded" in (folded / "config.yaml").read_text()
     np.save(tmp_path / "tokens.npy", np.random.RandomState(0).randint(0, 384, (2, 16)))
     outputs = []
     for source, extra in ((run, []), (folded, ["--set", "model.norm=fused"])):
         out = tmp_path / f"logits{len(outputs)}.npy"
-        done = run_cli(["logits", "--run-dir", str(source), "--tokens", str(tmp_path / "tokens.npy"), "--out", str(out),
-                        *extra], module=True)
+        done = run_main(["logits", "--run-dir", str(source), "--tokens", str(tmp_path / "tokens.npy"), "--out",
+                         str(out), *extra], capfd, module=True)
         assert done.returncode == 0, done.stderr
         outputs.append(np.load(out))
     assert outputs[0].shape == (2, 16, 384) and outputs[0].dtype == np.float32
