@@ -16,7 +16,7 @@ from scaletrain import config
 from scaletrain.data import loader as data
 from scaletrain.data import prepare, tokenizer
 from scaletrain.errors import ConfigError, DataError, UserError
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_main
 from tests.test_resume import _command, _finished_checkpoints, _losses, _resumed_step
 
 WORDS = "the data of a model is text and the text is naïve café 数据 🎉 tokens windows".split()
@@ -251,10 +251,10 @@ def _marked(mark: str) -> list[int]:
     return found
 
 
-def test_training_from_a_prepared_dataset_is_killed_and_resumes_bitwise(tmp_path, hf_dir, corpus):
-    result = subprocess.run([sys.executable, "-m", "scaletrain", "data", "prepare", "--tokenizer", str(hf_dir),
-                             "--input", str(corpus / "*.jsonl"), str(corpus / "c.parquet"), "--out",
-                             str(tmp_path / "ds"), "--workers", "2"], cwd=ROOT, capture_output=True, text=True)
+def test_training_from_a_prepared_dataset_is_killed_and_resumes_bitwise(tmp_path, hf_dir, corpus, capfd):
+    """The killed run is a process of its own; `data prepare` and the rerun run in this one (conftest.run_main)."""
+    result = run_main(["data", "prepare", "--tokenizer", str(hf_dir), "--input", str(corpus / "*.jsonl"),
+                       str(corpus / "c.parquet"), "--out", str(tmp_path / "ds"), "--workers", "2"], capfd, module=True)
     assert result.returncode == 0 and "train: 59 documents" in result.stdout, result.stderr
     run = {"steps": 6, "checkpoint.every_steps": 2, "data.source": "prepared", "data.path": tmp_path / "ds",
            "data.tokenizer": hf_dir}
@@ -270,15 +270,15 @@ def test_training_from_a_prepared_dataset_is_killed_and_resumes_bitwise(tmp_path
         assert time.monotonic() < deadline, "the killed run's data workers outlived it"
         time.sleep(0.2)
     committed = max(_finished_checkpoints(tmp_path / "run"))
-    resumed = subprocess.run([sys.executable, str(ROOT / "train.py"), *_command(tmp_path / "run", **run)], cwd=ROOT,
-                             env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+    resumed = run_main(_command(tmp_path / "run", **run), capfd)
     assert resumed.returncode == 0, resumed.stderr
     assert _resumed_step(resumed) == committed < 5
     after = _losses(tmp_path / "run")
     assert len(after) == 6 and after[:5] == before  # steps redone after the resume: the same batches, bit for bit
 
 
-def test_bad_input_is_one_error_line(tmp_path, hf_dir, prepared):
+def test_bad_input_is_one_error_line(tmp_path, hf_dir, prepared, capfd):
+    """Each command as the command line runs it (scaletrain.__main__.main), in this process (conftest.run_main)."""
     (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
     import pyarrow as pa
@@ -291,12 +291,12 @@ def test_bad_input_is_one_error_line(tmp_path, hf_dir, prepared):
     (tmp_path / "empty").mkdir()
 
     def prep(*args):
-        return ["-m", "scaletrain", "data", "prepare", "--out", str(tmp_path / f"out{uuid.uuid4().hex}"), *args]
+        return ["data", "prepare", "--out", str(tmp_path / f"out{uuid.uuid4().hex}"), *args]
 
     def train(*sets):
         sets = _command(tmp_path / f"run{uuid.uuid4().hex}", **{"data.tokenizer": hf_dir, "data.source": "prepared",
                                                                  "data.path": prepared, **dict(sets)})
-        return [str(ROOT / "train.py"), *sets]
+        return ["train", *sets]
 
     cases = {
         "tokenizer 'missing.json' not found":
@@ -313,14 +313,12 @@ def test_bad_input_is_one_error_line(tmp_path, hf_dir, prepared):
         f"{shard}: corrupt or truncated": train(("data.path", tmp_path / "truncated")),
         f"'{tmp_path / 'empty'}' is not a prepared dataset": train(("data.path", tmp_path / "empty")),
     }
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    running = {error: subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True) for error, args in cases.items()}
-    for error, proc in running.items():
-        out, err = proc.communicate(timeout=300)
-        lines = [line for line in err.splitlines() if line.strip()]
-        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and error in lines[0], err
-        assert "compiled" not in out
+    for error, args in cases.items():
+        result = run_main(args, capfd, module=True)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and error in lines[0], \
+            result.stderr
+        assert "compiled" not in result.stdout
 
 
 @pytest.mark.parametrize("files, found", [({"empty.txt": ""}, "no documents"),
