@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from tests import equivalence
-from tests.conftest import ROOT, run_cli, tiny_overrides
+from tests.conftest import ROOT, run_main, tiny_overrides
 
 STEPS = 8
 
@@ -61,8 +61,9 @@ def _resumed_step(stdout):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
+    """One process of 8 devices: this one (conftest.run_main), sparing a process start."""
     run_dir = tmp_path_factory.mktemp("one")
-    result = run_cli(_args(run_dir) + ["--cpu-devices", "8"])
+    result = run_main(_args(run_dir) + ["--cpu-devices", "8"])
     assert result.returncode == 0, result.stderr
     return run_dir, equivalence.from_run_dir(run_dir)
 
@@ -91,10 +92,10 @@ def test_a_pipeline_across_the_two_processes_equals_one(tmp_path, one_process, s
     equivalence.assert_same(equivalence.from_run_dir(tmp_path), one_process[1])
 
 
-def test_two_process_checkpoint_resumes_in_one_and_back(tmp_path, one_process, two_processes):
+def test_two_process_checkpoint_resumes_in_one_and_back(tmp_path, one_process, two_processes, capfd):
     """Each process count reads exactly the batches the other would have read next."""
     for (source, want), run_dir, command in (
-            (two_processes, tmp_path / "in_one", lambda d: run_cli(_args(d) + ["--cpu-devices", "8"]).stdout),
+            (two_processes, tmp_path / "in_one", lambda d: run_main(_args(d) + ["--cpu-devices", "8"], capfd).stdout),
             (one_process, tmp_path / "in_two", lambda d: _run_two(d)[0])):
         shutil.copytree(source, run_dir)
         shutil.rmtree(run_dir / "checkpoints" / str(STEPS))  # as if stopped after the step-6 save
@@ -122,8 +123,8 @@ def test_preempted_then_killed_two_process_run_resumes_bitwise(tmp_path, two_pro
     assert _losses(tmp_path) == uninterrupted
 
 
-def test_distributed_flags_go_together(tmp_path):
-    result = run_cli(_args(tmp_path) + ["--coordinator", "localhost:1"])
+def test_distributed_flags_go_together(tmp_path, capfd):
+    result = run_main(_args(tmp_path) + ["--coordinator", "localhost:1"], capfd)
     assert result.returncode == 2 and result.stderr.startswith("error: --coordinator HOST:PORT, --num-processes")
 
 
