@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tests.conftest import ROOT, run_cli, tiny_overrides
+from tests.conftest import ROOT, run_cli, run_main, tiny_overrides
 
 
 def _args(tmp_path, *extra):
@@ -23,8 +23,11 @@ def _args(tmp_path, *extra):
      "data.path '/nonexistent/corpus.jsonl' matches no files"),
     (["train.global_batch=12"], "not divisible by mesh.data x mesh.fsdp = 8"),
 ])
-def test_invalid_input_exits_2_with_one_error_line(tmp_path, extra, message):
-    result = run_cli(_args(tmp_path, *extra))
+def test_invalid_input_exits_2_with_one_error_line(tmp_path, extra, message, capfd):
+    """One case in a process of its own, as a user meets it (JAX started, nothing else on stderr); the others in
+    this process (conftest.run_main: the same main(), without a process start each)."""
+    args = _args(tmp_path, *extra)
+    result = run_cli(args) if message == "multiply to 4" else run_main(args, capfd)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines == [lines[0]] and lines[0].startswith("error: "), result.stderr

@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from tests.conftest import ROOT, run_cli, tiny_overrides
+from tests.conftest import ROOT, run_main, tiny_overrides
 
 _spec = importlib.util.spec_from_file_location("launch_tpu", ROOT / "launch" / "tpu.py")
 tpu = sys.modules["launch_tpu"] = importlib.util.module_from_spec(_spec)
@@ -294,10 +294,10 @@ def test_a_preempted_run_resumes_from_the_bucket(local_launch, uninterrupted, bu
     assert len(list(epath.Path(f"{run_dir}/tb").glob("events.out.tfevents.*"))) == 2  # one per attempt
 
 
-def test_a_run_dir_in_a_missing_bucket_is_one_error_line(bucket):
+def test_a_run_dir_in_a_missing_bucket_is_one_error_line(bucket, capfd):
     sets = tiny_overrides("gs://no-such-bucket/run", steps=1)
-    result = run_cli(["--config", "configs/llama_tiny.yaml", "--cpu-devices", "8",
-                      *(a for s in sets for a in ("--set", s))])
+    result = run_main(["--config", "configs/llama_tiny.yaml", "--cpu-devices", "8",
+                       *(a for s in sets for a in ("--set", s))], capfd)
     assert result.returncode == 2, result.stderr
     [line] = [x for x in result.stderr.splitlines() if x.strip()]
     assert line.startswith("error: run_dir 'gs://no-such-bucket/run': cannot write to the bucket (no such bucket)")

@@ -877,14 +877,14 @@ def test_llama2_13b_memory_as_the_book_counts_it():
     assert round(whole.saved_activations / 1e12) == 42
 
 
-def test_plan_cli_answers_the_budget_questions():
-    from tests.conftest import run_cli
+def test_plan_cli_answers_the_budget_questions(capfd):
+    from tests.conftest import run_main
 
     command = ["plan", "--config", "configs/llama_tiny.yaml", "--hardware", "v5e:2x4", "--tokens", "1e9"]
-    r = json.loads(run_cli([*command, "--mfu", "0.5", "--json"], module=True).stdout)
+    r = json.loads(run_main([*command, "--mfu", "0.5", "--json"], capfd, module=True).stdout)
     assert set(r["training"]) >= {"tokens", "total_flops", "days", "chip_hours"} and r["training"]["mfu"] == 0.5
     assert r["min_chips"] == r["min_chips_detail"]["min_chips"] == 1  # the tiny model fits one v5e
-    text = run_cli(command, module=True).stdout
+    text = run_main(command, capfd, module=True).stdout
     assert "training on 1e+09 tokens" in text and "fewest chips that fit: 1 (v5e:1x1" in text
 
 
