@@ -7,8 +7,8 @@ fits T, found ahead of time, on any machine (docs/tune.md).
    would not fit without them, then the logits block of the best. Each is planned by the roofline
    (`roofline.plan`: milliseconds); what the config checks or the trainer would refuse is dropped with its
    reason, never proposed.
-2. Prune. Fit first (the plan's memory within the chip's HBM), then the predicted step time (ties: the less
-   time the hidden terms take, then the less memory).
+2. Prune. Fit first (the plan's memory within the chip's HBM), then the predicted step time (`rank_key`);
+   the budget spread over remat policies and layouts (`select`).
 3. Compile. The best `budget` candidates, ahead of time for T with the loop correction, through the sweep's
    machinery (planner/sweep.py: results.jsonl - an interrupted search resumes from it -, summary.md,
    sweep.png); ranked by XLA's estimate with the kernels' time, the fastest that fits written as best.yaml, a
@@ -44,10 +44,15 @@ def logits_blocks(seq_len: int) -> list[int]:
     half of it, up to MAX_LOGITS_BLOCK."""
     return [0] + [b for b in (seq_len // 8, seq_len // 4, seq_len // 2) if 1 <= b <= MAX_LOGITS_BLOCK]
 MAX_TENSOR = 8  # tensor parallelism stays within a host's chips: its per-layer collectives cannot cross more
-# Relief for a step that does not fit as it is, the cheapest first: more microbatches, then host memory.
-RELIEF = ({"train.grad_accum_steps": 2}, {"train.grad_accum_steps": 4}, {"optim.offload": True},
-          {"train.grad_accum_steps": 2, "optim.offload": True}, {"params.offload": True})
+# Relief for a step that does not fit as it is: more microbatches; host memory only where nothing else fits -
+# the plan does not time host transfers (its hardware table has no sourced host-link bandwidth), so an
+# offloading candidate would plan as fast as one that keeps everything on the device.
+ACCUMULATION = ({"train.grad_accum_steps": 2}, {"train.grad_accum_steps": 4})
+OFFLOAD = ({"optim.offload": True}, {"train.grad_accum_steps": 2, "optim.offload": True}, {"params.offload": True})
 SHOWN = 20  # candidates listed in tune.md below the compiled ones
+# How far the plan's memory may be from the compile's (docs/tune.md): a candidate planned closer than this to the
+# chip's HBM may not fit.
+MEMORY_TOLERANCE = 0.10
 
 
 def _divisors(n: int) -> list[int]:
@@ -79,10 +84,11 @@ def meshes(cfg, chips_per_slice: int, slices: int) -> Iterator[dict[str, int]]:
                    **{f"mesh.dcn_{a}": (slices if a == dcn else 1) for a in MESH_AXES}}
 
 
-def remat_choices(cfg) -> list[dict[str, Any]]:
+def remat_choices(cfg, offload: bool = False) -> list[dict[str, Any]]:
     """The named policies, then custom ones that keep more than `minimal`: everything but the MLP's (or the
     experts') gate and up projections on the device; everything but up; and everything, gate and up offloaded to
-    host memory - the policies between `minimal` and `none` a large batch may still fit."""
+    host memory - the policies between `minimal` and `none` a large batch may still fit. Those that keep
+    something in host memory only with `offload`, those that do not only without it."""
     m = cfg.model
     out = [{"remat.policy": p} for p in remat.POLICIES if p != "custom"]
     dense, moe = not m.num_experts or m.moe_every > 1, bool(m.num_experts)
@@ -94,17 +100,25 @@ def remat_choices(cfg) -> list[dict[str, Any]]:
         custom = {n: "remat" if n in absent else modes.get(n, "device")
                   for n in remat.NAMES if n != "decoder_layer_input"}
         out.append({"remat.policy": "custom", **{f"remat.custom.{n}": mode for n, mode in custom.items()}})
-    return out
+    return [c for c in out if _offloads(c) == offload]
 
 
-def space(cfg, chips_per_slice: int, slices: int) -> Iterator[dict[str, Any]]:
-    """The first search's candidates: mesh x preset x remat, at the config's own accumulation, offload and logits
-    block. (Relief and logits blocks come after planning: `search`.)"""
+def _offloads(choices: dict[str, Any]) -> bool:
+    """Whether a remat choice keeps anything in host memory."""
+    policy = choices["remat.policy"]
+    modes = remat.NAMED.get(policy, {}) if policy != "custom" else {
+        k: v for k, v in choices.items() if k.startswith("remat.custom.")}
+    return "offload" in modes.values()
+
+
+def space(cfg, chips_per_slice: int, slices: int, offload: bool = False) -> Iterator[dict[str, Any]]:
+    """The first search's candidates: mesh x preset x remat (`remat_choices`), at the config's own accumulation,
+    offload and logits block. (Relief and logits blocks come after planning: `search`.)"""
     for mesh in meshes(cfg, chips_per_slice, slices):
         fsdp = mesh["mesh.fsdp"] * mesh["mesh.dcn_fsdp"]
         presets = PRESETS if fsdp > 1 else (cfg.sharding.preset,)
         pipeline = {"pipeline.schedule": "1f1b"} if mesh["mesh.dcn_pipeline"] > 1 else {}
-        for preset, policy in itertools.product(presets, remat_choices(cfg)):
+        for preset, policy in itertools.product(presets, remat_choices(cfg, offload)):
             yield {**mesh, "sharding.preset": preset, **pipeline, **policy}
 
 
@@ -138,14 +152,20 @@ def evaluate(path: Path, common: tuple[str, ...], base, choices: dict[str, Any],
 
 
 def rank_key(record: dict) -> tuple:
+    """Fit first, then the predicted step time; among equal times (compute-bound layouts tie) those with
+    MEMORY_TOLERANCE of headroom first, by the less time the hidden terms take; those without, by the less
+    memory (the likelier to fit)."""
     plan = record.get("plan") or {}
-    return (record["status"] != "fits", plan.get("step_time_s", math.inf), plan.get("hidden_s", math.inf),
-            plan.get("memory_per_device_bytes", math.inf))
+    memory, hidden = plan.get("memory_per_device_bytes", math.inf), plan.get("hidden_s", math.inf)
+    marginal = memory > (1 - MEMORY_TOLERANCE) * plan.get("hbm_capacity_bytes", 0)
+    return (record["status"] != "fits", plan.get("step_time_s", math.inf), marginal,
+            (memory, hidden) if marginal else (hidden, memory))
 
 
 def search(path: Path, common: tuple[str, ...], hardware: str, budget: int, log: Callable = print) -> list[dict]:
-    """Every candidate planned, ranked (rank_key). Stage 1: `space`. Stage 2: each candidate that does not fit
-    with RELIEF's changes. Stage 3: the best 3 x budget with each of `logits_blocks`."""
+    """Every candidate planned, ranked (rank_key). Stage 1: `space`, each candidate that does not fit again with
+    more microbatches (ACCUMULATION); only where none fits, with host offload too (OFFLOAD and the offloading
+    remat policies). Stage 2: the best 3 x budget with each of `logits_blocks`."""
     from scaletrain import config
     from scaletrain.facts import hardware as hw
 
@@ -160,13 +180,20 @@ def search(path: Path, common: tuple[str, ...], hardware: str, budget: int, log:
             records[key] = evaluate(path, common, base, choices, hardware)
         return records[key]
 
+    def plan_all(candidates: list[dict], reliefs: tuple[dict, ...], what: str) -> None:
+        for i, choices in enumerate(candidates):
+            if add(choices)["status"] == "does not fit":
+                for relief in reliefs:
+                    add({**choices, **relief})
+            if (i + 1) % 200 == 0:
+                log(f"  planned {i + 1} of {len(candidates)} {what} ...")
+
     primary = list(space(base, topo.chips_per_slice, topo.slices))
-    for i, choices in enumerate(primary):
-        if add(choices)["status"] == "does not fit":
-            for relief in RELIEF:
-                add({**choices, **relief})
-        if (i + 1) % 200 == 0:
-            log(f"  planned {i + 1} of {len(primary)} layouts ...")
+    plan_all(primary, ACCUMULATION, "layouts")
+    if not any(r["status"] == "fits" for r in records.values()):
+        log("nothing fits in device memory: host offload too")
+        plan_all(primary + list(space(base, topo.chips_per_slice, topo.slices, offload=True)),
+                 OFFLOAD + ACCUMULATION, "layouts with host offload")
     best = sorted((r for r in records.values() if r["status"] == "fits"), key=rank_key)[:3 * budget]
     for record in best:
         for block in logits_blocks(base.data.seq_len):
@@ -183,16 +210,28 @@ def _layout(record: dict) -> tuple:
     return tuple(sorted((k, v) for k, v in record["choices"].items() if k != "model.logits_block"))
 
 
+def _policy(record: dict) -> tuple:
+    return tuple(sorted((k, v) for k, v in record["choices"].items() if k.startswith("remat.")))
+
+
 def select(ranked: list[dict], budget: int) -> list[dict]:
-    """The `budget` candidates to compile: the best that fit by the plan, one per layout (`_layout`) - candidates
-    that differ only in their logits block plan within a percent of each other, and a budget spent on them would
-    compile one layout several times."""
-    seen, out = set(), []
-    for record in ranked:
-        if record["status"] == "fits" and _layout(record) not in seen and len(out) < budget:
-            seen.add(_layout(record))
+    """The `budget` candidates to compile, in the plan's order: first the best of each remat policy, fastest
+    policy first, then the next best by the plan - one per layout (`_layout`) throughout. Spread so because
+    the plan is least sure where a policy's memory lands (the compile says whether it fits) and ties layouts
+    that are all compute-bound (the compile tells them apart), and candidates that differ only in their logits
+    block plan within a percent of each other."""
+    fits = [r for r in ranked if r["status"] == "fits"]
+    layouts, policies, out = set(), set(), []
+    for first_of_each_policy in (True, False):
+        for record in fits:
+            if len(out) == budget:
+                break
+            if _layout(record) in layouts or (first_of_each_policy and _policy(record) in policies):
+                continue
+            layouts.add(_layout(record))
+            policies.add(_policy(record))
             out.append(record)
-    return out
+    return sorted(out, key=rank_key)
 
 
 # --- compile and report ----------------------------------------------------------------------------------
