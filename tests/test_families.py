@@ -21,6 +21,7 @@ from scaletrain.models.transformer import Block, Decoder
 from scaletrain.planner import roofline
 from scaletrain.tools import hf
 from scaletrain.train import trainer
+from tests import equivalence
 from tests.conftest import tiny_overrides
 
 STEPS = 3
@@ -107,13 +108,18 @@ def test_a_family_registered_from_outside_trains_and_evaluates(toy):
     assert set(params) == {"w_in", "w_out"} and params["w_in"].shape == (2, 64, 128)
     it = data.BatchIterator(data.make_dataset(config.load(None, ["data.seq_len=32"])), global_batch=8)
     batches = [setup.put_batch(next(it)) for _ in range(STEPS + 1)]
-    state = setup.init(jax.random.PRNGKey(0))
+    # Compiled as tests/equivalence.py compiles the step (LLVM's optimisations off: the same program, in about half
+    # the compile time).
+    key, options = jax.random.PRNGKey(0), equivalence.COMPILER_OPTIONS
+    state = setup.init.lower(key).compile(options)(key)
+    step = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile(options)
     losses = []
     for batch in batches[:STEPS]:
-        state, metrics = setup.step(state, batch)
+        state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]
-    total, tokens = setup.eval_step(state.params, batches[-1])
+    eval_step = setup.eval_step.lower(setup.abstract_state.params, setup.abstract_batch()).compile(options)
+    total, tokens = eval_step(state.params, batches[-1])
     assert np.isfinite(float(total)) and float(tokens) > 0
     # The planner reads its inventory; to-hf has nothing to export it as.
     assert roofline.matmuls(cfg.model)["gate_up"].outputs == cfg.model.d_ff
