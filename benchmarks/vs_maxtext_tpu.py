@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -209,6 +210,8 @@ def run_compile(cmd: list[str], out: Path, env: dict, force: bool, dry: bool, ca
     """One compile in its own process, its JSON cached at `out` (reused when its command is the same). None: not
     compiled (a dry run, or `cached_only`)."""
     key = shlex.join(cmd[1:])  # the interpreter may move; what is compiled may not
+    if "--config" in cmd:  # nor may the config file's content, which a path does not show
+        key += f" config-sha256={hashlib.sha256(Path(cmd[cmd.index('--config') + 1]).read_bytes()).hexdigest()}"
     if env.get("LIBTPU_INIT_ARGS"):
         key = f"LIBTPU_INIT_ARGS={shlex.quote(env['LIBTPU_INIT_ARGS'])} {key}"
     if out.exists() and not force:

@@ -189,8 +189,8 @@ def tune(args: argparse.Namespace) -> int:
     best = tune_lib.run(args.config, tuple(args.set), args.topology, args.budget, args.out,
                         loop_correction=not args.no_loop_correction, log=lambda line: print(line, flush=True))
     if best is None:
-        print(f"error: no candidate fits {args.topology}; {args.out}/{tune_lib.REPORT} says what each needs",
-              file=sys.stderr)
+        print(f"error: none of the candidates compiled for {args.topology} fits it; {args.out}/{tune_lib.REPORT} "
+              f"says why each lost", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     print(f"best: {best['name'] or 'the config as it is'}: {args.out}/{tune_lib.BEST}; ranked in "
           f"{args.out}/{tune_lib.REPORT}")

@@ -19,7 +19,7 @@ import copy
 import re
 import time
 
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, UserError
 from scaletrain.facts import fit, hardware
 from scaletrain.planner import hlo
 
@@ -42,9 +42,9 @@ def topology_devices(topology: str) -> list:
     try:
         return list(topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=slices).devices)
     except Exception as e:  # noqa: BLE001 - libtpu's errors name no fix
-        if "lockfile" in str(e):
-            raise ConfigError("another process on this machine holds libtpu (its lockfile); wait for it, or set "
-                              "ALLOW_MULTIPLE_LIBTPU_LOAD=1 where no TPU is attached") from None
+        if "lockfile" in str(e):  # the machine's state, not the config's: a sweep retries it on a rerun
+            raise UserError("another process on this machine holds libtpu (its lockfile); wait for it, or set "
+                            "ALLOW_MULTIPLE_LIBTPU_LOAD=1 where no TPU is attached") from None
         raise ConfigError(f"libtpu does not know topology '{topology}' ({str(e).splitlines()[0][:160]}); expected "
                           f"a TPU generation and chip grid, e.g. v5e:2x2, v5p:2x2x2, v6e:8x8") from None
 
