@@ -111,11 +111,8 @@ def run(batches: Sequence[dict], *overrides: str, devices: Sequence[jax.Device] 
 
     cfg = load_config(len(batches), *overrides)
     setup = trainer.build(cfg, list(devices) if devices is not None else jax.devices()[:mesh_devices(cfg)])
-    if init:
-        state = setup.init(jax.random.PRNGKey(0))
-    else:
-        state = setup.from_disk(jax.device_put(initial_state(*overrides), setup.state_shardings))
-    step = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile(COMPILER_OPTIONS)
+    state = setup.init(jax.random.PRNGKey(0)) if init else start(setup, *overrides)
+    step = compiled_step(setup)
     metrics = []
     for batch in batches:
         state, step_metrics = step(state, setup.put_batch(batch))
@@ -149,6 +146,18 @@ def from_run_dir(run_dir: str | os.PathLike) -> Run:
     assert step == metrics[-1]["step"], f"{run_dir}: newest checkpoint at step {step}, metrics to {metrics[-1]}"
     host = jax.device_get(state)
     return Run(metrics=metrics, params=host.params, mu=adam_mu(host.opt_state))
+
+
+def compiled_step(setup) -> Any:
+    """setup.step compiled as `run` compiles it: ahead of time for the state's and the batch's shardings, with
+    COMPILER_OPTIONS (for tests that drive a step themselves)."""
+    return setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile(COMPILER_OPTIONS)
+
+
+def start(setup, *overrides: str) -> Any:
+    """The state `run` starts from on setup's mesh: initial_state(*overrides), placed as the trainer places a
+    restored checkpoint. Spares compiling init on that mesh (init is mesh-independent)."""
+    return setup.from_disk(jax.device_put(initial_state(*overrides), setup.state_shardings))
 
 
 # Overrides that change where the state lives, not its values: left out when it is made on one device.

@@ -8,6 +8,7 @@ from scaletrain import config
 from scaletrain.errors import CheckpointError
 from scaletrain.store.checkpoint import Checkpointer, restore_params
 from scaletrain.train import trainer
+from tests import equivalence
 from tests.conftest import tiny_overrides
 
 STEPS = 4
@@ -19,11 +20,12 @@ def _setup(devices, *overrides):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory, batches):
-    """Two steps on fsdp=8, saved; then the uninterrupted run's last two losses."""
+    """Two steps on fsdp=8, saved; then the uninterrupted run's last two losses. Every step is compiled as
+    tests/equivalence.py compiles it, and starts from its initial state."""
     setup = _setup(jax.devices(), "mesh.fsdp=8")
-    state = setup.init(jax.random.PRNGKey(0))
+    state, step = equivalence.start(setup), equivalence.compiled_step(setup)
     for batch in batches[:2]:
-        state, _ = setup.step(state, setup.put_batch(batch))
+        state, _ = step(state, setup.put_batch(batch))
     directory = tmp_path_factory.mktemp("ckpt")
     ckpt = Checkpointer(directory, max_to_keep=2, async_save=True)
     ckpt.save(2, state, {"next_sample": 16}, trainer.checkpoint_metadata(setup))
@@ -32,7 +34,7 @@ def saved(tmp_path_factory, batches):
     arrays = jax.device_get(state)
     losses = []
     for batch in batches[2:]:
-        state, metrics = setup.step(state, setup.put_batch(batch))
+        state, metrics = step(state, setup.put_batch(batch))
         losses.append(float(metrics["loss"]))
     return directory, arrays, losses
 
@@ -49,9 +51,9 @@ def test_restore_into_another_mesh(saved, batches, devices, mesh):
     for got, want in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(arrays)):
         np.testing.assert_array_equal(got, want)
     assert state.params["layers"]["mlp"]["w_gate"].sharding == setup.state_shardings.params["layers"]["mlp"]["w_gate"]
-    resumed = []
+    resumed, step = [], equivalence.compiled_step(setup)
     for batch in batches[2:]:
-        state, metrics = setup.step(state, setup.put_batch(batch))
+        state, metrics = step(state, setup.put_batch(batch))
         resumed.append(float(metrics["loss"]))
     np.testing.assert_allclose(resumed, losses, rtol=1e-5)
 

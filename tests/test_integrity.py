@@ -14,6 +14,7 @@ from scaletrain.errors import CheckpointError
 from scaletrain.store import integrity
 from scaletrain.store.checkpoint import DAMAGED, Checkpointer, restore_params
 from scaletrain.train import trainer
+from tests import equivalence
 from tests.conftest import tiny_overrides
 
 STEPS = 2
@@ -25,14 +26,14 @@ def _setup(*overrides):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory, batches):
-    """Steps 1 and 2 of fsdp=8, saved; the arrays each holds."""
+    """Steps 1 and 2 of fsdp=8 (compiled and started as tests/equivalence.py does), saved; the arrays each holds."""
     setup = _setup("mesh.fsdp=8")
-    state = setup.init(jax.random.PRNGKey(0))
+    state, train_step = equivalence.start(setup), equivalence.compiled_step(setup)
     directory = tmp_path_factory.mktemp("ckpt") / "checkpoints"
     ckpt = Checkpointer(directory, max_to_keep=5, async_save=False)
     arrays = {}
     for step, batch in enumerate(batches, start=1):
-        state, _ = setup.step(state, setup.put_batch(batch))
+        state, _ = train_step(state, setup.put_batch(batch))
         arrays[step] = jax.device_get(state)
         ckpt.save(step, state, {"next_sample": 8 * step}, trainer.checkpoint_metadata(setup))
     ckpt.wait()

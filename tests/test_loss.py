@@ -16,6 +16,7 @@ from scaletrain.models import Llama, ModelConfig
 from scaletrain.train import trainer
 from scaletrain.train.loss import blocked_linear_cross_entropy, cross_entropy, linear_cross_entropy, vocab_chunk
 from scaletrain.train.step import loss_sum
+from tests import equivalence
 from tests.conftest import tiny_overrides
 from tests.numerics import assert_close, assert_trees_close
 
@@ -140,10 +141,11 @@ def test_fused_loss_trains_like_the_plain_path_on_8_devices(monkeypatch):
         monkeypatch.setattr("scaletrain.train.loss.FUSED_LOSS", fused)
         setup = trainer.build(cfg, jax.devices())
         state = setup.init(jax.random.PRNGKey(0))
-        hlo = setup.step.lower(setup.abstract_state, setup.abstract_batch()).as_text()
+        lowered = setup.step.lower(setup.abstract_state, setup.abstract_batch())
+        hlo, step = lowered.as_text(), lowered.compile(equivalence.COMPILER_OPTIONS)  # as tests/equivalence.py
         losses = []
         for batch in batches:
-            state, metrics = setup.step(state, setup.put_batch(batch))
+            state, metrics = step(state, setup.put_batch(batch))
             losses.append(float(metrics["loss"]))
         return losses, jax.device_get(state.params), hlo
 

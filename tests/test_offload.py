@@ -79,11 +79,11 @@ def test_offloaded_state_leaves_the_device():
 
 def test_a_nonfinite_step_changes_no_offloaded_state(batches):
     setup = _setup(jax.devices(), "mesh.fsdp=8", "params.offload=true")
-    start = setup.init(jax.random.PRNGKey(0))
+    start = equivalence.start(setup, *OPTIM)  # compiled and started as tests/equivalence.py's run
     before = jax.device_get((start.params, start.opt_state))
     poisoned = {k: v.copy() for k, v in batches[0].items()}
     poisoned["loss_mask"][3, 5] = np.nan
-    state, metrics = setup.step(start, setup.put_batch(poisoned))
+    state, metrics = equivalence.compiled_step(setup)(start, setup.put_batch(poisoned))
     assert float(metrics["update_skipped"]) == 1.0
     for a, b in zip(jax.tree.leaves(jax.device_get((state.params, state.opt_state))), jax.tree.leaves(before)):
         np.testing.assert_array_equal(a, b)

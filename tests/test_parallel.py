@@ -138,17 +138,17 @@ def test_accumulated_microbatches_equal_the_large_batch(batches, reference, mesh
 def test_a_nonfinite_update_is_dropped(batches):
     cfg = config.load(None, tiny_overrides("unused", steps=STEPS, **{"mesh.fsdp": 8}))
     setup = trainer.build(cfg, jax.devices())
-    start = setup.init(jax.random.PRNGKey(0))
+    start, step = equivalence.start(setup), equivalence.compiled_step(setup)  # as tests/equivalence.py's run
     before = jax.device_get((start.params, start.opt_state))
     poisoned = dict(batches[0], loss_mask=batches[0]["loss_mask"].copy())
     poisoned["loss_mask"][3, 5] = np.nan
-    state, metrics = setup.step(start, setup.put_batch(poisoned))
+    state, metrics = step(start, setup.put_batch(poisoned))
     assert np.isnan(metrics["loss"]) and float(metrics["update_skipped"]) == 1.0
     after = jax.device_get((state.params, state.opt_state))
     for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
         np.testing.assert_array_equal(a, b)
     assert int(state.step) == 1
-    state, metrics = setup.step(state, setup.put_batch(batches[1]))
+    state, metrics = step(state, setup.put_batch(batches[1]))
     assert np.isfinite(metrics["loss"]) and float(metrics["update_skipped"]) == 0.0
 
 
