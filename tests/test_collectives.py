@@ -10,6 +10,7 @@ import pytest
 from scaletrain import config
 from scaletrain.planner import hlo
 from scaletrain.train import trainer
+from tests import equivalence
 from tests.conftest import tiny_overrides
 
 D, F, L, N, K, H, V, T, B = 64, 128, 2, 8, 4, 8, 384, 32, 8
@@ -20,7 +21,7 @@ PARAMS_PER_LAYER = 3 * D * F + 2 * D * (N + K) * H + 2 * D  # scaling.md: 3DF + 
 def _inventory(*overrides):
     cfg = config.load(None, tiny_overrides("unused", **MODEL) + list(overrides))
     setup = trainer.build(cfg, jax.devices())
-    text = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile().as_text()
+    text = equivalence.compiled_step(setup).as_text()
     return hlo.inventory(text, setup.mesh)
 
 

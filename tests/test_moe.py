@@ -208,7 +208,7 @@ def test_all_to_alls_per_moe_layer_move_the_predicted_bytes():
     expert, fsdp = 2, 4
     cfg = config.load(None, tiny_overrides("unused") + MOE + [f"mesh.expert={expert}", f"mesh.fsdp={fsdp}"])
     setup = trainer.build(cfg, jax.devices())
-    text = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile().as_text()
+    text = equivalence.compiled_step(setup).as_text()
     exchanges = [c for c in hlo.inventory(text, setup.mesh) if c.kind == "all-to-all" and c.axes == ("expert",)]
     tokens = cfg.train.global_batch * cfg.data.seq_len // (expert * fsdp)
     assert sum(c.count for c in exchanges) == 4 * cfg.model.num_layers

@@ -61,7 +61,7 @@ def test_offloaded_state_leaves_the_device():
     def compiled(*overrides):
         setup = _setup(devices, *shape, *overrides)
         params_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(setup.abstract_state.params)) // 8
-        step = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
+        step = equivalence.compiled_step(setup)
         return fit.compiled(step.memory_analysis()), params_bytes
 
     on_device, params_bytes = compiled()

@@ -113,7 +113,7 @@ def test_iterations_are_rematerialised_from_their_stage_inputs(monkeypatch):
     stage: about 4 layer inputs an iteration fewer)."""
     def temporaries():
         setup = _setup("mesh.pipeline=2", "remat.policy=full", "pipeline.microbatches=8", "model.num_layers=8")
-        return setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile().memory_analysis()
+        return equivalence.compiled_step(setup).memory_analysis()
 
     kept_inputs = temporaries()
     monkeypatch.setattr(remat, "around_stages", lambda fn, *_: fn)

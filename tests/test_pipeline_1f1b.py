@@ -61,7 +61,7 @@ def test_1f1b_holds_less_than_gpipe_by_about_the_predicted_ratio(monkeypatch):
 
     def compiled_and_predicted(schedule):
         setup = _setup(*shape, f"pipeline.schedule={schedule}")
-        compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile().memory_analysis()
+        compiled = equivalence.compiled_step(setup).memory_analysis()
         predicted = memory.predict(setup.cfg, dict(setup.mesh.shape)).total
         return compiled.argument_size_in_bytes + compiled.temp_size_in_bytes, predicted
 
@@ -82,7 +82,7 @@ def test_gathering_once_moves_every_batch_axis_collective_out_of_the_loop():
                        "pipeline.microbatches=2", *overrides)
         devices = setup.mesh.devices.size
         assert devices == 8
-        text = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile().as_text()
+        text = equivalence.compiled_step(setup).as_text()
         return [c for c in hlo.inventory(text, setup.mesh) if {"data", "fsdp"} & set(c.axes)]
 
     per_use = batch_axis_collectives()

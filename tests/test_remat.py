@@ -35,7 +35,7 @@ def test_every_policy_trains_like_none(policy, batches, reference):
 
 def _compiled_memory(policy, devices, *overrides):
     setup = _setup(policy, devices, *overrides)
-    return fit.compiled(setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile().memory_analysis())
+    return fit.compiled(equivalence.compiled_step(setup).memory_analysis())
 
 
 def test_saving_less_needs_less_memory():
