@@ -237,7 +237,8 @@ def run_compile(cmd: list[str], out: Path, env: dict, force: bool, dry: bool, ca
 
 def corrected(two: dict, three: dict, units: int, peak: float, bandwidth: float) -> dict:
     """The loop correction (planner/aot.py's): step = c(2) + (units - 2) (c(3) - c(2)), for XLA's costs and the
-    kernels'; kernel seconds at the roofline, per kernel."""
+    kernels'; kernel seconds at the roofline, per kernel. With gradient accumulation the unrolled compiles take one
+    microbatch (ours_driver.py), and every figure is multiplied by their number, as planner/aot.py does."""
     out = {}
     for k in ("flops", "bytes accessed", "optimal_seconds"):
         out[k] = two["cost"][k] + (units - 2) * (three["cost"][k] - two["cost"][k])
@@ -253,6 +254,10 @@ def corrected(two: dict, three: dict, units: int, peak: float, bandwidth: float)
     # Kernels XLA counted by their own declared estimates (kernels.py): noted, not added.
     d2, d3 = k2.get("declared", {}).get("flops", 0.0), k3.get("declared", {}).get("flops", 0.0)
     out["declared_kernel_flops"] = d2 + (units - 2) * (d3 - d2)
+    accum = two.get("grad_accum_steps", 1)
+    for k in ("flops", "bytes accessed", "optimal_seconds", "kernel_flops", "kernel_bytes", "kernel_seconds",
+              "kernel_calls", "declared_kernel_flops"):
+        out[k] *= accum
     out["step_with_kernels"] = out["optimal_seconds"] + out["kernel_seconds"]
     return out
 
