@@ -31,6 +31,11 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+# The trainer's progress lines go to sys.stdout as it was when scaletrain.train.metrics was first imported (a default
+# argument): imported here, that is the session's stdout, not the capture of a test that runs the trainer in its
+# process (run_main, below), which is closed when that test ends.
+import scaletrain.train.metrics  # noqa: E402, F401
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

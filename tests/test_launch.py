@@ -246,8 +246,9 @@ def _records(text: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def local_launch(tmp_path_factory, bucket):
-    """A launch file for the tiny model whose bucket is the local Cloud Storage server's."""
-    sets = tiny_overrides("unused", steps=6, **{"mesh.fsdp": -1, "checkpoint.every_steps": 2})
+    """A launch file for the tiny model whose bucket is the local Cloud Storage server's. Saved every 4 steps: the
+    preempted run's save is its SIGTERM's, the resumed one's at 4 and at the end."""
+    sets = tiny_overrides("unused", steps=6, **{"mesh.fsdp": -1, "checkpoint.every_steps": 4})
     path = tmp_path_factory.mktemp("launch") / "local.yaml"
     path.write_text(yaml.safe_dump({
         "project": "p", "zone": "z", "accelerator": "v5e-8", "bucket": bucket, "run_name": "local",

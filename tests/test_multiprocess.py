@@ -87,8 +87,9 @@ def test_a_pipeline_across_the_two_processes_equals_one(tmp_path, one_process, s
     """Stage 0 on process 0's devices and stage 1 on process 1's (mesh.dcn_pipeline=2: each process plays a
     slice), FSDP over each one's 4: the activations (and under 1F1B their gradients, permuted by hand) cross
     between the processes, and the losses are one process's without stages."""
+    # Saved once, at the end (what from_run_dir reads): the saves along the way are the other tests'.
     _run_two(tmp_path, **{"mesh.fsdp": 4, "mesh.dcn_pipeline": 2, "pipeline.microbatches": 2,
-                          "pipeline.schedule": schedule})
+                          "pipeline.schedule": schedule, "checkpoint.every_steps": STEPS})
     equivalence.assert_same(equivalence.from_run_dir(tmp_path), one_process[1])
 
 
