@@ -62,10 +62,9 @@ ROWS = {
         "maxtext_note": "pdb 4 x 8192, remat full, FSDP, splash attention",
         "ours": {
             # tune's choice for this slice (docs/tune.md): no remat over 4 microbatches of a sequence per chip.
+            # (Before tune, full remat: 29.81 GiB, 6.099 s - docs/benchmarks.md, issue 30's table.)
             "config (tune's: remat none, 4 microbatches)": ("configs/llama3_8b.yaml", [
                 "train.global_batch=128", "data.seq_len=8192"]),
-            "full remat (the config before tune)": ("configs/llama3_8b.yaml", [
-                "train.global_batch=128", "data.seq_len=8192", "remat.policy=full", "train.grad_accum_steps=1"]),
         },
     },
     "70b": {
