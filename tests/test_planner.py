@@ -731,6 +731,8 @@ ENTRY %main (a: f32[1024,1,128]) -> (s32[], f32[1024,1,128]) {
   %a = f32[1024,1,128] parameter(0)
   %init = (s32[], f32[1024,1,128]) tuple(%zero, %a)
   %w = (s32[], f32[1024,1,128]) while(%init), condition=%cond, body=%body
+  %async = ((bf16[256,128]{1,0:T(2,128)(2,1)}, bf16[2048,128]{1,0:T(2,128)(2,1)}, s32[4]{0:T(128)}, s32[4]{0:T(128)}, s32[4]{0:T(128)}, /*index=5*/s32[4]{0:T(128)}), bf16[2048,128]{1,0:T(2,128)(2,1)}, u32[]{:S(2)}, u32[]{:S(2)}) ragged-all-to-all-start(%x, %y, %o, %s, %oo, %r), replica_groups={{0,1,2,3},{4,5,6,7}}
+  %async-done = bf16[2048,128]{1,0:T(2,128)(2,1)} ragged-all-to-all-done(%async)
   ROOT %inline = bf16[4096,128]{1,0} ragged-all-to-all(bf16[512,128]{1,0} %x, bf16[4096,128]{1,0} %y, s32[4]{0} %o, s32[4]{0} %s, s32[4]{0} %oo, s32[4]{0} %r), replica_groups={{0,1,2,3},{4,5,6,7}}
 }
 """  # noqa: E501 - HLO as XLA prints it: one instruction a line
@@ -746,7 +748,10 @@ def test_hlo_inventory_counts_ragged_all_to_alls():
         ("ragged-all-to-all", 1024 * 128 * 4, 2, ("expert",), "forward")}
     assert (offsets.kind, offsets.full_bytes, offsets.phase) == ("all-to-all", 16, "backward")
     assert (inline.kind, inline.full_bytes, inline.count) == ("ragged-all-to-all", 512 * 128 * 2, 1)
-    assert hlo.summary(found.values())["ragged-all-to-all"] == {"count": 5, "bytes": 4 * 1024 * 128 * 4 + 131072}
+    # The TPU's asynchronous form, operand shapes printed in its own: the 256 rows its input holds.
+    assert (found["async"].kind, found["async"].full_bytes) == ("ragged-all-to-all", 256 * 128 * 2)
+    assert hlo.summary(found.values())["ragged-all-to-all"] == {
+        "count": 6, "bytes": 4 * 1024 * 128 * 4 + 131072 + 65536}
 
 
 # --- the scaling book's case: Llama-3-70B, 4M tokens, a full v5p pod ---------------------------------------------

@@ -205,7 +205,9 @@ def inventory(hlo_text: str, mesh: Mesh) -> list[Collective]:
             common = dict(kind=kind, group_size=size, axes=mesh_axes(groups, mesh) if groups else ("?",),
                           count=math.prod(loops[comp]), phase=_phase(line), loops=loops[comp])
             if kind == "ragged-all-to-all":
-                sizes = [_ragged_bytes(line, lines, sum(sizes))]
+                # The TPU's asynchronous form prints its operands' shapes in its own: (input, output buffer, 4
+                # offsets), output buffer, ...; the synchronous form's operands are found by name.
+                sizes = [min(sizes[:2]) if start else _ragged_bytes(line, lines, sum(sizes))]
             if kind != "all-reduce":
                 total = sum(sizes)
                 out.append(Collective(name=name, full_bytes=total * size if kind == "reduce-scatter" else total,
