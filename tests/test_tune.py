@@ -67,19 +67,16 @@ def test_refused_candidates_are_planned_out_and_never_compiled(tuned):
     assert any(p["choices"].get("remat.policy") == "custom" for p in plans)
 
 
-def _fake_compile(times: dict[str, float], fits: dict[str, bool]):
-    """A compile stage that reports the given step time and fit per candidate name: the ranking's own logic,
-    without compiling."""
+def _fake_compile(names: dict[str, str], times: dict[str, float], fits: dict[str, bool]):
+    """A compile stage that reports the given step time and fit per candidate name (`names`: a candidate's
+    config fingerprint -> its name): the ranking's own logic, without compiling."""
     def compile_(cfg, spec):
-        name = _names[config.config_hash(cfg)]
+        name = names[config.config_hash(cfg)]
         return {"topology": spec.topology, "fits": fits.get(name, True), "hbm_per_device_bytes": 1 << 20,
                 "hbm_capacity_bytes": 1 << 30, "xla_flops": 1.0, "xla_optimal_seconds": times[name],
                 "xla_roofline_seconds": None, "xla_with_kernels_seconds": None, "loop_corrected": False,
                 "collectives": {}, "compile_seconds": 0.0}
     return compile_
-
-
-_names: dict[str, str] = {}  # a candidate's config fingerprint -> its name
 
 
 def test_ranked_by_the_compiled_estimate_not_the_plan(tmp_path, monkeypatch):
@@ -89,11 +86,11 @@ def test_ranked_by_the_compiled_estimate_not_the_plan(tmp_path, monkeypatch):
     selected = tune.select(ranked, 3)
     chosen = [r["name"] for r in selected]
     assert len(chosen) == 3
-    for r in selected:
-        _names[config.config_hash(config.load(BASE, [*TINY, *sweep_lib.overrides(r["choices"])]))] = r["name"]
+    names = {config.config_hash(config.load(BASE, [*TINY, *sweep_lib.overrides(r["choices"])])): r["name"]
+             for r in selected}
     times = {name: 1.0 + 0.1 * (2 - i) for i, name in enumerate(chosen)}  # the plan's third is the fastest ...
     times[chosen[1]] = 0.5  # ... but the second is faster still, and does not fit
-    monkeypatch.setitem(sweep_lib._STAGE_FNS, "compile", _fake_compile(times, {chosen[1]: False}))
+    monkeypatch.setitem(sweep_lib._STAGE_FNS, "compile", _fake_compile(names, times, {chosen[1]: False}))
     best = tune.run(BASE, TINY, "cpu:8", budget=3, out=tmp_path / "out", log=lambda line: None)
     assert best["name"] == chosen[2]
     report = (tmp_path / "out" / tune.REPORT).read_text()

@@ -259,7 +259,7 @@ def run(path: str | Path, common: tuple[str, ...], topology: str, budget: int, o
         return None
     log(f"compiling the best {len(chosen)} for {topology}"
         f"{' (three compiles each: the loop correction)' if loop_correction else ''}:")
-    compiled = sweep_lib.run(spec, out, log=log) if spec.variants else []
+    compiled = sweep_lib.run(spec, out, log=log)
     by_name = {r["name"]: r for r in compiled}
     fitting = [r for r in compiled if r["status"] == "ok" and (r.get("compile") or {}).get("fits")
                and _compiled_time(r) is not None]
