@@ -17,13 +17,14 @@ CPU_DEVICES ?= 8
 venv: $(STAMP)
 
 # The stamp is rebuilt whenever pyproject.toml or constraints.txt changes: `make venv` is a no-op when current. A venv
-# of an older Python (made before the move to jax 0.12) is made anew.
+# of an older Python (made before the move to jax 0.12) is made anew. No pip cache: the test extras' torch is PyPI's CUDA
+# build (~4.5 GB installed), and a cached copy of every wheel beside the venv nearly doubles the disk the set-up needs.
 $(STAMP): pyproject.toml constraints.txt
 	@$(PY) $(PYTHON_OK) 2>/dev/null || { \
 		test -n "$(PYTHON)" || { echo "make: no Python >= 3.12 found (jax 0.12 needs it): install python3.12 and its venv module, or pyenv install 3.12, or pass PYTHON=/path/to/python3.12"; exit 1; }; \
 		echo "rm -rf $(VENV) && $(PYTHON) -m venv $(VENV)"; rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(PY) -m pip install --quiet --no-cache-dir --upgrade pip
+	$(PY) -m pip install --quiet --no-cache-dir -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 train: $(STAMP)
