@@ -122,3 +122,15 @@ def test_the_loop_correction_stands_for_the_unrolled_program():
     assert corrected["flops"] == pytest.approx(unrolled["flops"], rel=0.01)
     assert corrected["bytes accessed"] == pytest.approx(unrolled["bytes accessed"], rel=0.12)
     assert corrected["optimal_seconds"] == pytest.approx(unrolled["optimal_seconds"], rel=0.12)
+
+
+def test_the_chip_tables_xla_efficiencies_are_libtpus():
+    """hardware.yaml's xla_matmul_efficiency and xla_hbm_efficiency, which the plan's step estimate divides by, are
+    what the pinned libtpu's cost model times a large matmul and elementwise pass at (benchmarks/xla_cost_model.py);
+    a new libtpu that changes them fails here."""
+    from benchmarks import xla_cost_model
+    from scaletrain.facts import hardware
+
+    spec = hardware.spec("v5p")
+    matmul, hbm = xla_cost_model.efficiencies("v5p")
+    assert (matmul, hbm) == pytest.approx((spec.xla_matmul_efficiency, spec.xla_hbm_efficiency), abs=0.002)

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from scaletrain import config
+from scaletrain import config, remat
 from scaletrain.errors import ConfigError
 from scaletrain.facts import fit, flops, hardware
 from scaletrain.models import ModelConfig
@@ -1013,3 +1013,55 @@ def test_policy_none_keeps_what_the_layer_saves():
 def test_llama3_8b_memory_by_remat_policy_against_the_compiled_step(overrides, compiled_gib):
     r = roofline.plan(_cfg("llama3_8b.yaml", **{"mesh.fsdp": 32, **overrides}), "v5p:4x4x2")
     assert r["memory_per_device_bytes"]["total"] / (compiled_gib * fit.GIB) == pytest.approx(1.0, abs=0.10)
+
+
+def _custom(recomputed: set[str]) -> dict[str, str]:
+    """tune's custom remat policies: every checkpoint name kept on the device but `recomputed`."""
+    return {"remat.policy": "custom", **{f"remat.custom.{n}": "remat" if n in recomputed else "device"
+                                         for n in remat.NAMES if n != "decoder_layer_input"}}
+
+
+# Llama-2-70B at 4 x 4096 tokens per chip on a v5p-128 (docs/benchmarks.md, tune's 70B search).
+LLAMA2_70B = {"model.vocab_size": 32000, "model.rope_theta": 10000.0, "model.rope_scaling": "none",
+              "train.global_batch": 256, "data.seq_len": 4096, "model.logits_block": 512}
+
+
+@pytest.mark.parametrize("path, topology, overrides, compiled_s", [
+    # XLA's loop-corrected estimate plus the flash kernels (`compile`'s xla_with_kernels_seconds), jax 0.12.0.1 /
+    # libtpu 0.0.50.1, 2026-12-02: tune's compiles and the side-by-side's (docs/benchmarks.md, issue 31).
+    ("llama3_8b.yaml", "v5p:4x4x2", {}, 4.953),
+    ("llama3_8b.yaml", "v5p:4x4x2", FULL_REMAT, 6.099),
+    ("llama3_8b.yaml", "v5p:4x4x2", {**_custom({"mlp_gate", "mlp_up"}), "train.grad_accum_steps": 1}, 5.689),
+    ("llama3_8b.yaml", "v5p:4x4x2", {"sharding.preset": "zero2", "remat.policy": "save_dots"}, 5.900),
+    ("llama3_70b.yaml", "v5p:4x4x4", {**LLAMA2_70B, "mesh.fsdp": 64, "remat.policy": "save_dots",
+                                      "train.grad_accum_steps": 4}, 22.34),
+    ("llama3_70b.yaml", "v5p:4x4x4", {**LLAMA2_70B, "mesh.fsdp": 32, "mesh.tensor": 2, "remat.policy": "minimal",
+                                      "train.grad_accum_steps": 2}, 25.33),
+    ("llama3_70b.yaml", "v5p:4x4x4", {**LLAMA2_70B, "mesh.fsdp": 32, "mesh.tensor": 2, "train.grad_accum_steps": 4,
+                                      **_custom({"mlp_up"})}, 26.63),
+])
+def test_step_estimate_against_the_compiled_step(path, topology, overrides, compiled_s):
+    """The plan's estimate of the compile (planner/estimate.py) within 12% of every recorded compile (the
+    largest miss 11.2%), where the roofline's bound is 21-33% under: without the memory-bound passes, or without
+    the weights' passes among them, the 70B rows miss by 11-14% and more."""
+    r = roofline.plan(_cfg(path, **overrides), topology)
+    e = r["estimate_s"]
+    assert r["step_time_s"] < r["step_estimate_s"] == pytest.approx(e["matmul"] + e["kernels"] + e["memory"])
+    assert r["step_estimate_s"] == pytest.approx(compiled_s, rel=0.12)
+
+
+def test_step_estimate_parts():
+    """The matmuls at XLA's attainable rate (hardware.yaml), the flash kernels as `compile` adds them, and the
+    memory-bound passes: four over a layer's residuals under policy none, five under full remat."""
+    none, full = (_cfg("llama3_8b.yaml", **{"train.grad_accum_steps": 1, "remat.policy": p}) for p in ("none", "full"))
+    chip = hardware.spec("v5p")
+    r = {p: roofline.plan(c, "v5p:4x4x2") for p, c in (("none", none), ("full", full))}
+    executed = (r["none"]["step_flops"] + r["none"]["attention_extra_flops"]) / 32
+    kernels = roofline.flash_kernel_cost(none, _axes(fsdp=32), "v5p")
+    assert r["none"]["estimate_s"]["matmul"] == pytest.approx(
+        (executed - kernels["flops"]) / (chip.bf16_flops * chip.xla_matmul_efficiency))
+    assert r["none"]["estimate_s"]["kernels"] == pytest.approx(
+        max(kernels["flops"] / chip.bf16_flops, kernels["bytes"] / chip.hbm_bandwidth))
+    residual = sum(residuals.per_token(ModelConfig.from_config(none.model))) * 4 * 8192 * 32  # tokens, layers
+    extra = r["full"]["estimate_s"]["memory"] - r["none"]["estimate_s"]["memory"]
+    assert extra * chip.hbm_bandwidth * chip.xla_hbm_efficiency == pytest.approx(residual, rel=1e-6)

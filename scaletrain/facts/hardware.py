@@ -189,6 +189,10 @@ class Chip:
     chips_per_host: int | None  # GPU: per NVLink node
     vmem_bytes: int | None = None
     mxu: int | None = None
+    # The fractions of bf16_flops and hbm_bandwidth at which XLA's cost model times large matmuls and elementwise
+    # passes on this chip (hardware.yaml: measured by benchmarks/xla_cost_model.py); 1 where not measured.
+    xla_matmul_efficiency: float = 1.0
+    xla_hbm_efficiency: float = 1.0
 
     @property
     def is_gpu(self) -> bool:
@@ -218,7 +222,9 @@ def spec(name: str) -> Chip:
                 hbm_bandwidth=e["hbm_bandwidth"], ici_bandwidth_oneway=e["ici_bandwidth_oneway"],
                 ici_bandwidth_bidi=e["ici_bandwidth_bidi"], torus_dims=e["torus_dims"],
                 max_pod=tuple(e["max_pod"]) if e["max_pod"] else None, dcn_bandwidth=e["dcn_bandwidth"],
-                chips_per_host=e["chips_per_host"], vmem_bytes=e["vmem_bytes"], mxu=e["mxu"])
+                chips_per_host=e["chips_per_host"], vmem_bytes=e["vmem_bytes"], mxu=e["mxu"],
+                xla_matmul_efficiency=e.get("xla_matmul_efficiency", 1.0),
+                xla_hbm_efficiency=e.get("xla_hbm_efficiency", 1.0))
 
 
 def cpu(devices: int) -> Chip:

@@ -5,7 +5,9 @@ that need not exist, with no compile - the scaling book's method ("How to Scale 
 `format_table` prints it.
 The step time is a lower bound: the longest of compute (model FLOPs plus remat recomputation, stretched by the
 pipeline bubble), HBM traffic, and the busiest mesh axis's collectives on ICI and on DCN, each assumed to overlap
-the others perfectly. docs/planner.md states every formula and what is not modelled.
+the others perfectly. The step estimate (estimate.py) is what the compiler will report: the matmuls, kernels and
+memory-bound passes summed at what the chip attains. docs/planner.md states every formula and what is not
+modelled.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from scaletrain.parallel import checks, pipeline_1f1b, sharding
 from scaletrain.parallel import mesh as mesh_lib
 from scaletrain.parallel import pipeline as pipeline_lib
 from scaletrain.parallel.checks import microbatches
-from scaletrain.planner import comms, memory
+from scaletrain.planner import comms, estimate, memory
 from scaletrain.planner.thresholds import critical_batches, fsdp_tensor_split
 from scaletrain.train.loss import projects_the_stream
 from scaletrain.train.runner import Runner
@@ -156,14 +158,25 @@ def hbm_bytes(cfg, axes: Mapping[str, int], recompute: frozenset[str], state: me
     elements = memory.tensor_elements(m, memory.activation_rules(cfg, axes, sequence_parallel=False), axes)
     qkvo = 2 * elements["query_proj"] + 2 * elements["key_proj"]
     layer += (3 + ("attention" in recompute)) * ab * tokens * qkvo
-    if m.attention == "xla":
-        layer += XLA_SCORE_BYTES * tokens * m.num_heads / t * cfg.data.seq_len
+    layer += xla_score_bytes(cfg, tokens, t)
     vocab = m.vocab_size / t
     passes = 3 + recomputed_logits(cfg)
-    head = passes * (ab * (tokens * m.d_model + m.d_model * vocab) + 4 * tokens * vocab) + 2 * 4 * tokens * vocab
+    head = passes * ab * (tokens * m.d_model + m.d_model * vocab) + logits_passes(cfg) * 4 * tokens * vocab
     layer_params, outside = state.weights(state.layout.rules.opt_state)
     update = 3 * (layer_params * m.num_layers / stages + outside) + 2 * state.optimizer
     return microbatches(cfg, axes) * (layer * m.num_layers + head) / stages + update
+
+
+def xla_score_bytes(cfg, tokens: float, tensor: int) -> float:
+    """HBM bytes of XLA's attention scores per layer for `tokens` tokens (none with the flash kernels)."""
+    m = cfg.model
+    return XLA_SCORE_BYTES * tokens * m.num_heads / tensor * cfg.data.seq_len if m.attention == "xla" else 0.0
+
+
+def logits_passes(cfg) -> int:
+    """Passes over the float32 logits per step: written by the output projection (again where it is recomputed)
+    and by the backward pass's, read by the loss, its gradient written and read."""
+    return 3 + recomputed_logits(cfg) + 2
 
 
 def _innermost_first(names) -> list[str]:
@@ -335,6 +348,16 @@ def plan(cfg, hardware: str) -> dict:
              "dcn": max(seconds[f"dcn_{a}"] for a in MESH_AXES)}
     bound = max(times, key=times.get)
     step_time = times[bound]
+    kernels = flash_kernel_cost(cfg, axes, chip.name) if m.attention == "flash" and chip.torus_dims else None
+    executed = (step_flops + recompute_flops + extra_flops) / topo.num_chips
+    scores = xla_score_bytes(cfg, memory.replica_tokens(cfg, axes) * microbatches(cfg, axes), axes["tensor"])
+    estimated = estimate.step(
+        chip, matmul_flops=executed - (kernels["flops"] if kernels else 0.0),
+        kernel_seconds=max(kernels["flops"] / chip.bf16_flops, kernels["bytes"] / chip.hbm_bandwidth) if kernels
+        else 0.0,
+        memory_bytes=estimate.memory_bound_bytes(cfg, axes, state, scores * m.num_layers / axes["pipeline"],
+                                                 logits_passes(cfg)),
+        bubble=bubble, comm_seconds=max(times["ici"], times["dcn"]))
     mem = memory.predict(cfg, axes, state, ragged)
     detail = mem.as_dict()
     refused = refusals(cfg, axes, state)
@@ -359,6 +382,8 @@ def plan(cfg, hardware: str) -> dict:
         "step_time_s": step_time,
         "bound": bound,
         "time_s": times,
+        "step_estimate_s": estimated["total"],
+        "estimate_s": estimated,
         "pipeline_bubble": bubble,
         "pipeline": _pipeline(state.layout.runner, bubble),
         "tokens_per_second": tokens / step_time,
@@ -419,6 +444,10 @@ def format_table(result: dict) -> str:
     lines += [f"  {k:<8}{_seconds(v):>12}" for k, v in r["time_s"].items()]
     if r["pipeline_bubble"]:
         lines.append(f"  (compute includes a pipeline bubble of {100 * r['pipeline_bubble']:.1f}%)")
+    e = r["estimate_s"]
+    kernels = f" + kernels {_seconds(e['kernels'])}" if e["kernels"] else ""
+    lines.append(f"step as XLA will estimate it ~ {_seconds(r['step_estimate_s'])}: matmuls {_seconds(e['matmul'])}"
+                 f"{kernels} + memory-bound passes {_seconds(e['memory'])}")
     if r["pipeline"]:
         p = r["pipeline"]
         repeats = f" x {p['repeats']} repeats" if p["repeats"] > 1 else ""

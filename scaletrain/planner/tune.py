@@ -7,7 +7,8 @@ fits T, found ahead of time, on any machine (docs/tune.md).
    would not fit without them, then the logits block of the best. Each is planned by the roofline
    (`roofline.plan`: milliseconds); what the config checks or the trainer would refuse is dropped with its
    reason, never proposed.
-2. Prune. Fit first (the plan's memory within the chip's HBM), then the predicted step time (`rank_key`);
+2. Prune. Fit first (the plan's memory within the chip's HBM), then the predicted step time - the plan's
+   estimate of what the compile will report (planner/estimate.py), not the roofline's bound (`rank_key`);
    the budget spread over remat policies and layouts (`select`).
 3. Compile. The best `budget` candidates, ahead of time for T with the loop correction, through the sweep's
    machinery (planner/sweep.py: results.jsonl - an interrupted search resumes from it -, summary.md,
@@ -146,7 +147,7 @@ def evaluate(path: Path, common: tuple[str, ...], base, choices: dict[str, Any],
     if p["refusals"]:
         return {**record, "status": "refused", "reason": p["refusals"][0]}
     memory = p["memory_per_device_bytes"]["total"]
-    plan = {"step_time_s": p["step_time_s"], "bound": p["bound"], "hidden_s": sum(p["time_s"].values()),
+    plan = {"step_time_s": p["step_estimate_s"], "bound": p["bound"], "hidden_s": sum(p["time_s"].values()),
             "memory_per_device_bytes": memory, "hbm_capacity_bytes": p["hbm_capacity_bytes"]}
     return {**record, "status": "fits" if p["fits"] else "does not fit", "plan": plan}
 

@@ -1,0 +1,86 @@
+"""The step as the compiler will time it: the plan's estimate of XLA's loop-corrected figure with the flash
+kernels added (what `compile` reports and `tune` ranks by), beside the roofline's lower bound.
+
+The roofline (roofline.py) overlaps everything with everything at the chip's peak: a bound, 20-33% under the
+compiled step on every candidate `tune` compiled. XLA's cost model instead times each operation at the longer of its
+FLOPs and its bytes at what the chip attains (hardware.yaml's xla_*_efficiency), and sums them: the matmuls are
+compute-bound and the elementwise passes between them memory-bound, so their times add. The estimate therefore
+sums three parts, each counted from the model's code or the state's layout rather than fitted to a compile:
+- the matmuls XLA runs (the step's FLOPs, recomputation included, without the flash kernels') at the attainable
+  matmul rate;
+- the flash kernels at the chip's roofline, as `compile` adds them (XLA counts a Pallas kernel as nothing);
+- the memory-bound passes at the attainable bandwidth: per layer, the tensors its backward pass reads (the
+  residuals the layer body saves: residuals.per_token) are written by the forward pass, read by the backward
+  pass, and their gradients written and read there - four passes over them -, once more where a remat policy
+  computes them again; each layer's weights gathered (forward and backward) and its weight gradient written and
+  reduced, once per microbatch; XLA's attention's scores; the float32 logits and their gradient; the optimizer's
+  update.
+Collectives are overlapped with all of it, as in the roofline. docs/planner.md has the measured accuracy.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from scaletrain.facts.hardware import Chip
+from scaletrain.parallel import sharding
+from scaletrain.parallel.checks import microbatches
+from scaletrain.planner import memory, residuals
+
+# Passes over a layer's residuals per step: written forward, read backward, their gradients written and read.
+RESIDUAL_PASSES = 4
+
+
+def recomputed_bytes(cfg, elements: Mapping[str, float], residual: float) -> float:
+    """Bytes per token of a layer's residuals the backward pass computes again: all of them under full remat,
+    none under none, otherwise all but those the policy keeps (on the device or offloaded) and the layer input."""
+    policy = cfg.remat.policy
+    if policy == "none":
+        return 0.0
+    if policy == "full":
+        return residual
+    ab = memory.DTYPE_BYTES[cfg.model.dtype]
+    kept = sum(elements[n] for n in memory.kept(policy, cfg.remat.custom)) + elements["decoder_layer_input"]
+    return max(residual - kept * ab, 0.0)
+
+
+def memory_bound_bytes(cfg, axes: Mapping[str, int], state: memory.State, score_bytes: float,
+                       logits_passes: int) -> float:
+    """HBM bytes per device and step of the passes no matmul hides (the module's third part). `score_bytes`: XLA
+    attention's per step and device (roofline.hbm_bytes); `logits_passes`: the float32 logits' passes."""
+    m = cfg.model
+    t = axes["tensor"]
+    stream, inner = residuals.per_token(state.layout.model_cfg)
+    residual = stream / (t if cfg.sharding.sequence_parallel else 1) + inner / t
+    elements = memory.tensor_elements(m, state.layout.rules.activations, axes)
+    tokens = memory.replica_tokens(cfg, axes) * microbatches(cfg, axes)
+    layers = m.num_layers / axes["pipeline"]
+    activations = tokens * layers * (RESIDUAL_PASSES * residual + recomputed_bytes(cfg, elements, residual))
+    logits = logits_passes * 4 * tokens * m.vocab_size / t / axes["pipeline"]
+    weights = microbatches(cfg, axes) * layers * weight_pass_bytes(cfg, state)
+    layer_params, outside = state.weights(state.layout.rules.opt_state)
+    update = 3 * (layer_params * layers + outside) + 2 * state.optimizer
+    return activations + weights + score_bytes + logits + update
+
+
+def weight_pass_bytes(cfg, state: memory.State) -> float:
+    """HBM bytes per layer and microbatch that move a layer's weights outside its matmuls: the weights gathered
+    over the batch axes, written by the forward pass's gather and the backward pass's in the compute dtype (where
+    the batch axes shard them), and the weight gradient, written whole in the parameters' dtype and read by its
+    reduction."""
+    batch = sharding.mesh_axes(state.layout.rules.activations["batch"])
+    held, _ = state.weights(state.layout.rules.params)
+    whole, _ = state.weights(state.layout.rules.params, batch)
+    param_bytes = memory.DTYPE_BYTES[cfg.model.param_dtype]
+    gathers = 2 * memory.DTYPE_BYTES[cfg.model.dtype] / param_bytes if whole > held else 0.0
+    return whole * (gathers + 2)
+
+
+def step(chip: Chip, matmul_flops: float, kernel_seconds: float, memory_bytes: float, bubble: float,
+         comm_seconds: float) -> dict[str, float]:
+    """The estimate's parts and total per device: matmuls, kernels and memory-bound passes add, stretched by the
+    pipeline bubble; the busiest link's collectives overlap them."""
+    parts = {"matmul": matmul_flops / (chip.bf16_flops * chip.xla_matmul_efficiency) / (1 - bubble),
+             "kernels": kernel_seconds / (1 - bubble),
+             "memory": memory_bytes / (chip.hbm_bandwidth * chip.xla_hbm_efficiency) / (1 - bubble)}
+    return {**parts, "total": max(sum(parts.values()), comm_seconds)}
