@@ -229,6 +229,16 @@ class Prediction:
         return {**asdict(self), "total": self.total, "host_total": self.host_total}
 
 
+def unscattered_gradients(cfg, s: State) -> float:
+    """Bytes of the gradients the backward pass forms whole before they are scattered (ZeRO-2: the gradient rule
+    shards what the parameter rule does not, and train/step.py places them after the backward pass): laid out as
+    the parameters, in the compute dtype the weights were cast to (their gradients are cast back per array as they
+    are placed). None where gradients and parameters are split alike."""
+    if s.gradients >= s.params:
+        return 0.0
+    return s.params * DTYPE_BYTES[cfg.model.dtype] / DTYPE_BYTES[cfg.model.param_dtype]
+
+
 def replica_tokens(cfg, axes: Mapping[str, int]) -> float:
     """Tokens of one microbatch of one data-parallel replica (data x fsdp x expert ways: the expert axis's
     devices each route their own share of the batch, models/mixtral/moe.py): the batch its devices' matmuls see (tensor
@@ -253,7 +263,8 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
 
     State: the bytes of the trainer's own arrays on that mesh (`state`): parameters in model.param_dtype (the
     master copy: no other is kept), Adam's two moments in optim.moment_dtype, gradients in the parameters'
-    dtype - twice over with gradient accumulation or a pipeline (the running sum and a microbatch's). With
+    dtype - twice over with gradient accumulation or a pipeline (the running sum and a microbatch's) -, and under
+    ZeRO-2 the whole gradient the backward pass forms before scattering it (`unscattered_gradients`). With
     pipeline.gather_weights=once, each device also holds its stage's weights gathered and two whole gradients
     (the sum, a backward slot's). optim.offload moves the moments to host memory, params.offload parameters,
     moments and gradients (a pipeline's stage still holds its parameters and gradients on the device for the
@@ -277,7 +288,7 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     runner = s.layout.runner
     pipelined = runner.stages > 1
     sums = cfg.train.grad_accum_steps > 1 or pipelined  # gradients summed over microbatches
-    grads = s.gradients * (2 if sums else 1)
+    grads = s.gradients * (2 if sums else 1) + unscattered_gradients(cfg, s)
     one_f_one_b = runner.schedule == "1f1b"
     micro = replica_tokens(cfg, axes)  # one microbatch: what one layer (or iteration) recomputes
     tokens = micro * held_microbatches(runner)
