@@ -312,7 +312,11 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
             saved, offloaded = stage_inputs, host * ab * micro * stage_layers
             working += per_layer * micro
         else:
-            inputs = elements["decoder_layer_input"] * (1 if pipelined else stage_layers)
+            # The plain scan's saved layer inputs - the carries jax stacks for the backward pass - are held whole
+            # along the sequence, sequence parallelism or not: XLA gathers them once in the forward pass, as the
+            # recomputation reads them whole (Llama-3.1-70B on fsdp 8 x tensor 8 under save_dots: the compiled
+            # buffer bf16[80, 32768, 8192], 40 GiB, where the split stream would take 5).
+            inputs = elements["decoder_layer_input"] if pipelined else m.d_model * stage_layers
             saved, offloaded = (inputs + named * stage_layers) * ab * tokens, host * ab * tokens * stage_layers
             if pipelined:
                 working += elements["decoder_layer_input"] * ab * micro * stage_layers
