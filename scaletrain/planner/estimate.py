@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Mapping
 
 from scaletrain.facts.hardware import Chip
-from scaletrain.parallel import sharding
 from scaletrain.parallel.checks import microbatches
 from scaletrain.planner import memory, residuals
 
@@ -68,12 +67,10 @@ def weight_pass_bytes(cfg, state: memory.State) -> float:
     over the batch axes, written by the forward pass's gather and the backward pass's in the compute dtype (where
     the batch axes shard them), and the weight gradient, written whole in the parameters' dtype and read by its
     reduction."""
-    batch = sharding.mesh_axes(state.layout.rules.activations["batch"])
-    held, _ = state.weights(state.layout.rules.params)
-    whole, _ = state.weights(state.layout.rules.params, batch)
-    param_bytes = memory.DTYPE_BYTES[cfg.model.param_dtype]
-    gathers = 2 * memory.DTYPE_BYTES[cfg.model.dtype] / param_bytes if whole > held else 0.0
-    return whole * (gathers + 2)
+    gathered = memory.gathered_layer(state)
+    whole = gathered or state.weights(state.layout.rules.params)[0] * state.mesh.shape["pipeline"]
+    gathers = 2 * memory.DTYPE_BYTES[cfg.model.dtype] / memory.DTYPE_BYTES[cfg.model.param_dtype]
+    return whole * 2 + gathered * gathers
 
 
 def step(chip: Chip, matmul_flops: float, kernel_seconds: float, memory_bytes: float, bubble: float,

@@ -172,9 +172,16 @@ def _saved_layer(cfg, model_cfg, tensor: int) -> float:
     return stream / (tensor if cfg.sharding.sequence_parallel else 1) + inner / tensor + _scores(cfg, tensor)
 
 
-def _rematerialised_layer(cfg, tensor: int, dtype_bytes: int) -> float:
-    """Bytes per token at the peak of one rematerialised layer's backward pass: NONE_TENSORS of d_model, and the
-    scores."""
+def _rematerialised_layer(cfg, model_cfg, elements: Mapping[str, float], tensor: int, dtype_bytes: int) -> float:
+    """Bytes per token at the peak of one rematerialised layer's backward pass. Under full remat the whole layer
+    is computed again before any of its backward pass runs - every residual the layer saves under policy none at
+    once (`_saved_layer`) - and the MLP's backward pass then adds the gradients of its hidden tensors (gate, up
+    and their product) before it frees what it has read: the compiled 8B step holds seven bf16[T, 2F] and
+    [T, F] buffers of the MLP beside the recomputed layer (docs/planner.md). Under the other policies XLA
+    interleaves the recomputation with the backward pass: NONE_TENSORS of d_model, and the scores."""
+    if cfg.remat.policy == "full":
+        hidden = elements["mlp_gate"] + elements["mlp_up"] + elements["moe_gate"] + elements["moe_up"]
+        return _saved_layer(cfg, model_cfg, tensor) + 1.5 * hidden * dtype_bytes
     d, sp = cfg.model.d_model, cfg.sharding.sequence_parallel
     residual = RESIDUAL_TENSORS * d / (tensor if sp else 1)
     inner = (NONE_TENSORS - RESIDUAL_TENSORS) * d / tensor
@@ -237,6 +244,19 @@ def unscattered_gradients(cfg, s: State) -> float:
     if s.gradients >= s.params:
         return 0.0
     return s.params * DTYPE_BYTES[cfg.model.dtype] / DTYPE_BYTES[cfg.model.param_dtype]
+
+
+def gathered_layer(s: State) -> float:
+    """Bytes (in the parameters' dtype) of one layer's weights as its matmuls use them - gathered over the batch
+    axes that shard them (FSDP; an expert's weights stay on their `expert` devices) -, or 0 where no batch axis
+    shards them (they are used where they lie)."""
+    batch = sharding.mesh_axes(s.layout.rules.activations["batch"])
+    table = s.layout.rules.params
+    held, _ = s.weights(table)
+    whole = (s.weights(table, batch, experts=False)[0]
+             + s.weights(table, tuple(a for a in batch if a != "expert"), experts=True)[0])
+    stages = s.mesh.shape["pipeline"]  # State.weights averages a stage's layers over the whole stack
+    return whole * stages if whole > held else 0.0
 
 
 def replica_tokens(cfg, axes: Mapping[str, int]) -> float:
@@ -307,7 +327,8 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
         named = sum(elements[n] for n, w in where.items() if w == "device")
         host = sum(elements[n] for n, w in where.items() if w == "offload")
         per_layer = (elements["decoder_layer_input"] + named) * ab * stage_layers
-        working = (_rematerialised_layer(cfg, t, ab) + routed) * micro + _attention_block_working(cfg, micro, t, ab)
+        working = ((_rematerialised_layer(cfg, s.layout.model_cfg, elements, t, ab) + routed) * micro
+                   + _attention_block_working(cfg, micro, t, ab))
         if one_f_one_b:  # the stage inputs; a recomputed stage's per-layer tensors for one microbatch
             saved, offloaded = stage_inputs, host * ab * micro * stage_layers
             working += per_layer * micro
@@ -325,6 +346,11 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
         working += PIPELINE_STREAM_COPIES * elements["decoder_layer_input"] * ab * micro * microbatches(cfg, axes)
     logits_tokens = micro * (microbatches(cfg, axes) if pipelined and not one_f_one_b else 1)
     logits = 2 * logits_tokens * logits_block(cfg) / cfg.data.seq_len * m.vocab_size / t * 4
+    # FSDP's layer at a time: the layer's weights gathered in the compute dtype, and the next layer's gathered
+    # while it runs; its weight gradient formed whole before it is scattered (the 70B's full-remat compile holds
+    # them beside the recomputed layer: 41.6 GiB compiled, 32.7 planned without them).
+    gathered = 0.0 if runner.gather_once else gathered_layer(s)
+    working += gathered * (2 * ab / DTYPE_BYTES[m.param_dtype] + 1)
     if runner.gather_once:  # a whole stage's weights and gradient sums on every device
         batch = sharding.mesh_axes(s.layout.rules.activations["batch"])
         for table, role in ((s.layout.rules.params, "params"), (s.layout.rules.grads, "grads")):
