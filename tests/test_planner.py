@@ -410,7 +410,7 @@ LAYER_NONE = 3328 * 32
 # test_policy_none_keeps_what_the_layer_saves) and the scores.
 STREAM, INNER = residuals.per_token(ModelConfig.from_config(_cfg().model))
 SAVED_NONE = (STREAM + INNER + 768) * 32
-LOGITS = 2 * 32 * 384 * 4  # float32 logits and their gradient: 98304
+LOGITS = 32 * 384 * 4  # float32 logits, their gradient written over them: 49152
 # FSDP's layer at a time: a layer's 36992 float32 parameters gathered in bfloat16 twice (it and the next) and its
 # float32 gradient formed whole.
 WEIGHTS = 36992 * (2 * 2 + 4)
@@ -453,16 +453,16 @@ def test_activations_without_remat_and_custom():
 def test_activations_over_tensor_with_and_without_sequence_parallelism():
     # fsdp = 4 x tensor = 2: 64 tokens per device. With sequence parallelism every residual splits, scores
     # 2 heads x 32 x 6 = 384 per token; without, those on the residual stream stay whole. Logits split over the
-    # vocabulary: 2 x 64 x 192 x 4.
+    # vocabulary: 64 x 192 x 4 (the gradient written over them).
     axes = _axes(fsdp=4, tensor=2)
     sp = memory.predict(_cfg(), axes)
     no_sp = memory.predict(_cfg(**{"sharding.sequence_parallel": False}), axes)
     assert (sp.saved_activations, no_sp.saved_activations) == pytest.approx(
         (2 * 64 * ((STREAM + INNER) / 2 + 384), 2 * 64 * (STREAM + INNER / 2 + 384)))
-    assert sp.logits == 2 * 64 * 192 * 4
-    # model.logits_block: the logits of that many positions per sequence at a time.
+    assert sp.logits == 64 * 192 * 4
+    # model.logits_block: the logits of that many positions per sequence at a time, and their gradient beside them.
     seq = _cfg().data.seq_len
-    assert memory.predict(_cfg(**{"model.logits_block": seq // 4}), axes).logits == sp.logits / 4
+    assert memory.predict(_cfg(**{"model.logits_block": seq // 4}), axes).logits == 2 * sp.logits / 4
     # Full remat keeps the layer input whole along the sequence, sequence parallelism or not: XLA gathers the
     # scan's saved carries in the forward pass (the 70B's compiled buffer: memory.predict).
     full = {"remat.policy": "full"}

@@ -345,7 +345,11 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
         # gradient's gradient through the embedding; not a microbatch at a time
         working += PIPELINE_STREAM_COPIES * elements["decoder_layer_input"] * ab * micro * microbatches(cfg, axes)
     logits_tokens = micro * (microbatches(cfg, axes) if pipelined and not one_f_one_b else 1)
-    logits = 2 * logits_tokens * logits_block(cfg) / cfg.data.seq_len * m.vocab_size / t * 4
+    # Whole logits: XLA writes their gradient over them (same shape, dead once it is formed) - one float32 copy; the
+    # Llama 3.2 1B's compiled step at 4096 tokens per chip has 4.3 GiB of temporaries, two copies would be 3.9.
+    # Blocked (model.logits_block): a block's logits and its gradient, formed in the forward pass (loss.py).
+    copies = 2 if logits_block(cfg) < cfg.data.seq_len else 1
+    logits = copies * logits_tokens * logits_block(cfg) / cfg.data.seq_len * m.vocab_size / t * 4
     # FSDP's layer at a time: the layer's weights gathered in the compute dtype, and the next layer's gathered
     # while it runs; its weight gradient formed whole before it is scattered (the 70B's full-remat compile holds
     # them beside the recomputed layer: 41.6 GiB compiled, 32.7 planned without them).

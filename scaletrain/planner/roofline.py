@@ -465,7 +465,7 @@ def format_table(result: dict) -> str:
               + ("fits" if r["fits"] else "DOES NOT FIT")]
     lines += [f"  {k:<12}{_binary(v):>12}" for k, v in r["memory_per_device_bytes"].items()]
     lines.append(f"  (activations: saved {_binary(detail['saved_activations'])}, one layer rematerialised "
-                 f"{_binary(detail['layer_working_set'])}, logits and their gradient {_binary(detail['logits'])})")
+                 f"{_binary(detail['layer_working_set'])}, float32 logits {_binary(detail['logits'])})")
     if detail["host_total"]:
         lines.append(f"  host (pinned) {_binary(detail['host_total'])}")
     lines += ["", "communication per device per step:"]
