@@ -41,16 +41,16 @@ def _optimal(fn, device, *shapes) -> tuple[float, float, float]:
     return cost["flops"], cost["bytes accessed"], cost["optimal_seconds"]
 
 
-def efficiencies(chip_name: str) -> tuple[float, float]:
-    """(matmul, HBM): the medians over MATMULS and ELEMENTWISE of peak time / XLA's optimal_seconds."""
+def efficiencies(chip_name: str, matmuls=MATMULS, elementwise=ELEMENTWISE) -> tuple[float, float]:
+    """(matmul, HBM): the medians over `matmuls` and `elementwise` of peak time / XLA's optimal_seconds."""
     chip = hardware.spec(chip_name)
     device = topologies.get_topology_desc(topology_name=TOPOLOGY[chip_name], platform="tpu").devices[0]
     matmul = []
-    for t, d, f in MATMULS:
+    for t, d, f in matmuls:
         flops, _, seconds = _optimal(lambda a, b: a @ b, device, (t, d), (d, f))
         matmul.append(flops / chip.bf16_flops / seconds)
     hbm = []
-    for shape in ELEMENTWISE:
+    for shape in elementwise:
         _, moved, seconds = _optimal(lambda x, y: jax.nn.silu(x) * y, device, shape, shape)
         hbm.append(moved / chip.hbm_bandwidth / seconds)
     return statistics.median(matmul), statistics.median(hbm)
