@@ -1089,14 +1089,20 @@ def test_memory_against_the_compiled_step(path, topology, overrides, compiled_gi
                                       "train.grad_accum_steps": 2}, 25.33),
     ("llama3_70b.yaml", "v5p:4x4x4", {**LLAMA2_70B, "mesh.fsdp": 32, "mesh.tensor": 2, "train.grad_accum_steps": 4,
                                       **_custom({"mlp_up"})}, 26.63),
+    # configs/llama3_70b.yaml as it is, and on fsdp 8 x tensor 8 (tune's search, docs/benchmarks.md).
+    ("llama3_70b.yaml", "v5p:4x4x4", {}, 25.261),
+    ("llama3_70b.yaml", "v5p:4x4x4", {"mesh.fsdp": 8, "mesh.tensor": 8, "remat.policy": "minimal",
+                                      "train.grad_accum_steps": 4}, 28.03),
 ])
 def test_step_estimate_against_the_compiled_step(path, topology, overrides, compiled_s):
     """The plan's estimate of the compile (planner/estimate.py) within 12% of every recorded compile (the
-    largest miss 11.2%), where the roofline's bound is 21-33% under: without the memory-bound passes, or without
-    the weights' passes among them, the 70B rows miss by 11-14% and more."""
+    largest miss 10.5%), where the roofline's bound is 21-33% under: without the memory-bound passes, or without
+    the weights' passes among them, the 70B rows miss by 11-14% and more; with tensor parallelism's collectives
+    overlapped rather than exposed, the tensor-8 row by 13.6%."""
     r = roofline.plan(_cfg(path, **overrides), topology)
     e = r["estimate_s"]
-    assert r["step_time_s"] < r["step_estimate_s"] == pytest.approx(e["matmul"] + e["kernels"] + e["memory"])
+    assert r["step_time_s"] < r["step_estimate_s"] == pytest.approx(
+        e["matmul"] + e["kernels"] + e["memory"] + e["exposed_collectives"])
     assert r["step_estimate_s"] == pytest.approx(compiled_s, rel=0.12)
 
 

@@ -357,7 +357,8 @@ def plan(cfg, hardware: str) -> dict:
         else 0.0,
         memory_bytes=estimate.memory_bound_bytes(cfg, axes, state, scores * m.num_layers / axes["pipeline"],
                                                  logits_passes(cfg)),
-        bubble=bubble, comm_seconds=max(times["ici"], times["dcn"]))
+        bubble=bubble, exposed_seconds=sum(seconds[a] for a in estimate.EXPOSED),
+        comm_seconds=max(v for a, v in seconds.items() if a not in estimate.EXPOSED))
     mem = memory.predict(cfg, axes, state, ragged)
     detail = mem.as_dict()
     refused = refusals(cfg, axes, state)
@@ -446,8 +447,9 @@ def format_table(result: dict) -> str:
         lines.append(f"  (compute includes a pipeline bubble of {100 * r['pipeline_bubble']:.1f}%)")
     e = r["estimate_s"]
     kernels = f" + kernels {_seconds(e['kernels'])}" if e["kernels"] else ""
+    exposed = f" + exposed collectives {_seconds(e['exposed_collectives'])}" if e["exposed_collectives"] else ""
     lines.append(f"step as XLA will estimate it ~ {_seconds(r['step_estimate_s'])}: matmuls {_seconds(e['matmul'])}"
-                 f"{kernels} + memory-bound passes {_seconds(e['memory'])}")
+                 f"{kernels} + memory-bound passes {_seconds(e['memory'])}{exposed}")
     if r["pipeline"]:
         p = r["pipeline"]
         repeats = f" x {p['repeats']} repeats" if p["repeats"] > 1 else ""

@@ -291,7 +291,8 @@ def best_yaml(path: Path, common: tuple[str, ...], best: dict, topology: str, bu
               f"Compiled for {topology}: {comp['hbm_per_device_bytes'] / 2**30:.2f} GiB per chip, "
               f"{_compiled_time(best):.4g} s per step (XLA's estimate"
               f"{', loop-corrected' if comp['loop_corrected'] else ''}, kernels counted); "
-              f"planned {plan['memory_per_device_bytes'] / 2**30:.2f} GiB, {plan['step_time_s']:.4g} s."]
+              f"planned {plan['memory_per_device_bytes'] / 2**30:.2f} GiB, "
+              f"{plan.get('step_estimate_s', plan['step_time_s']):.4g} s."]
     return "".join(f"# {line}\n" for line in header) + yaml.safe_dump(tree, sort_keys=False)
 
 
@@ -336,7 +337,7 @@ def report(ranked: list[dict], compiled: list[dict], best: dict | None, spec: sw
                                             _compiled_time(r) or math.inf))
     for rank, r in enumerate(order, 1):
         plan, comp = r.get("plan") or {}, r.get("compile") or {}
-        lines.append(f"| {rank} | {r['name']} | {_s(plan.get('step_time_s'))} | "
+        lines.append(f"| {rank} | {r['name']} | {_s(plan.get('step_estimate_s', plan.get('step_time_s')))} | "
                      f"{_gib(plan.get('memory_per_device_bytes'))} | {_s(_compiled_time(r))} | "
                      f"{_gib(comp.get('hbm_per_device_bytes'))} | {verdict(r, best)} |")
     names = {r["name"] for r in compiled}
