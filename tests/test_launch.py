@@ -308,7 +308,8 @@ def test_a_pipeline_across_slices_is_launched_as_set(tmp_path, capsys):
     """Stages across the two slices (mesh.dcn_pipeline=2) pass the trainer's checks on the planned slices, and
     the launcher, given a DCN degree, adds none of its own."""
     launch = _changed(tmp_path, _train("train.global_batch=2048", "data.seq_len=4096", "mesh.dcn_pipeline=2",
-                                       "pipeline.microbatches=8", "model.attention=xla",
+                                       "pipeline.microbatches=8", "train.grad_accum_steps=1", "remat.policy=full",
+                                       "model.attention=xla",
                                        config="configs/llama3_70b.yaml"), "v6e-256x2.yaml")
     assert tpu.main(["run", "--config", launch, "--dry-run"]) == 0
     runs = capsys.readouterr().out.splitlines()[1:]
