@@ -5,7 +5,7 @@ The roofline (roofline.py) overlaps everything with everything at the chip's pea
 compiled step on every candidate `tune` compiled. XLA's cost model instead times each operation at the longer of its
 FLOPs and its bytes at what the chip attains (hardware.yaml's xla_*_efficiency), and sums them: the matmuls are
 compute-bound and the elementwise passes between them memory-bound, so their times add. The estimate therefore
-sums three parts, each counted from the model's code or the state's layout rather than fitted to a compile:
+sums four parts, each counted from the model's code or the state's layout rather than fitted to a compile:
 - the matmuls XLA runs (the step's FLOPs, recomputation included, without the flash kernels') at the attainable
   matmul rate;
 - the flash kernels at the chip's roofline, as `compile` adds them (XLA counts a Pallas kernel as nothing);
@@ -14,8 +14,9 @@ sums three parts, each counted from the model's code or the state's layout rathe
   pass, and their gradients written and read there - four passes over them -, once more where a remat policy
   computes them again; each layer's weights gathered (forward and backward) and its weight gradient written and
   reduced, once per microbatch; XLA's attention's scores; the float32 logits and their gradient; the optimizer's
-  update.
-Collectives are overlapped with all of it, as in the roofline. docs/planner.md has the measured accuracy.
+  update;
+- the collectives of the tensor and expert axes, which the next operation waits for (EXPOSED).
+The other axes' collectives overlap all of it, as in the roofline. docs/planner.md has the measured accuracy.
 """
 
 from __future__ import annotations
@@ -57,9 +58,15 @@ def memory_bound_bytes(cfg, axes: Mapping[str, int], state: memory.State, score_
     activations = tokens * layers * (RESIDUAL_PASSES * residual + recomputed_bytes(cfg, elements, residual))
     logits = logits_passes * 4 * tokens * m.vocab_size / t / axes["pipeline"]
     weights = microbatches(cfg, axes) * layers * weight_pass_bytes(cfg, state)
+    return activations + weights + score_bytes + logits + update_bytes(state, layers)
+
+
+def update_bytes(state: memory.State, layers: float) -> float:
+    """HBM bytes of the optimizer's update on one device, whose stage holds `layers` layers: it reads the
+    parameters and gradients and writes the parameters on its shard of the optimizer state, and reads and writes
+    both moments."""
     layer_params, outside = state.weights(state.layout.rules.opt_state)
-    update = 3 * (layer_params * layers + outside) + 2 * state.optimizer
-    return activations + weights + score_bytes + logits + update
+    return 3 * (layer_params * layers + outside) + 2 * state.optimizer
 
 
 def weight_pass_bytes(cfg, state: memory.State) -> float:

@@ -162,8 +162,7 @@ def hbm_bytes(cfg, axes: Mapping[str, int], recompute: frozenset[str], state: me
     vocab = m.vocab_size / t
     passes = 3 + recomputed_logits(cfg)
     head = passes * ab * (tokens * m.d_model + m.d_model * vocab) + logits_passes(cfg) * 4 * tokens * vocab
-    layer_params, outside = state.weights(state.layout.rules.opt_state)
-    update = 3 * (layer_params * m.num_layers / stages + outside) + 2 * state.optimizer
+    update = estimate.update_bytes(state, m.num_layers / stages)
     return microbatches(cfg, axes) * (layer * m.num_layers + head) / stages + update
 
 
