@@ -176,3 +176,25 @@ def test_blocked_attention_equals_full_attention_and_its_gradient():
     assert_close(blocked(x, NO_NORM, sin, cos, segments), full(x, NO_NORM, sin, cos, segments), ulps=16)
     grads = [jax.grad(loss(m))(nnx.split(m)[1]) for m in (blocked, full)]
     assert_trees_close(*grads, ulps=16)
+
+
+def test_projections_are_one_matmul_only_where_tensor_splits_them():
+    """Joined, Q/K/V and gate/up save the backward pass reduce-scatters under `tensor`; without it their sliced
+    outputs cost the TPU relayout copies (docs/parallelism.md), so each projection is its own matmul."""
+    from scaletrain import config
+    from scaletrain.parallel import mesh, sharding
+
+    model = Llama(CFG, nnx.Rngs(0))
+    tokens = jnp.zeros((4, 8), jnp.int32)
+
+    def dots(rules_mesh=None):
+        def forward(tokens):
+            if rules_mesh is None:
+                return model(tokens, tokens, tokens)
+            with sharding.use_rules(rules_mesh, sharding.rules_for("fsdp", True, True)):
+                return model(tokens, tokens, tokens)
+        return str(jax.make_jaxpr(forward)(tokens)).count("dot_general")
+
+    tensor = mesh.make_mesh(config.load(None, ["mesh.fsdp=4", "mesh.tensor=2"]).mesh)
+    fsdp = mesh.make_mesh(config.load(None, ["mesh.fsdp=8"]).mesh)
+    assert dots() == dots(fsdp) == dots(tensor) + 3  # Q, K, V -> 1 and gate, up -> 1 in the scanned layer

@@ -66,16 +66,17 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")
 
     def _project_qkv(self, x_btd: jax.Array, norm, one_matmul: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Q, K and V of norm(x) (`norm` an RMSNorm, applied by its `project`). Fused, they are one matmul
-        against [embed, kv_heads, q_per_kv + 2, head_dim] (kv-head major, so a tensor-parallel shard of kv heads
-        holds whole groups): the backward pass then sums the three input gradients before they leave the
-        device - one reduce-scatter instead of three under tensor parallelism. Separate projections serve kv
-        heads replicated over `tensor` (fewer than its ways), and decoding (`one_matmul` False: no backward pass,
-        and joining the weights would copy them at every token)."""
+        """Q, K and V of norm(x) (`norm` an RMSNorm, applied by its `project`). Split over `tensor`, they are
+        one matmul against [embed, kv_heads, q_per_kv + 2, head_dim] (kv-head major, so a tensor-parallel shard of
+        kv heads holds whole groups): the backward pass then sums the three input gradients before they leave
+        the device - one reduce-scatter instead of three. Otherwise three matmuls: slicing the joined output
+        costs relayout copies the separate ones do not have (docs/parallelism.md). Three also serve kv heads
+        replicated over `tensor` (fewer than its ways) and decoding (`one_matmul` False: no backward pass, and
+        joining the weights would copy them at every token)."""
         n, k = self.cfg.num_heads, self.cfg.num_kv_heads
         if self.cfg.norm_cancellation:
             return self._project_qkv_cancelled(x_btd, norm)
-        if not (self.cfg.fuse_qkv and one_matmul):
+        if not (self.cfg.fuse_qkv and one_matmul and ways("heads") > 1):
             return (checkpoint_name(norm.project(x_btd, self.wq[...], ("embed", "heads", "head_dim")), "query_proj"),
                     checkpoint_name(norm.project(x_btd, self.wk[...], ("embed", "kv_heads", "head_dim")), "key_proj"),
                     checkpoint_name(norm.project(x_btd, self.wv[...], ("embed", "kv_heads", "head_dim")),

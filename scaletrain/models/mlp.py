@@ -8,7 +8,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain.models.layers import param, project
-from scaletrain.parallel.sharding import constrain
+from scaletrain.parallel.sharding import constrain, ways
 
 
 class MLP(nnx.Module):
@@ -19,12 +19,13 @@ class MLP(nnx.Module):
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), pd, cfg.out_std)
 
     def __call__(self, x_btd: jax.Array, norm, one_matmul: bool = True) -> jax.Array:
-        """The MLP of norm(x): the norm is applied with the gate/up projection (model.norm). With `one_matmul`,
-        gate and up are one matmul against [embed, mlp, 2] (mlp-major, so a tensor-parallel shard holds both
-        halves of its columns): the backward pass sums the two input gradients before they leave the device -
-        one reduce-scatter instead of two under tensor parallelism. Without it, two: decoding has no backward
-        pass, and stacking the weights would copy them at every token."""
-        if one_matmul:
+        """The MLP of norm(x): the norm is applied with the gate/up projection (model.norm). Split over
+        `tensor` (and `one_matmul`, which decoding turns off: no backward pass), gate and up are one matmul
+        against [embed, mlp, 2] (mlp-major, so a tensor-parallel shard holds both halves of its columns): the
+        backward pass sums the two input gradients before they leave the device - one reduce-scatter instead
+        of two. Otherwise two matmuls: a [..., mlp, 2] output split in its minor dim costs the TPU three
+        relayout copies of the hidden activations per layer (docs/parallelism.md)."""
+        if one_matmul and ways("mlp") > 1:
             gate_up_btf2 = norm.project(x_btd, jnp.stack([self.w_gate[...], self.w_up[...]], axis=-1),
                                         ("embed", "mlp", None))
             gate_btf, up_btf = gate_up_btf2[..., 0], gate_up_btf2[..., 1]
