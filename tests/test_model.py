@@ -78,6 +78,9 @@ class _NoNorm:
     def project(self, x, w, w_logical, out_dtype=None):
         return project(x, w, out_dtype=out_dtype)
 
+    def project_each(self, x, ws, out_dtype=None):
+        return tuple(self.project(x, w, logical, out_dtype) for w, logical in ws)
+
 
 NO_NORM = _NoNorm()
 

@@ -77,10 +77,11 @@ class Attention(nnx.Module):
         if self.cfg.norm_cancellation:
             return self._project_qkv_cancelled(x_btd, norm)
         if not (self.cfg.fuse_qkv and one_matmul and ways("heads") > 1):
-            return (checkpoint_name(norm.project(x_btd, self.wq[...], ("embed", "heads", "head_dim")), "query_proj"),
-                    checkpoint_name(norm.project(x_btd, self.wk[...], ("embed", "kv_heads", "head_dim")), "key_proj"),
-                    checkpoint_name(norm.project(x_btd, self.wv[...], ("embed", "kv_heads", "head_dim")),
-                                    "value_proj"))
+            query, key, value = norm.project_each(x_btd, ((self.wq[...], ("embed", "heads", "head_dim")),
+                                                (self.wk[...], ("embed", "kv_heads", "head_dim")),
+                                                (self.wv[...], ("embed", "kv_heads", "head_dim"))))
+            return (checkpoint_name(query, "query_proj"), checkpoint_name(key, "key_proj"),
+                    checkpoint_name(value, "value_proj"))
         d, _, h = self.wq.shape
         w_dkch = jnp.concatenate([self.wq[...].reshape(d, k, n // k, h), self.wk[...][:, :, None],
                                   self.wv[...][:, :, None]], axis=2)

@@ -33,12 +33,16 @@ def project(x: jax.Array, w: jax.Array, in_dims: int = 1, out_dtype=None) -> jax
     tokens. The same math as an einsum such as 'btd,dnh->btnh', but XLA's CPU backend lays out the gradient
     of a dot whose contraction spans (batch, seq) with slow transposes (2x on the whole step); as a plain
     [tokens, in] @ [in, out] the backward pass is two canonical matmuls too."""
+    return projections(x, (w,), in_dims, out_dtype)[0]
+
+
+def projections(x: jax.Array, ws, in_dims: int = 1, out_dtype=None) -> tuple[jax.Array, ...]:
+    """`project` of x by each of `ws`, x flattened to [tokens, in] once for all of them (the backward pass saves
+    one copy of it, not one per matmul)."""
     lead, k = x.shape[: x.ndim - in_dims], math.prod(x.shape[x.ndim - in_dims:])
-    out = w.shape[in_dims:]
-    y = jnp.dot(x.reshape(-1, k), w.astype(x.dtype).reshape(k, -1), preferred_element_type=out_dtype)
-    return y.reshape(*lead, *out)
-
-
+    x2 = x.reshape(-1, k)
+    return tuple(jnp.dot(x2, w.astype(x.dtype).reshape(k, -1), preferred_element_type=out_dtype)
+                 .reshape(*lead, *w.shape[in_dims:]) for w in ws)
 
 
 class RMSNorm(nnx.Module):
@@ -61,13 +65,16 @@ class RMSNorm(nnx.Module):
         x = x_btd.astype(jnp.float32)
         return jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
 
+    def _scaled_input(self, x_btd: jax.Array) -> jax.Array:
+        """x * g in x's dtype: what the deferred projections multiply (x itself with folded weights)."""
+        if self.scale is None:
+            return x_btd
+        return (x_btd.astype(jnp.float32) * self.scale[...].astype(jnp.float32)).astype(x_btd.dtype)
+
     def project_unscaled(self, x_btd: jax.Array, w: jax.Array) -> jax.Array:
         """(x * g) @ w in float32: the projection of RMSNorm(x) before its rows are scaled by 1/rms(x). With
         folded weights (no gain) it is x @ W*: the matmul reads x as it is."""
-        if self.scale is None:
-            return project(x_btd, w, out_dtype=jnp.float32)
-        xg = (x_btd.astype(jnp.float32) * self.scale[...].astype(jnp.float32)).astype(x_btd.dtype)
-        return project(xg, w, out_dtype=jnp.float32)
+        return project(self._scaled_input(x_btd), w, out_dtype=jnp.float32)
 
     def row_scale(self, x_btd: jax.Array, out_dims: int) -> jax.Array:
         """1/rms(x), shaped to scale a projection with `out_dims` output dims."""
@@ -80,12 +87,20 @@ class RMSNorm(nnx.Module):
     def project(self, x_btd: jax.Array, w: jax.Array, w_logical: tuple[str | None, ...],
                 out_dtype=None) -> jax.Array:
         """RMSNorm(x) @ w for w [embed, ...] (logical axes `w_logical`), in out_dtype (x's by default)."""
+        return self.project_each(x_btd, ((w, w_logical),), out_dtype)[0]
+
+    def project_each(self, x_btd: jax.Array, ws: tuple[tuple[jax.Array, tuple[str | None, ...]], ...],
+                     out_dtype=None) -> tuple[jax.Array, ...]:
+        """RMSNorm(x) @ w for each (w, w_logical) in `ws`, the norm's work shared: the normalised x (standard),
+        or x * g and 1/rms(x) (deferred), computed once for all of them - so the backward pass saves them once,
+        not once per matmul; `fused` normalises inside each kernel."""
         out_dtype = out_dtype or x_btd.dtype
         if self.mode == "standard":
-            return project(self(x_btd), w, out_dtype=out_dtype)
+            return projections(self(x_btd), [w for w, _ in ws], out_dtype=out_dtype)
         if self.mode == "deferred":
-            y = self.project_unscaled(x_btd, w)
-            return (y * self.row_scale(x_btd, w.ndim - 1)).astype(out_dtype)
+            inv_rms, rows = self._inv_rms(x_btd), x_btd.shape[:-1]
+            return tuple((y * inv_rms.reshape(*rows, *(1,) * (w.ndim - 1))).astype(out_dtype) for y, (w, _) in
+                         zip(projections(self._scaled_input(x_btd), [w for w, _ in ws], out_dtype=jnp.float32), ws))
 
         eps, blocks = self.eps, norm_matmul.blocks_for(active_device())
 
@@ -95,8 +110,8 @@ class RMSNorm(nnx.Module):
             return z.reshape(b, t, *w.shape[1:])
 
         x_logical = ("batch", "seq", "embed")
-        return local(fused, (x_logical, ("embed",), w_logical), x_logical[:2] + w_logical[1:])(
-            x_btd, self._gain(), w)
+        return tuple(local(fused, (x_logical, ("embed",), w_logical), x_logical[:2] + w_logical[1:])(
+            x_btd, self._gain(), w) for w, w_logical in ws)
 
 
 class Embed(nnx.Module):

@@ -30,7 +30,8 @@ class MLP(nnx.Module):
                                         ("embed", "mlp", None))
             gate_btf, up_btf = gate_up_btf2[..., 0], gate_up_btf2[..., 1]
         else:
-            gate_btf, up_btf = (norm.project(x_btd, w[...], ("embed", "mlp")) for w in (self.w_gate, self.w_up))
+            gate_btf, up_btf = norm.project_each(x_btd, ((self.w_gate[...], ("embed", "mlp")),
+                                                         (self.w_up[...], ("embed", "mlp"))))
         gate_btf, up_btf = checkpoint_name(gate_btf, "mlp_gate"), checkpoint_name(up_btf, "mlp_up")
         h_btf = constrain(jax.nn.silu(gate_btf) * up_btf, ("batch", "seq", "mlp"))
         out_btd = project(h_btf, self.w_down[...])
