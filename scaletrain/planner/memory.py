@@ -175,13 +175,13 @@ def _saved_layer(cfg, model_cfg, tensor: int) -> float:
 def _rematerialised_layer(cfg, model_cfg, elements: Mapping[str, float], tensor: int, dtype_bytes: int) -> float:
     """Bytes per token at the peak of one rematerialised layer's backward pass. Under full remat the whole layer
     is computed again before any of its backward pass runs - every residual the layer saves under policy none at
-    once (`_saved_layer`) - and the MLP's backward pass then adds the gradients of its hidden tensors (gate, up
-    and their product) before it frees what it has read: the compiled 8B step holds seven bf16[T, 2F] and
-    [T, F] buffers of the MLP beside the recomputed layer (docs/planner.md). Under the other policies XLA
-    interleaves the recomputation with the backward pass: NONE_TENSORS of d_model, and the scores."""
+    once (`_saved_layer`) - and the MLP's backward pass then adds the gradients of gate and up (one fusion writes
+    both from the down projection's input gradient) before it frees what it has read: the compiled 8B step holds
+    eight bf16[T, F] buffers of the MLP beside the recomputed layer's others (docs/planner.md). Under the other
+    policies XLA interleaves the recomputation with the backward pass: NONE_TENSORS of d_model, and the scores."""
     if cfg.remat.policy == "full":
         hidden = elements["mlp_gate"] + elements["mlp_up"] + elements["moe_gate"] + elements["moe_up"]
-        return _saved_layer(cfg, model_cfg, tensor) + 1.5 * hidden * dtype_bytes
+        return _saved_layer(cfg, model_cfg, tensor) + hidden * dtype_bytes
     d, sp = cfg.model.d_model, cfg.sharding.sequence_parallel
     residual = RESIDUAL_TENSORS * d / (tensor if sp else 1)
     inner = (NONE_TENSORS - RESIDUAL_TENSORS) * d / tensor
