@@ -69,9 +69,10 @@ def test_1f1b_holds_less_than_gpipe_by_about_the_predicted_ratio(monkeypatch):
     assert one_f_one_b < gpipe
     assert abs(one_f_one_b / gpipe - predicted / gpipe_predicted) <= 0.15, (one_f_one_b, gpipe, predicted,
                                                                            gpipe_predicted)
-    # The planner counts whole logits once - the TPU's compiles write their gradient over them (docs/planner.md);
-    # this CPU compile of the whole batch's logits comes out 10.7% above the plan (0.1 before that count).
-    assert abs(gpipe_predicted / gpipe - 1) <= 0.12
+    # The planner counts whole logits once - the TPU's compiles write their gradient over them (docs/planner.md) -
+    # and a full-remat layer's gate and up gradients once (the TPU's 8B compile); this CPU compile of the whole
+    # batch's logits comes out 12.1% above the plan (10.7% before the second count, 0.1 before the first).
+    assert abs(gpipe_predicted / gpipe - 1) <= 0.13
 
 
 def test_gathering_once_moves_every_batch_axis_collective_out_of_the_loop():
