@@ -138,11 +138,15 @@ def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], te
         weights = weights.astype(h_btd.dtype)
         experts = (w_gate, w_up, w_down)
         if capacity_factor:
-            rows_tkd, dropped = _with_capacity(h_btd, top_e.reshape(b, t, k), experts, capacity_factor,
+            rows_ktd, dropped = _with_capacity(h_btd, top_e.reshape(b, t, k), experts, capacity_factor,
                                                expert_axes)
         else:
-            rows_tkd, dropped = _dropless(h_btd.reshape(b * t, d), top_e, experts, expert_axes, ragged_transport), 0.
-        out_td = jnp.einsum("tkd,tk->td", rows_tkd.reshape(b * t, k, d), weights.reshape(b * t, k))
+            rows_ktd, dropped = _dropless(h_btd.reshape(b * t, d), top_e, experts, expert_axes, ragged_transport), 0.
+        # Choice-major ([k, T, d], not [T, k, d]): the sum over k is then k whole [T, d] passes. With k minor,
+        # the TPU tiles the [T, k, d] rows with k (2) padded to its tile's 8 sublanes, and the sum and its
+        # gradient's broadcast move 1.7x the bytes of the block's other passes together
+        # (benchmarks/moe_dispatch.py).
+        out_td = jnp.sum(rows_ktd * weights.T[:, :, None], axis=0)
         if tensor_axes:  # each device summed over its slice of the experts' hidden dim
             out_td = jax.lax.psum(out_td, tensor_axes)
         stats = router_stats(top_e.reshape(b, t, k), probs.reshape(b, t, -1), lse.reshape(b, t),
@@ -160,21 +164,21 @@ def _swiglu(rows_rd, w_gate, w_up, w_down, matmul):
 
 
 def _dropless(h_td, top_e, experts, expert_axes, ragged_transport) -> jax.Array:
-    """Every assignment's expert output, [T, k, d]: the assignments sorted by expert, sent to their experts'
+    """Every assignment's expert output, [k, T, d]: the assignments sorted by expert, sent to their experts'
     devices, multiplied there grouped by expert, and returned to their places."""
     num_local = experts[0].shape[0]
     t, k = top_e.shape
     shards = _axis_size(expert_axes)
-    flat_e = top_e.reshape(-1)
+    flat_e = top_e.T.reshape(-1)  # choice-major: assignment c x T + i is token i's choice c
     order = jnp.argsort(flat_e, stable=True)
-    rows = h_td[order // k]  # [T k, d], by expert
+    rows = h_td[order % t]  # [k T, d], by expert
     counts = jnp.bincount(flat_e, length=num_local * shards)  # this device's assignments per expert
     if shards == 1:
         out = _grouped_swiglu(rows, counts, experts)
     else:
         received = rows_per_token(k, num_local * shards, shards, 0.0, 1, ragged_transport)[1]
         out = _expert_parallel(rows, counts, experts, expert_axes, ragged_transport, int(t * received))
-    return jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)
+    return jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(k, t, -1)
 
 
 def _grouped_swiglu(rows, group_sizes, experts):
@@ -254,7 +258,7 @@ def _ragged_exchange(rows, send_offsets, sizes, me, out_rows, axes, back=False):
 
 
 def _with_capacity(h_btd, top_e_btk, experts, capacity_factor, expert_axes):
-    """Every assignment's expert output [b t, k, d] (zeros where dropped) and the number dropped, with at most
+    """Every assignment's expert output [k, b t, d] (zeros where dropped) and the number dropped, with at most
     C assignments per expert per sequence."""
     b, t, k = top_e_btk.shape
     num_local, d = experts[0].shape[0], h_btd.shape[-1]
@@ -277,6 +281,7 @@ def _with_capacity(h_btd, top_e_btk, experts, capacity_factor, expert_axes):
     if shards > 1:
         out = jax.lax.all_to_all(out, expert_axes, 1, 0, tiled=True)
     out = out.reshape(e, b, most, d).swapaxes(0, 1)
-    gathered = out[seq, top_e_btk, jnp.minimum(slot, most - 1)]
+    seq, top_e, slot, kept = (jnp.moveaxis(x, -1, 0) for x in (seq, top_e_btk, slot, kept))  # choice-major
+    gathered = out[seq, top_e, jnp.minimum(slot, most - 1)]
     gathered = jnp.where(kept[..., None], gathered, 0)
-    return gathered.reshape(b * t, k, d), jnp.sum(~kept)
+    return gathered.reshape(k, b * t, d), jnp.sum(~kept)
