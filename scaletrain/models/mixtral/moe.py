@@ -144,8 +144,8 @@ def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], te
             rows_ktd, dropped = _dropless(h_btd.reshape(b * t, d), top_e, experts, expert_axes, ragged_transport), 0.
         # Choice-major ([k, T, d], not [T, k, d]): the sum over k is then k whole [T, d] passes. With k minor,
         # the TPU tiles the [T, k, d] rows with k (2) padded to its tile's 8 sublanes, and the sum and its
-        # gradient's broadcast move 1.7x the bytes of the block's other passes together
-        # (benchmarks/moe_dispatch.py).
+        # gradient's broadcast moved more bytes than the block's other passes together: choice-major is 11%
+        # faster by XLA's estimate (benchmarks/moe_dispatch.py, docs/moe.md).
         out_td = jnp.sum(rows_ktd * weights.T[:, :, None], axis=0)
         if tensor_axes:  # each device summed over its slice of the experts' hidden dim
             out_td = jax.lax.psum(out_td, tensor_axes)
