@@ -45,14 +45,21 @@ def recomputed_bytes(cfg, elements: Mapping[str, float], residual: float) -> flo
 
 
 def memory_bound_bytes(cfg, axes: Mapping[str, int], state: memory.State, score_bytes: float,
-                       logits_passes: int) -> float:
+                       logits_passes: int, ragged: bool) -> float:
     """HBM bytes per device and step of the passes no matmul hides (the module's third part). `score_bytes`: XLA
-    attention's per step and device (roofline.hbm_bytes); `logits_passes`: the float32 logits' passes."""
+    attention's per step and device (roofline.hbm_bytes); `logits_passes`: the float32 logits' passes; `ragged`:
+    expert parallelism's transport (memory.expert_rows).
+    A mixture-of-experts layer's routed rows - dispatched, computed by the grouped matmuls and combined - are
+    residuals too (memory.routed_layer, as memory.predict holds them), and pay the same passes: a grouped matmul
+    is a kernel XLA fuses nothing into, so the SwiGLU between the experts' matmuls writes and reads its whole
+    hidden rows (benchmarks/moe_dispatch.py: Mixtral's block takes 9 ms more than one plain matmul of its rows)."""
     m = cfg.model
-    t = axes["tensor"]
+    t, ab = axes["tensor"], memory.DTYPE_BYTES[m.dtype]
     stream, inner = residuals.per_token(state.layout.model_cfg)
-    residual = stream / (t if cfg.sharding.sequence_parallel else 1) + inner / t
-    elements = memory.tensor_elements(m, state.layout.rules.activations, axes)
+    routed = memory.moe_share(m) * memory.routed_layer(cfg, axes, ab, ragged) if m.num_experts else 0.0
+    residual = stream / (t if cfg.sharding.sequence_parallel else 1) + inner / t + routed
+    received = memory.expert_rows(cfg, axes, ragged)[1]
+    elements = memory.tensor_elements(m, state.layout.rules.activations, axes, received)
     tokens = memory.replica_tokens(cfg, axes) * microbatches(cfg, axes)
     layers = m.num_layers / axes["pipeline"]
     activations = tokens * layers * (RESIDUAL_PASSES * residual + recomputed_bytes(cfg, elements, residual))

@@ -134,7 +134,7 @@ def expert_rows(cfg, axes: Mapping[str, int], ragged: bool = True) -> tuple[floa
                               cfg.data.seq_len, ragged)
 
 
-def _routed_layer(cfg, axes: Mapping[str, int], dtype_bytes: int, ragged: bool) -> float:
+def routed_layer(cfg, axes: Mapping[str, int], dtype_bytes: int, ragged: bool) -> float:
     """Bytes per token a MoE layer holds beyond its per-token tensors (those of the router and the combination:
     residuals.per_token or NONE_TENSORS): the rows it sends and those that return, the rows its experts receive
     and compute (the dispatch buffers), and the experts' hidden - gate, up and their product - for those."""
@@ -298,7 +298,7 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     keeps the stage inputs of `held_microbatches` microbatches whatever the policy (pipeline_1f1b.py recomputes
     a stage in its backward slot: under policy none that recomputation holds every activation of the stage's
     layers for one microbatch), and runs the head, logits and all, on one microbatch at a time.
-    A mixture-of-experts layer holds its routed rows besides (`_routed_layer`; `ragged`: the TPU's transport,
+    A mixture-of-experts layer holds its routed rows besides (`routed_layer`; `ragged`: the TPU's transport,
     `expert_rows`), and keeps the experts' gate and up where the policy keeps `moe_gate` and `moe_up`."""
     m = cfg.model
     t, stage_layers = axes["tensor"], m.num_layers / axes["pipeline"]
@@ -317,7 +317,7 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     stage_inputs = elements["decoder_layer_input"] * ab * tokens
     moe = moe_share(m)
     # Bytes per token of a layer with nothing rematerialised: a MoE layer's routed rows on top.
-    routed = _routed_layer(cfg, axes, ab, ragged) if moe else 0.0
+    routed = routed_layer(cfg, axes, ab, ragged) if moe else 0.0
     if policy == "none":
         every = (_saved_layer(cfg, s.layout.model_cfg, t) + moe * routed) * stage_layers
         saved, working, offloaded = (stage_inputs, every * micro, 0.0) if one_f_one_b else (every * tokens, 0.0, 0.0)
