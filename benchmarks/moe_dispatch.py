@@ -37,7 +37,7 @@ BF16 = jnp.bfloat16
 
 
 def model(h, router, wg, wu, wd):
-    return moe._per_device(K, 0.0, (), (), True)(h, router, wg, wu, wd)[0]
+    return moe._per_device(K, 0.0, (), (), True, None)(h, router, wg, wu, wd)[0]
 
 
 def token_major(h, router, wg, wu, wd):
@@ -45,12 +45,12 @@ def token_major(h, router, wg, wu, wd):
     top_e, weights, _, _ = moe.route(h.reshape(T, D), router, K)
     order = jnp.argsort(top_e.reshape(-1), stable=True)
     rows = h.reshape(T, D)[order // K]
-    out = moe._grouped_swiglu(rows, jnp.bincount(top_e.reshape(-1), length=E), (wg, wu, wd))
+    out = moe._grouped_swiglu(rows, jnp.bincount(top_e.reshape(-1), length=E), (wg, wu, wd), None)
     out = jnp.zeros_like(out).at[order].set(out).reshape(T, K, D)
     return jnp.einsum("tkd,tk->td", out, weights.astype(h.dtype))
 
 
-def megablox_swiglu(rows, group_sizes, experts):
+def megablox_swiglu(rows, group_sizes, experts, quant):
     def matmul(x, w):  # MaxText's default tiles, clipped to the operands
         tiling = (min(512, x.shape[0]), min(1024, x.shape[1]), min(1024, w.shape[2]))
         return megablox.gmm(x, w, group_sizes.astype(jnp.int32), BF16, tiling)
@@ -58,7 +58,7 @@ def megablox_swiglu(rows, group_sizes, experts):
     return moe._swiglu(rows, *experts, matmul)
 
 
-def one_expert_swiglu(rows, group_sizes, experts):
+def one_expert_swiglu(rows, group_sizes, experts, quant):
     return moe._swiglu(rows, *(w[0] for w in experts), lambda x, w: x @ w)
 
 

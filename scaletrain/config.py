@@ -27,6 +27,13 @@ MESH_AXES = ("data", "fsdp", "expert", "pipeline", "tensor")
 ATTENTIONS = ("xla", "flash")
 NORMS = ("standard", "deferred", "fused")
 NORM_WEIGHTS = ("standard", "folded", "weightless")
+# model.quantization: the dtype of the chosen matmuls' operands; model.quantized_matmuls: which groups of matmuls,
+# comma-separated (docs/quantization.md). The output head is left out by default: its logits feed a softmax over
+# the whole vocabulary, where rounding costs the most loss for the least time (one matmul a step).
+QUANTIZATIONS = ("none", "int8", "fp8")
+QUANTIZATION_SCALES = ("channel", "tensor")
+MATMUL_GROUPS = ("attention", "mlp", "experts", "output")
+DEFAULT_QUANTIZED = "attention,mlp,experts"
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -71,6 +78,9 @@ def defaults() -> ml_collections.ConfigDict:
                 "router_aux_loss": 0.01,
                 "router_z_loss": 0.001,
                 "family": "auto",
+                "quantization": "none",
+                "quantization_scale": "channel",
+                "quantized_matmuls": DEFAULT_QUANTIZED,
             },
             "data": {
                 "source": "stdlib",
@@ -139,6 +149,8 @@ CHOICES = {
     "model.attention": ATTENTIONS,
     "model.norm": NORMS,
     "model.norm_weights": NORM_WEIGHTS,
+    "model.quantization": QUANTIZATIONS,
+    "model.quantization_scale": QUANTIZATION_SCALES,
     "remat.policy": remat.POLICIES,
     **{f"remat.custom.{name}": remat.MODES for name in remat.NAMES},
     "data.source": ("stdlib", "synthetic", "files", "prepared"),
@@ -352,6 +364,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"model.norm_cancellation=true is exact only with model.qk_norm_eps=0 (got "
                           f"{m.qk_norm_eps}): RMSNorm(c q) = RMSNorm(q) needs eps = 0")
     _check_moe(m)
+    _check_quantization(m)
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
     if cfg.train.global_batch % cfg.train.grad_accum_steps:
@@ -372,6 +385,29 @@ def _check_moe(m: ml_collections.ConfigDict) -> None:
     if m.num_layers % m.moe_every:
         raise ConfigError(f"model.num_layers={m.num_layers} must be divisible by model.moe_every={m.moe_every}: "
                           f"the stack repeats groups of moe_every layers, the last of each a mixture of experts")
+
+
+def quantized_groups(spec: str) -> tuple[str, ...]:
+    """The matmul groups a model.quantized_matmuls value names ("attention,mlp"); ConfigError for unknown ones."""
+    names = tuple(name.strip() for name in spec.split(",") if name.strip())
+    unknown = [name for name in names if name not in MATMUL_GROUPS]
+    if unknown:
+        raise ConfigError(f"model.quantized_matmuls names unknown matmul group(s) {', '.join(unknown)}: expected a "
+                          f"comma-separated list of {', '.join(MATMUL_GROUPS)}; got '{spec}'")
+    return names
+
+
+def _check_quantization(m: ml_collections.ConfigDict) -> None:
+    groups = quantized_groups(m.quantized_matmuls)
+    if m.quantization == "none":
+        return
+    if not groups:
+        raise ConfigError(f"model.quantization={m.quantization} quantizes no matmul: model.quantized_matmuls is empty "
+                          f"(name some of {', '.join(MATMUL_GROUPS)}, or set model.quantization=none)")
+    if m.norm == "fused" and {"attention", "mlp", "output"} & set(groups):
+        raise ConfigError(f"model.quantization={m.quantization} with model.norm=fused: the fused norm+matmul kernels "
+                          f"multiply in the compute dtype, so the matmuls after a norm cannot be quantized; use "
+                          f"model.norm=deferred (the same arithmetic in XLA, which quantizes its matmul)")
 
 
 def moe_d_ff(m) -> int:

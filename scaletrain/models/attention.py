@@ -8,7 +8,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain.kernels import flash_attention
-from scaletrain.models import rope
+from scaletrain.models import quantize, rope
 from scaletrain.models.layers import RMSNorm, param, project
 from scaletrain.parallel.sharding import active_device, constrain, local, ways
 
@@ -56,6 +56,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg = cfg
+        self.quant = quantize.for_group(cfg, "attention")
         std, pd = cfg.init_std, cfg.param_dtype
         self.wq = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pd, std)
         self.wk = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std)
@@ -72,20 +73,22 @@ class Attention(nnx.Module):
         the device - one reduce-scatter instead of three. Otherwise three matmuls: slicing the joined output
         costs relayout copies the separate ones do not have (docs/parallelism.md). Three also serve kv heads
         replicated over `tensor` (fewer than its ways) and decoding (`one_matmul` False: no backward pass, and
-        joining the weights would copy them at every token)."""
+        joining the weights would copy them at every token), and quantized matmuls (`self.quant`): the joined
+        matmul's gradient would share one scale per row across Q, K and V, so its rounding would depend on the
+        mesh."""
         n, k = self.cfg.num_heads, self.cfg.num_kv_heads
         if self.cfg.norm_cancellation:
             return self._project_qkv_cancelled(x_btd, norm)
-        if not (self.cfg.fuse_qkv and one_matmul and ways("heads") > 1):
+        if not (self.cfg.fuse_qkv and one_matmul and ways("heads") > 1 and self.quant is None):
             query, key, value = norm.project_each(x_btd, ((self.wq[...], ("embed", "heads", "head_dim")),
                                                 (self.wk[...], ("embed", "kv_heads", "head_dim")),
-                                                (self.wv[...], ("embed", "kv_heads", "head_dim"))))
+                                                (self.wv[...], ("embed", "kv_heads", "head_dim"))), quant=self.quant)
             return (checkpoint_name(query, "query_proj"), checkpoint_name(key, "key_proj"),
                     checkpoint_name(value, "value_proj"))
         d, _, h = self.wq.shape
         w_dkch = jnp.concatenate([self.wq[...].reshape(d, k, n // k, h), self.wk[...][:, :, None],
                                   self.wv[...][:, :, None]], axis=2)
-        qkv_btkch = norm.project(x_btd, w_dkch, ("embed", "kv_heads", None, "head_dim"))
+        qkv_btkch = norm.project(x_btd, w_dkch, ("embed", "kv_heads", None, "head_dim"), quant=self.quant)
         b, t = x_btd.shape[:2]
         return (checkpoint_name(qkv_btkch[:, :, :, : n // k].reshape(b, t, n, h), "query_proj"),
                 checkpoint_name(qkv_btkch[:, :, :, n // k], "key_proj"),
@@ -95,9 +98,9 @@ class Attention(nnx.Module):
         """Norm cancellation (FlashNorm Proposition 3): Q and K are renormalised per head, and RMSNorm(c q) =
         RMSNorm(q) with eps = 0, so the input norm's row scale 1/rms(x) is dropped for them - computed once,
         for V only. (config.validate admits this only with qk norms of eps 0.)"""
-        q = norm.project_unscaled(x_btd, self.wq[...]).astype(x_btd.dtype)
-        k = norm.project_unscaled(x_btd, self.wk[...]).astype(x_btd.dtype)
-        v = (norm.project_unscaled(x_btd, self.wv[...]) * norm.row_scale(x_btd, 2)).astype(x_btd.dtype)
+        q = norm.project_unscaled(x_btd, self.wq[...], self.quant).astype(x_btd.dtype)
+        k = norm.project_unscaled(x_btd, self.wk[...], self.quant).astype(x_btd.dtype)
+        v = (norm.project_unscaled(x_btd, self.wv[...], self.quant) * norm.row_scale(x_btd, 2)).astype(x_btd.dtype)
         return checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
 
     def _queries_keys_values(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array,
@@ -114,7 +117,7 @@ class Attention(nnx.Module):
         return q_btnh * jnp.asarray(cfg.head_dim ** -0.5, x_btd.dtype), k_btkh, v_btkh
 
     def _out(self, out_btnh: jax.Array) -> jax.Array:
-        out_btd = project(out_btnh, self.wo[...], in_dims=2)
+        out_btd = project(out_btnh, self.wo[...], in_dims=2, quant=self.quant)
         return checkpoint_name(constrain(out_btd, ("batch", "residual_seq", "embed")), "out_proj")
 
     def __call__(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array,

@@ -10,6 +10,7 @@ from flax import nnx
 
 from scaletrain.config import NORMS
 from scaletrain.kernels import norm_matmul
+from scaletrain.models.quantize import Quantization
 from scaletrain.parallel.sharding import active_device, constrain, local
 
 # Flax would otherwise try to shard each variable as it is created, which needs a mesh; we resolve
@@ -28,21 +29,29 @@ def ones(shape: tuple[int, ...], logical: tuple[str, ...], dtype) -> nnx.Param:
     return nnx.Param(jnp.ones(shape, dtype), out_sharding=logical)
 
 
-def project(x: jax.Array, w: jax.Array, in_dims: int = 1, out_dtype=None) -> jax.Array:
+def project(x: jax.Array, w: jax.Array, in_dims: int = 1, out_dtype=None, quant: Quantization | None = None
+            ) -> jax.Array:
     """Contract the last `in_dims` dims of x with the first `in_dims` dims of w, as one 2-D matmul over all
     tokens. The same math as an einsum such as 'btd,dnh->btnh', but XLA's CPU backend lays out the gradient
     of a dot whose contraction spans (batch, seq) with slow transposes (2x on the whole step); as a plain
-    [tokens, in] @ [in, out] the backward pass is two canonical matmuls too."""
-    return projections(x, (w,), in_dims, out_dtype)[0]
+    [tokens, in] @ [in, out] the backward pass is two canonical matmuls too. `quant`: the matmul's low-precision
+    mode (models/quantize.py), None for the compute dtype."""
+    return projections(x, (w,), in_dims, out_dtype, quant)[0]
 
 
-def projections(x: jax.Array, ws, in_dims: int = 1, out_dtype=None) -> tuple[jax.Array, ...]:
+def projections(x: jax.Array, ws, in_dims: int = 1, out_dtype=None, quant: Quantization | None = None
+                ) -> tuple[jax.Array, ...]:
     """`project` of x by each of `ws`, x flattened to [tokens, in] once for all of them (the backward pass saves
     one copy of it, not one per matmul)."""
     lead, k = x.shape[: x.ndim - in_dims], math.prod(x.shape[x.ndim - in_dims:])
     x2 = x.reshape(-1, k)
-    return tuple(jnp.dot(x2, w.astype(x.dtype).reshape(k, -1), preferred_element_type=out_dtype)
-                 .reshape(*lead, *w.shape[in_dims:]) for w in ws)
+
+    def matmul(w2):
+        if quant is not None:
+            return quant.dot_general(x2, w2, out_dtype=out_dtype)
+        return jnp.dot(x2, w2.astype(x.dtype), preferred_element_type=out_dtype)
+
+    return tuple(matmul(w.reshape(k, -1)).reshape(*lead, *w.shape[in_dims:]) for w in ws)
 
 
 class RMSNorm(nnx.Module):
@@ -71,10 +80,10 @@ class RMSNorm(nnx.Module):
             return x_btd
         return (x_btd.astype(jnp.float32) * self.scale[...].astype(jnp.float32)).astype(x_btd.dtype)
 
-    def project_unscaled(self, x_btd: jax.Array, w: jax.Array) -> jax.Array:
+    def project_unscaled(self, x_btd: jax.Array, w: jax.Array, quant: Quantization | None = None) -> jax.Array:
         """(x * g) @ w in float32: the projection of RMSNorm(x) before its rows are scaled by 1/rms(x). With
         folded weights (no gain) it is x @ W*: the matmul reads x as it is."""
-        return project(self._scaled_input(x_btd), w, out_dtype=jnp.float32)
+        return project(self._scaled_input(x_btd), w, out_dtype=jnp.float32, quant=quant)
 
     def row_scale(self, x_btd: jax.Array, out_dims: int) -> jax.Array:
         """1/rms(x), shaped to scale a projection with `out_dims` output dims."""
@@ -85,22 +94,25 @@ class RMSNorm(nnx.Module):
         return normed.astype(x_btd.dtype)
 
     def project(self, x_btd: jax.Array, w: jax.Array, w_logical: tuple[str | None, ...],
-                out_dtype=None) -> jax.Array:
+                out_dtype=None, quant: Quantization | None = None) -> jax.Array:
         """RMSNorm(x) @ w for w [embed, ...] (logical axes `w_logical`), in out_dtype (x's by default)."""
-        return self.project_each(x_btd, ((w, w_logical),), out_dtype)[0]
+        return self.project_each(x_btd, ((w, w_logical),), out_dtype, quant)[0]
 
     def project_each(self, x_btd: jax.Array, ws: tuple[tuple[jax.Array, tuple[str | None, ...]], ...],
-                     out_dtype=None) -> tuple[jax.Array, ...]:
+                     out_dtype=None, quant: Quantization | None = None) -> tuple[jax.Array, ...]:
         """RMSNorm(x) @ w for each (w, w_logical) in `ws`, the norm's work shared: the normalised x (standard),
         or x * g and 1/rms(x) (deferred), computed once for all of them - so the backward pass saves them once,
-        not once per matmul; `fused` normalises inside each kernel."""
+        not once per matmul; `fused` normalises inside each kernel (which multiplies in the compute dtype: the
+        config refuses it with `quant`)."""
         out_dtype = out_dtype or x_btd.dtype
         if self.mode == "standard":
-            return projections(self(x_btd), [w for w, _ in ws], out_dtype=out_dtype)
+            return projections(self(x_btd), [w for w, _ in ws], out_dtype=out_dtype, quant=quant)
         if self.mode == "deferred":
             inv_rms, rows = self._inv_rms(x_btd), x_btd.shape[:-1]
-            return tuple((y * inv_rms.reshape(*rows, *(1,) * (w.ndim - 1))).astype(out_dtype) for y, (w, _) in
-                         zip(projections(self._scaled_input(x_btd), [w for w, _ in ws], out_dtype=jnp.float32), ws))
+            unscaled = projections(self._scaled_input(x_btd), [w for w, _ in ws], out_dtype=jnp.float32, quant=quant)
+            return tuple((y * inv_rms.reshape(*rows, *(1,) * (w.ndim - 1))).astype(out_dtype)
+                         for y, (w, _) in zip(unscaled, ws))
+        assert quant is None, "model.norm=fused multiplies in the compute dtype (config.validate)"
 
         eps, blocks = self.eps, norm_matmul.blocks_for(active_device())
 
@@ -122,6 +134,6 @@ class Embed(nnx.Module):
         x_btd = jnp.take(self.table[...].astype(dtype), tokens_bt, axis=0)
         return constrain(x_btd, ("batch", "residual_seq", "embed"))
 
-    def attend(self, x_btd: jax.Array) -> jax.Array:
+    def attend(self, x_btd: jax.Array, quant: Quantization | None = None) -> jax.Array:
         """Tied output projection: logits against the embedding table, accumulated in float32."""
-        return project(x_btd, self.table[...].T, out_dtype=jnp.float32)
+        return project(x_btd, self.table[...].T, out_dtype=jnp.float32, quant=quant)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from scaletrain.models import quantize
 from scaletrain.models.layers import param, project
 from scaletrain.parallel.sharding import constrain, ways
 
@@ -17,6 +18,7 @@ class MLP(nnx.Module):
         self.w_gate = param(rngs, (d, f), ("embed", "mlp"), pd, cfg.init_std)
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), pd, cfg.init_std)
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), pd, cfg.out_std)
+        self.quant = quantize.for_group(cfg, "mlp")
 
     def __call__(self, x_btd: jax.Array, norm, one_matmul: bool = True) -> jax.Array:
         """The MLP of norm(x): the norm is applied with the gate/up projection (model.norm). Split over
@@ -24,15 +26,17 @@ class MLP(nnx.Module):
         against [embed, mlp, 2] (mlp-major, so a tensor-parallel shard holds both halves of its columns): the
         backward pass sums the two input gradients before they leave the device - one reduce-scatter instead
         of two. Otherwise two matmuls: a [..., mlp, 2] output split in its minor dim costs the TPU three
-        relayout copies of the hidden activations per layer (docs/parallelism.md)."""
-        if one_matmul and ways("mlp") > 1:
+        relayout copies of the hidden activations per layer (docs/parallelism.md). Quantized (`self.quant`),
+        always two: the joined matmul's gradient would share one scale per row across gate and up, so its
+        rounding would depend on the mesh."""
+        if one_matmul and ways("mlp") > 1 and self.quant is None:
             gate_up_btf2 = norm.project(x_btd, jnp.stack([self.w_gate[...], self.w_up[...]], axis=-1),
-                                        ("embed", "mlp", None))
+                                        ("embed", "mlp", None), quant=self.quant)
             gate_btf, up_btf = gate_up_btf2[..., 0], gate_up_btf2[..., 1]
         else:
             gate_btf, up_btf = norm.project_each(x_btd, ((self.w_gate[...], ("embed", "mlp")),
-                                                         (self.w_up[...], ("embed", "mlp"))))
+                                                         (self.w_up[...], ("embed", "mlp"))), quant=self.quant)
         gate_btf, up_btf = checkpoint_name(gate_btf, "mlp_gate"), checkpoint_name(up_btf, "mlp_up")
         h_btf = constrain(jax.nn.silu(gate_btf) * up_btf, ("batch", "seq", "mlp"))
-        out_btd = project(h_btf, self.w_down[...])
+        out_btd = project(h_btf, self.w_down[...], quant=self.quant)
         return checkpoint_name(constrain(out_btd, ("batch", "residual_seq", "embed")), "mlp_out")

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain import config, remat
-from scaletrain.models import rope
+from scaletrain.models import quantize, rope
 from scaletrain.models.attention import Attention
 from scaletrain.models.layers import Embed, RMSNorm, param, project
 from scaletrain.models.mlp import MLP
@@ -64,6 +64,9 @@ class ModelConfig:
     router_aux_loss: float  # the loss's coefficients of the router's load-balancing and z losses
     router_z_loss: float
     family: str = "auto"  # a registered family's name (models/__init__.py); auto: mixtral with experts, else llama
+    quantization: str = "none"  # config.QUANTIZATIONS: the chosen matmuls' operand dtype (models/quantize.py)
+    quantization_scale: str = "channel"  # config.QUANTIZATION_SCALES
+    quantized_matmuls: str = config.DEFAULT_QUANTIZED  # which config.MATMUL_GROUPS, comma-separated
     # Derived by the trainer from other sections.
     remat: str = "none"  # a remat.POLICIES name
     remat_custom: tuple[tuple[str, str], ...] = ()  # (checkpoint name, remat|device|offload) for "custom"
@@ -242,12 +245,14 @@ class Decoder(nnx.Module):
 
     def logits(self, x_btd: jax.Array) -> jax.Array:
         """float32 logits [b, t, vocab] of `hidden`'s stream, or of any block of its positions."""
+        quant = quantize.for_group(self.cfg, "output")
         if not self._norm_first():
-            logits = self.final_norm.project(x_btd, self.lm_head[...], ("embed", "vocab"), out_dtype=jnp.float32)
+            logits = self.final_norm.project(x_btd, self.lm_head[...], ("embed", "vocab"), out_dtype=jnp.float32,
+                                             quant=quant)
         elif self.cfg.tie_embeddings:
-            logits = self.embed.attend(x_btd)
+            logits = self.embed.attend(x_btd, quant)
         else:
-            logits = project(x_btd, self.lm_head[...], out_dtype=jnp.float32)
+            logits = project(x_btd, self.lm_head[...], out_dtype=jnp.float32, quant=quant)
         return constrain(logits, ("batch", "seq", "vocab"))
 
 

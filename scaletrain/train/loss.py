@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from scaletrain.models import quantize
 from scaletrain.parallel.sharding import active_device, ways
 
 # The CPU's fast path for the output projection + loss (linear_cross_entropy); False: always the plain path, its
@@ -234,8 +235,10 @@ def head_loss(graphdef: nnx.GraphDef, params: Any, x_btd: jax.Array, targets_bt:
 
 def projects_the_stream(cfg) -> bool:
     """Whether the logits are `hidden`'s stream times lm_head, nothing else (untied, the final norm applied
-    before): what the fused losses compute. FUSED_LOSS False keeps the plain paths, their twins in tests."""
-    return FUSED_LOSS and not cfg.tie_embeddings and cfg.norm == "standard"
+    before, the head not quantized: the fused losses multiply in the compute dtype): what the fused losses
+    compute. FUSED_LOSS False keeps the plain paths, their twins in tests."""
+    return (FUSED_LOSS and not cfg.tie_embeddings and cfg.norm == "standard"
+            and quantize.for_group(cfg, "output") is None)
 
 
 def _fused_loss(model, x_btd) -> bool:

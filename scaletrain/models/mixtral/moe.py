@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from scaletrain.models import quantize
 from scaletrain.models.layers import param
 from scaletrain.parallel.sharding import active_axes, active_device, constrain, local
 
@@ -87,6 +88,7 @@ class MoE(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         d, f, e, pd = cfg.d_model, cfg.expert_d_ff, cfg.num_experts, cfg.param_dtype
         self.k, self.capacity_factor = cfg.experts_per_token, cfg.capacity_factor
+        self.quant = quantize.for_group(cfg, "experts")
         self.router = param(rngs, (d, e), ("embed", None), pd, cfg.init_std)
         self.w_gate = param(rngs, (e, d, f), ("experts", "embed", "moe_mlp"), pd, cfg.init_std)
         self.w_up = param(rngs, (e, d, f), ("experts", "embed", "moe_mlp"), pd, cfg.init_std)
@@ -98,7 +100,7 @@ class MoE(nnx.Module):
         # permuted, past where a norm could be fused into their matmul.
         h_btd = constrain(norm(x_btd), ("batch", "seq", "embed"))
         fn = _per_device(self.k, self.capacity_factor, active_axes("experts"), active_axes("moe_mlp"),
-                         active_device().platform == "tpu")
+                         active_device().platform == "tpu", self.quant)
         up, down = ("experts", "embed", "moe_mlp"), ("experts", "moe_mlp", "embed")
         per_device = local(fn, (("batch", "seq", "embed"), ("embed", None), up, up, down),
                            (("batch", "seq", "embed"), ("batch", None)))
@@ -145,9 +147,10 @@ def router_stats(top_e_btk: jax.Array, probs_bte: jax.Array, lse_bt: jax.Array, 
 
 
 def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], tensor_axes: tuple[str, ...],
-                ragged_transport: bool):
+                ragged_transport: bool, quant: quantize.Quantization | None):
     """The block on one device's tokens and weights: h [b, t, d], router [d, E], the device's experts
-    [E_l, d, f_l] and [E_l, f_l, d] -> (output [b, t, d], statistics [1, stats])."""
+    [E_l, d, f_l] and [E_l, f_l, d] -> (output [b, t, d], statistics [1, stats]). `quant`: the experts' matmuls'
+    low-precision mode (the router's stays float32)."""
 
     def fn(h_btd, router_de, w_gate, w_up, w_down):
         b, t, d = h_btd.shape
@@ -156,9 +159,10 @@ def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], te
         experts = (w_gate, w_up, w_down)
         if capacity_factor:
             rows_ktd, dropped = _with_capacity(h_btd, top_e.reshape(b, t, k), experts, capacity_factor,
-                                               expert_axes)
+                                               expert_axes, quant)
         else:
-            rows_ktd, dropped = _dropless(h_btd.reshape(b * t, d), top_e, experts, expert_axes, ragged_transport), 0.
+            rows_ktd = _dropless(h_btd.reshape(b * t, d), top_e, experts, expert_axes, ragged_transport, quant)
+            dropped = 0.
         # Choice-major ([k, T, d], not [T, k, d]): the sum over k is then k whole [T, d] passes. With k minor,
         # the TPU tiles the [T, k, d] rows with k (2) padded to its tile's 8 sublanes, and the sum and its
         # gradient's broadcast moved more bytes than the block's other passes together: choice-major is 11%
@@ -180,7 +184,7 @@ def _swiglu(rows_rd, w_gate, w_up, w_down, matmul):
     return matmul(jax.nn.silu(gate) * up, w_down)
 
 
-def _dropless(h_td, top_e, experts, expert_axes, ragged_transport) -> jax.Array:
+def _dropless(h_td, top_e, experts, expert_axes, ragged_transport, quant) -> jax.Array:
     """Every assignment's expert output, [k, T, d]: the assignments sorted by expert, sent to their experts'
     devices, multiplied there grouped by expert, and returned to their places."""
     num_local = experts[0].shape[0]
@@ -191,16 +195,18 @@ def _dropless(h_td, top_e, experts, expert_axes, ragged_transport) -> jax.Array:
     rows = h_td[order % t]  # [k T, d], by expert
     counts = jnp.bincount(flat_e, length=num_local * shards)  # this device's assignments per expert
     if shards == 1:
-        out = _grouped_swiglu(rows, counts, experts)
+        out = _grouped_swiglu(rows, counts, experts, quant)
     else:
         received = rows_per_token(k, num_local * shards, shards, 0.0, 1, ragged_transport)[1]
-        out = _expert_parallel(rows, counts, experts, expert_axes, ragged_transport, int(t * received))
+        out = _expert_parallel(rows, counts, experts, expert_axes, ragged_transport, int(t * received), quant)
     return jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(k, t, -1)
 
 
-def _grouped_swiglu(rows, group_sizes, experts):
+def _grouped_swiglu(rows, group_sizes, experts, quant):
     """The SwiGLU of rows sorted by expert, `group_sizes[e]` of them for expert e (rows past their sum: zeros)."""
     def matmul(x, w):
+        if quant is not None:
+            return quant.ragged_dot(x, w, group_sizes)
         return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=x.dtype)
 
     return _swiglu(rows, *experts, matmul)
@@ -210,7 +216,7 @@ def _axis_size(axes) -> int:
     return math.prod(jax.lax.axis_size(a) for a in axes) if axes else 1
 
 
-def _expert_parallel(rows, counts, experts, axes, ragged_transport, buffer_rows):
+def _expert_parallel(rows, counts, experts, axes, ragged_transport, buffer_rows, quant):
     """Rows sorted by (global) expert, `counts` per expert, computed by the devices along `axes` that hold their
     experts, and returned in the same order. `buffer_rows`: the most rows a device can receive, the ragged
     transport's buffer (rows_per_token's)."""
@@ -233,7 +239,7 @@ def _expert_parallel(rows, counts, experts, axes, ragged_transport, buffer_rows)
     ends = jnp.cumsum(mine, axis=1)  # [src, e]
     local_e = jax.vmap(lambda e_ends, q: jnp.searchsorted(e_ends, q, side="right"))(ends[source], offset)
     order = jnp.argsort(local_e, stable=True)  # rows past a source's count get num_local: last
-    out = _grouped_swiglu(received[order], jnp.sum(mine, axis=0), experts)
+    out = _grouped_swiglu(received[order], jnp.sum(mine, axis=0), experts, quant)
     out = jnp.zeros_like(out).at[order].set(out)
     if ragged_transport:
         return _ragged_exchange(out, send_offsets, sizes, me, rows.shape[0], axes, back=True)
@@ -274,7 +280,7 @@ def _ragged_exchange(rows, send_offsets, sizes, me, out_rows, axes, back=False):
                                      output_offsets.astype(jnp.int32), recv.astype(jnp.int32), axis_name=axes)
 
 
-def _with_capacity(h_btd, top_e_btk, experts, capacity_factor, expert_axes):
+def _with_capacity(h_btd, top_e_btk, experts, capacity_factor, expert_axes, quant):
     """Every assignment's expert output [k, b t, d] (zeros where dropped) and the number dropped, with at most
     C assignments per expert per sequence."""
     b, t, k = top_e_btk.shape
@@ -294,7 +300,12 @@ def _with_capacity(h_btd, top_e_btk, experts, capacity_factor, expert_axes):
     rows = buffers.swapaxes(0, 1).reshape(e, b * most, d)  # [E, rows, d]
     if shards > 1:  # each device's experts take every device's rows for them: [E_l, shards x rows, d]
         rows = jax.lax.all_to_all(rows, expert_axes, 0, 1, tiled=True)
-    out = _swiglu(rows, *experts, lambda x, w: jnp.einsum("erd,edf->erf", x, w))
+    def matmul(x, w):  # [E, rows, d] @ [E, d, f], by expert
+        if quant is not None:
+            return quant.dot_general(x, w, (((2,), (1,)), ((0,), (0,))))
+        return jnp.einsum("erd,edf->erf", x, w)
+
+    out = _swiglu(rows, *experts, matmul)
     if shards > 1:
         out = jax.lax.all_to_all(out, expert_axes, 1, 0, tiled=True)
     out = out.reshape(e, b, most, d).swapaxes(0, 1)
