@@ -45,12 +45,12 @@ def token_major(h, router, wg, wu, wd):
     top_e, weights, _, _ = moe.route(h.reshape(T, D), router, K)
     order = jnp.argsort(top_e.reshape(-1), stable=True)
     rows = h.reshape(T, D)[order // K]
-    out = moe._grouped_swiglu(rows, jnp.bincount(top_e.reshape(-1), length=E), (wg, wu, wd), None)
+    out = moe._GroupedMatmul(None, (), ()).swiglu(rows, jnp.bincount(top_e.reshape(-1), length=E), (wg, wu, wd))
     out = jnp.zeros_like(out).at[order].set(out).reshape(T, K, D)
     return jnp.einsum("tkd,tk->td", out, weights.astype(h.dtype))
 
 
-def megablox_swiglu(rows, group_sizes, experts, quant):
+def megablox_swiglu(self, rows, group_sizes, experts):
     def matmul(x, w):  # MaxText's default tiles, clipped to the operands
         tiling = (min(512, x.shape[0]), min(1024, x.shape[1]), min(1024, w.shape[2]))
         return megablox.gmm(x, w, group_sizes.astype(jnp.int32), BF16, tiling)
@@ -58,7 +58,7 @@ def megablox_swiglu(rows, group_sizes, experts, quant):
     return moe._swiglu(rows, *experts, matmul)
 
 
-def one_expert_swiglu(rows, group_sizes, experts, quant):
+def one_expert_swiglu(self, rows, group_sizes, experts):
     return moe._swiglu(rows, *(w[0] for w in experts), lambda x, w: x @ w)
 
 
@@ -76,15 +76,15 @@ def main() -> None:
         ((B, S, D), BF16), ((D, E), jnp.float32), ((E, D, F), BF16), ((E, D, F), BF16), ((E, F, D), BF16))]
     print(f"Mixtral 8x7B's MoE block, {T} tokens, forward + backward, one v5p chip (XLA's estimate)\n")
     print("| variant | XLA TFLOP | XLA GB | XLA ms |\n|---|---|---|---|")
-    grouped = moe._grouped_swiglu
+    grouped = moe._GroupedMatmul.swiglu
     for name in (args.only.split(",") if args.only else VARIANTS):
         block, swiglu = VARIANTS[name]
-        moe._grouped_swiglu = swiglu or grouped
+        moe._GroupedMatmul.swiglu = swiglu or grouped
         try:
             loss = lambda *a, block=block: jnp.sum(block(*a).astype(jnp.float32) ** 2)  # noqa: E731
             compiled = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4))).lower(*shapes).compile()
         finally:
-            moe._grouped_swiglu = grouped
+            moe._GroupedMatmul.swiglu = grouped
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         print(f"| {name} | {cost['flops'] / 1e12:.2f} | {cost['bytes accessed'] / 1e9:.2f} | "

@@ -48,7 +48,7 @@ def projections(x: jax.Array, ws, in_dims: int = 1, out_dtype=None, quant: Quant
 
     def matmul(w2):
         if quant is not None:
-            return quant.dot_general(x2, w2, out_dtype=out_dtype)
+            return quant.dot(x2, w2, out_dtype=out_dtype)
         return jnp.dot(x2, w2.astype(x.dtype), preferred_element_type=out_dtype)
 
     return tuple(matmul(w.reshape(k, -1)).reshape(*lead, *w.shape[in_dims:]) for w in ws)

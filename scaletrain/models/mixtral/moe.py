@@ -100,7 +100,7 @@ class MoE(nnx.Module):
         # permuted, past where a norm could be fused into their matmul.
         h_btd = constrain(norm(x_btd), ("batch", "seq", "embed"))
         fn = _per_device(self.k, self.capacity_factor, active_axes("experts"), active_axes("moe_mlp"),
-                         active_device().platform == "tpu", self.quant)
+                         active_device().platform == "tpu", self.quant, active_axes("batch"))
         up, down = ("experts", "embed", "moe_mlp"), ("experts", "moe_mlp", "embed")
         per_device = local(fn, (("batch", "seq", "embed"), ("embed", None), up, up, down),
                            (("batch", "seq", "embed"), ("batch", None)))
@@ -147,10 +147,14 @@ def router_stats(top_e_btk: jax.Array, probs_bte: jax.Array, lse_bt: jax.Array, 
 
 
 def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], tensor_axes: tuple[str, ...],
-                ragged_transport: bool, quant: quantize.Quantization | None):
+                ragged_transport: bool, quant: quantize.Quantization | None, batch_axes: tuple[str, ...] = ()):
     """The block on one device's tokens and weights: h [b, t, d], router [d, E], the device's experts
     [E_l, d, f_l] and [E_l, f_l, d] -> (output [b, t, d], statistics [1, stats]). `quant`: the experts' matmuls'
-    low-precision mode (the router's stays float32)."""
+    low-precision mode (the router's stays float32); `batch_axes` the mesh axes that split the batch."""
+    # An expert's rows lie on the devices of its expert shard: across the other batch axes (and, being the same
+    # rows, not across `tensor`) a quantized matmul takes its gradient's scales as maxima over all of them.
+    rows = tuple(a for a in batch_axes if a not in expert_axes)
+    grouped = _GroupedMatmul(quant, tensor_axes, rows)
 
     def fn(h_btd, router_de, w_gate, w_up, w_down):
         b, t, d = h_btd.shape
@@ -159,9 +163,9 @@ def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], te
         experts = (w_gate, w_up, w_down)
         if capacity_factor:
             rows_ktd, dropped = _with_capacity(h_btd, top_e.reshape(b, t, k), experts, capacity_factor,
-                                               expert_axes, quant)
+                                               expert_axes, grouped)
         else:
-            rows_ktd = _dropless(h_btd.reshape(b * t, d), top_e, experts, expert_axes, ragged_transport, quant)
+            rows_ktd = _dropless(h_btd.reshape(b * t, d), top_e, experts, expert_axes, ragged_transport, grouped)
             dropped = 0.
         # Choice-major ([k, T, d], not [T, k, d]): the sum over k is then k whole [T, d] passes. With k minor,
         # the TPU tiles the [T, k, d] rows with k (2) padded to its tile's 8 sublanes, and the sum and its
@@ -177,14 +181,40 @@ def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], te
     return fn
 
 
-def _swiglu(rows_rd, w_gate, w_up, w_down, matmul):
-    """down(silu(rows W_gate) * (rows W_up)), each matmul `matmul(x, w)` grouped by expert."""
+def _swiglu(rows_rd, w_gate, w_up, w_down, matmul, down_matmul=None):
+    """down(silu(rows W_gate) * (rows W_up)), each matmul `matmul(x, w)` grouped by expert (the down projection's
+    `down_matmul`, where given)."""
     gate = checkpoint_name(matmul(rows_rd, w_gate), "moe_gate")
     up = checkpoint_name(matmul(rows_rd, w_up), "moe_up")
-    return matmul(jax.nn.silu(gate) * up, w_down)
+    return (down_matmul or matmul)(jax.nn.silu(gate) * up, w_down)
 
 
-def _dropless(h_td, top_e, experts, expert_axes, ragged_transport, quant) -> jax.Array:
+class _GroupedMatmul:
+    """The experts' grouped matmuls on one device: jax.lax.ragged_dot, or quantized (`quant`), where the hidden
+    dim's mesh axes (`tensor_axes`: the gate and up projections' outputs, the down projection's contraction) and
+    the axes across which an expert's rows are spread (`row_axes`) share the scales."""
+
+    def __init__(self, quant: quantize.Quantization | None, tensor_axes: tuple[str, ...],
+                 row_axes: tuple[str, ...]):
+        self.quant, self.tensor_axes, self.row_axes = quant, tensor_axes, row_axes
+
+    def swiglu(self, rows, group_sizes, experts):
+        """The SwiGLU of rows sorted by expert, `group_sizes[e]` of them for expert e (rows past their sum:
+        zeros)."""
+        if self.quant is None:
+            return _swiglu(rows, *experts, lambda x, w: jax.lax.ragged_dot(x, w, group_sizes,
+                                                                          preferred_element_type=x.dtype))
+
+        def up(x, w):
+            return self.quant.ragged_dot(x, w, group_sizes, out_axes=self.tensor_axes, row_axes=self.row_axes)
+
+        def down(x, w):
+            return self.quant.ragged_dot(x, w, group_sizes, contract_axes=self.tensor_axes, row_axes=self.row_axes)
+
+        return _swiglu(rows, *experts, up, down)
+
+
+def _dropless(h_td, top_e, experts, expert_axes, ragged_transport, grouped: _GroupedMatmul) -> jax.Array:
     """Every assignment's expert output, [k, T, d]: the assignments sorted by expert, sent to their experts'
     devices, multiplied there grouped by expert, and returned to their places."""
     num_local = experts[0].shape[0]
@@ -195,28 +225,18 @@ def _dropless(h_td, top_e, experts, expert_axes, ragged_transport, quant) -> jax
     rows = h_td[order % t]  # [k T, d], by expert
     counts = jnp.bincount(flat_e, length=num_local * shards)  # this device's assignments per expert
     if shards == 1:
-        out = _grouped_swiglu(rows, counts, experts, quant)
+        out = grouped.swiglu(rows, counts, experts)
     else:
         received = rows_per_token(k, num_local * shards, shards, 0.0, 1, ragged_transport)[1]
-        out = _expert_parallel(rows, counts, experts, expert_axes, ragged_transport, int(t * received), quant)
+        out = _expert_parallel(rows, counts, experts, expert_axes, ragged_transport, int(t * received), grouped)
     return jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(k, t, -1)
-
-
-def _grouped_swiglu(rows, group_sizes, experts, quant):
-    """The SwiGLU of rows sorted by expert, `group_sizes[e]` of them for expert e (rows past their sum: zeros)."""
-    def matmul(x, w):
-        if quant is not None:
-            return quant.ragged_dot(x, w, group_sizes)
-        return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=x.dtype)
-
-    return _swiglu(rows, *experts, matmul)
 
 
 def _axis_size(axes) -> int:
     return math.prod(jax.lax.axis_size(a) for a in axes) if axes else 1
 
 
-def _expert_parallel(rows, counts, experts, axes, ragged_transport, buffer_rows, quant):
+def _expert_parallel(rows, counts, experts, axes, ragged_transport, buffer_rows, grouped: _GroupedMatmul):
     """Rows sorted by (global) expert, `counts` per expert, computed by the devices along `axes` that hold their
     experts, and returned in the same order. `buffer_rows`: the most rows a device can receive, the ragged
     transport's buffer (rows_per_token's)."""
@@ -239,7 +259,7 @@ def _expert_parallel(rows, counts, experts, axes, ragged_transport, buffer_rows,
     ends = jnp.cumsum(mine, axis=1)  # [src, e]
     local_e = jax.vmap(lambda e_ends, q: jnp.searchsorted(e_ends, q, side="right"))(ends[source], offset)
     order = jnp.argsort(local_e, stable=True)  # rows past a source's count get num_local: last
-    out = _grouped_swiglu(received[order], jnp.sum(mine, axis=0), experts, quant)
+    out = grouped.swiglu(received[order], jnp.sum(mine, axis=0), experts)
     out = jnp.zeros_like(out).at[order].set(out)
     if ragged_transport:
         return _ragged_exchange(out, send_offsets, sizes, me, rows.shape[0], axes, back=True)
@@ -280,7 +300,7 @@ def _ragged_exchange(rows, send_offsets, sizes, me, out_rows, axes, back=False):
                                      output_offsets.astype(jnp.int32), recv.astype(jnp.int32), axis_name=axes)
 
 
-def _with_capacity(h_btd, top_e_btk, experts, capacity_factor, expert_axes, quant):
+def _with_capacity(h_btd, top_e_btk, experts, capacity_factor, expert_axes, grouped: _GroupedMatmul):
     """Every assignment's expert output [k, b t, d] (zeros where dropped) and the number dropped, with at most
     C assignments per expert per sequence."""
     b, t, k = top_e_btk.shape
@@ -300,12 +320,11 @@ def _with_capacity(h_btd, top_e_btk, experts, capacity_factor, expert_axes, quan
     rows = buffers.swapaxes(0, 1).reshape(e, b * most, d)  # [E, rows, d]
     if shards > 1:  # each device's experts take every device's rows for them: [E_l, shards x rows, d]
         rows = jax.lax.all_to_all(rows, expert_axes, 0, 1, tiled=True)
-    def matmul(x, w):  # [E, rows, d] @ [E, d, f], by expert
-        if quant is not None:
-            return quant.dot_general(x, w, (((2,), (1,)), ((0,), (0,))))
-        return jnp.einsum("erd,edf->erf", x, w)
-
-    out = _swiglu(rows, *experts, matmul)
+    if grouped.quant is None:
+        out = _swiglu(rows, *experts, lambda x, w: jnp.einsum("erd,edf->erf", x, w))
+    else:  # the buffers as groups of equal size, for the quantized grouped matmul and its shared scales
+        el, r = rows.shape[:2]
+        out = grouped.swiglu(rows.reshape(el * r, d), jnp.full((el,), r, jnp.int32), experts).reshape(el, r, d)
     if shards > 1:
         out = jax.lax.all_to_all(out, expert_axes, 1, 0, tiled=True)
     out = out.reshape(e, b, most, d).swapaxes(0, 1)
