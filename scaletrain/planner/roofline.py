@@ -16,7 +16,7 @@ import math
 from dataclasses import asdict
 from typing import Callable, Mapping, Sequence
 
-from scaletrain import models
+from scaletrain import config, models
 from scaletrain.config import MESH_AXES
 from scaletrain.facts import flops
 from scaletrain.facts import hardware as hw
@@ -126,6 +126,25 @@ def recomputed(cfg) -> frozenset[str]:
               | ({"expert_gate_up"} if not {"moe_gate", "moe_up"} <= kept else set())
               | ({"router"} if cfg.remat.policy != "save_dots" else set()))
     return frozenset(groups & {"attention", *matmuls(cfg.model)})
+
+
+# The config's matmul groups (model.quantized_matmuls) of the families' planner groups (Family.matmuls); the
+# router is never quantized (its float32 logits choose the experts).
+QUANTIZED_GROUPS = {"qkv": "attention", "out": "attention", "gate_up": "mlp", "down": "mlp",
+                    "expert_gate_up": "experts", "expert_down": "experts"}
+
+
+def quantized_flops(cfg, forward: Mapping[str, float], recompute: frozenset[str]) -> float:
+    """Training FLOPs per token of the matmuls model.quantization runs in int8 or fp8 (forward, both backward
+    matmuls and any recomputation), of `forward` (forward_flops's) and the output head: what the chip's int8_ops
+    peak times rather than its bf16 peak."""
+    m = cfg.model
+    if m.quantization == "none":
+        return 0.0
+    groups = set(config.quantized_groups(m.quantized_matmuls))
+    layer = sum(f * (3 + (g in recompute)) for g, f in forward.items() if QUANTIZED_GROUPS.get(g) in groups)
+    head = (3 + recomputed_logits(cfg)) * 2 * m.d_model * m.vocab_size if "output" in groups else 0.0
+    return m.num_layers * layer + head
 
 
 def recomputed_logits(cfg) -> bool:
@@ -340,8 +359,9 @@ def plan(cfg, hardware: str) -> dict:
     sent, seconds = comms.by_axis(transfers)
     hbm = hbm_bytes(cfg, axes, recompute, state)
     # Every chip has its share of the work: the expert axis splits the batch (each device routes its own tokens).
-    times = {"compute": (step_flops + recompute_flops + extra_flops) / topo.num_chips / chip.bf16_flops
-             / (1 - bubble),
+    low = tokens * quantized_flops(cfg, forward_flops(m, cfg.data.seq_len), recompute)
+    times = {"compute": ((step_flops + recompute_flops + extra_flops - low) / chip.bf16_flops + low / chip.int8_ops)
+             / topo.num_chips / (1 - bubble),
              "hbm": hbm / chip.hbm_bandwidth,
              "ici": max(seconds[a] for a in MESH_AXES),
              "dcn": max(seconds[f"dcn_{a}"] for a in MESH_AXES)}
@@ -376,6 +396,7 @@ def plan(cfg, hardware: str) -> dict:
         "tokens_per_replica": memory.replica_tokens(cfg, axes),
         "step_flops": step_flops,
         "recompute_flops": recompute_flops,
+        "quantized_flops": low,
         "attention": m.attention,
         "attention_extra_flops": extra_flops,
         "recomputed": sorted(recompute | ({"logits"} if recomputed_logits(cfg) else set())),
