@@ -71,6 +71,16 @@ def test_a_quantized_pipeline_rounds_per_microbatch(batches):
     equivalence.assert_same(got, want, params=1e-2, mu=5e-2)
 
 
+def test_rematerialised_quantized_layers_equal_kept_ones(batches):
+    """The recomputed forward pass rounds the same numbers the same way: under full remat and under save_dots
+    (which keeps the dots' outputs, not the quantized matmuls' internals) two steps equal remat none within 1e-5,
+    parameters included."""
+    batches = batches[:2]
+    want = equivalence.reference(batches, "model.quantization=int8")
+    for policy in ("full", "save_dots"):
+        equivalence.assert_same(equivalence.run(batches, "model.quantization=int8", f"remat.policy={policy}"), want)
+
+
 @pytest.fixture(scope="module")
 def thirty_batches(stdlib_dataset):
     from scaletrain.data import loader as data
@@ -148,3 +158,24 @@ def test_the_fp8_matmuls_lower_for_a_gpu():
     dots = re.findall(r"stablehlo.dot_general.*", text)
     assert len(dots) == 3, dots
     assert all("f8E4M3FN" in d for d in dots) and sum("f8E5M2" in d for d in dots) == 2, dots
+
+
+def test_the_plan_times_the_quantized_matmuls_at_the_int8_peak():
+    """The roofline's compute time: the attention and MLP projections' training FLOPs (6 per weight and token:
+    nothing recomputed under the 8B config's remat none) at v5p's int8 peak, the rest at its bf16 peak."""
+    from scaletrain.facts import hardware
+    from scaletrain.planner import roofline
+
+    def plan(mode):
+        return roofline.plan(config.load("configs/llama3_8b.yaml", [f"model.quantization={mode}"]), "v5p:4x4x2")
+
+    bf16, int8 = plan("none"), plan("int8")
+    m = config.load("configs/llama3_8b.yaml", []).model
+    d, h, f = m.d_model, m.head_dim, m.d_ff
+    layer = d * (m.num_heads + 2 * m.num_kv_heads) * h + m.num_heads * h * d + 3 * d * f
+    assert int8["quantized_flops"] == pytest.approx(6 * int8["tokens_per_step"] * m.num_layers * layer)
+    assert bf16["quantized_flops"] == 0
+    chip = hardware.spec("v5p")
+    saved = int8["quantized_flops"] * (1 / chip.bf16_flops - 1 / chip.int8_ops) / 32
+    assert int8["time_s"]["compute"] == pytest.approx(bf16["time_s"]["compute"] - saved)
+    assert int8["time_s"]["compute"] < 0.65 * bf16["time_s"]["compute"]
