@@ -75,11 +75,11 @@ def np_attention(x, wq, wk, wv, wo, positions, segments, inv_freq):
 class _NoNorm:
     """Attention normalises its input with the norm it is given; these tests check attention alone."""
 
-    def project(self, x, w, w_logical, out_dtype=None):
-        return project(x, w, out_dtype=out_dtype)
+    def project(self, x, w, w_logical, out_dtype=None, quant=None):
+        return project(x, w, out_dtype=out_dtype, quant=quant)
 
-    def project_each(self, x, ws, out_dtype=None):
-        return tuple(self.project(x, w, logical, out_dtype) for w, logical in ws)
+    def project_each(self, x, ws, out_dtype=None, quant=None):
+        return tuple(self.project(x, w, logical, out_dtype, quant) for w, logical in ws)
 
 
 NO_NORM = _NoNorm()

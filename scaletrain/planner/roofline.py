@@ -16,7 +16,7 @@ import math
 from dataclasses import asdict
 from typing import Callable, Mapping, Sequence
 
-from scaletrain import config, models
+from scaletrain import models
 from scaletrain.config import MESH_AXES
 from scaletrain.facts import flops
 from scaletrain.facts import hardware as hw
@@ -26,7 +26,7 @@ from scaletrain.parallel import checks, pipeline_1f1b, sharding
 from scaletrain.parallel import mesh as mesh_lib
 from scaletrain.parallel import pipeline as pipeline_lib
 from scaletrain.parallel.checks import microbatches
-from scaletrain.planner import comms, estimate, memory
+from scaletrain.planner import comms, estimate, memory, precision
 from scaletrain.planner.thresholds import critical_batches, fsdp_tensor_split
 from scaletrain.train.loss import projects_the_stream
 from scaletrain.train.runner import Runner
@@ -126,25 +126,6 @@ def recomputed(cfg) -> frozenset[str]:
               | ({"expert_gate_up"} if not {"moe_gate", "moe_up"} <= kept else set())
               | ({"router"} if cfg.remat.policy != "save_dots" else set()))
     return frozenset(groups & {"attention", *matmuls(cfg.model)})
-
-
-# The config's matmul groups (model.quantized_matmuls) of the families' planner groups (Family.matmuls); the
-# router is never quantized (its float32 logits choose the experts).
-QUANTIZED_GROUPS = {"qkv": "attention", "out": "attention", "gate_up": "mlp", "down": "mlp",
-                    "expert_gate_up": "experts", "expert_down": "experts"}
-
-
-def quantized_flops(cfg, forward: Mapping[str, float], recompute: frozenset[str]) -> float:
-    """Training FLOPs per token of the matmuls model.quantization runs in int8 or fp8 (forward, both backward
-    matmuls and any recomputation), of `forward` (forward_flops's) and the output head: what the chip's int8_ops
-    peak times rather than its bf16 peak."""
-    m = cfg.model
-    if m.quantization == "none":
-        return 0.0
-    groups = set(config.quantized_groups(m.quantized_matmuls))
-    layer = sum(f * (3 + (g in recompute)) for g, f in forward.items() if QUANTIZED_GROUPS.get(g) in groups)
-    head = (3 + recomputed_logits(cfg)) * 2 * m.d_model * m.vocab_size if "output" in groups else 0.0
-    return m.num_layers * layer + head
 
 
 def recomputed_logits(cfg) -> bool:
@@ -359,7 +340,8 @@ def plan(cfg, hardware: str) -> dict:
     sent, seconds = comms.by_axis(transfers)
     hbm = hbm_bytes(cfg, axes, recompute, state)
     # Every chip has its share of the work: the expert axis splits the batch (each device routes its own tokens).
-    low = tokens * quantized_flops(cfg, forward_flops(m, cfg.data.seq_len), recompute)
+    low = tokens * precision.quantized_flops(cfg, forward_flops(m, cfg.data.seq_len), recompute,
+                                             recomputed_logits(cfg))
     times = {"compute": ((step_flops + recompute_flops + extra_flops - low) / chip.bf16_flops + low / chip.int8_ops)
              / topo.num_chips / (1 - bubble),
              "hbm": hbm / chip.hbm_bandwidth,

@@ -1,0 +1,26 @@
+"""Which of a step's FLOPs run in low precision (model.quantization): the roofline times them at the chip's
+int8_ops peak rather than its bf16 peak (docs/quantization.md)."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from scaletrain import config
+
+# The config's matmul groups (model.quantized_matmuls) of the families' planner groups (Family.matmuls); the
+# router is never quantized (its float32 logits choose the experts).
+QUANTIZED_GROUPS = {"qkv": "attention", "out": "attention", "gate_up": "mlp", "down": "mlp",
+                    "expert_gate_up": "experts", "expert_down": "experts"}
+
+
+def quantized_flops(cfg, forward: Mapping[str, float], recompute: frozenset[str], logits_recomputed: bool) -> float:
+    """Training FLOPs per token of the matmuls model.quantization runs in int8 or fp8 - forward, both backward
+    matmuls and any recomputation -, from a layer's forward FLOPs per group (roofline.forward_flops), the groups
+    the backward pass recomputes, and the output head (recomputed too where `logits_recomputed`)."""
+    m = cfg.model
+    if m.quantization == "none":
+        return 0.0
+    groups = set(config.quantized_groups(m.quantized_matmuls))
+    layer = sum(f * (3 + (g in recompute)) for g, f in forward.items() if QUANTIZED_GROUPS.get(g) in groups)
+    head = (3 + logits_recomputed) * 2 * m.d_model * m.vocab_size if "output" in groups else 0.0
+    return m.num_layers * layer + head

@@ -1,0 +1,112 @@
+"""model.quantization without training against a reference (tests/test_quantization.py trains): what the config
+refuses, the low-precision dots in the compiled TPU step and the CUDA lowering, the plan's int8 roofline, and a
+resume that switches modes."""
+
+import json
+import math
+import re
+from collections import Counter
+
+import pytest
+
+from scaletrain import config
+from scaletrain.errors import ConfigError
+from scaletrain.planner import aot
+from scaletrain.train import trainer
+from tests.conftest import lower_for_cuda, tiny_overrides
+
+MOE = ["model.num_experts=4", "model.experts_per_token=2", "model.moe_d_ff=64", "model.moe_every=2"]
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["model.quantization=int8", "model.norm=fused"], "model.norm=fused"),
+    (["model.quantization=int8", "model.quantized_matmuls=attention,mlps"], "unknown matmul group"),
+    (["model.quantization=fp8", "model.quantized_matmuls="], "quantizes no matmul"),
+    (["model.quantization=int4"], "model.quantization must be one of none, int8, fp8"),
+])
+def test_a_config_it_cannot_train_is_refused(overrides, says):
+    with pytest.raises(ConfigError, match=says):
+        config.load(None, tiny_overrides("unused") + overrides)
+
+
+def test_the_fused_norm_pairs_with_quantized_experts_alone():
+    """The fused kernel sits before attention and the MLP only: quantizing just the experts leaves it be."""
+    config.load(None, tiny_overrides("unused") + MOE + ["model.quantization=int8", "model.norm=fused",
+                                                         "model.quantized_matmuls=experts"])
+
+
+def _dots(hlo: str) -> Counter:
+    """The compiled TPU program's matmuls (convolutions) by the dtypes of their two operands."""
+    types = dict(re.findall(r"(%[\w.\-]+) = (\w+)\[", hlo))
+    found = re.findall(r"= \w+\[[^=]* convolution\((%[\w.\-]+), (%[\w.\-]+)\)", hlo)
+    return Counter((types.get(a), types.get(b)) for a, b in found)
+
+
+@pytest.mark.parametrize("topology, mode, low", [
+    ("v5p:2x2x1", "int8", {("s8", "s8")}),
+    ("tpu7x:2x2x1", "fp8", {("f8e4m3fn", "f8e4m3fn"), ("f8e5m2", "f8e4m3fn"), ("f8e4m3fn", "f8e5m2")}),
+])
+def test_the_compiled_tpu_step_multiplies_in_low_precision(topology, mode, low):
+    """Each of a layer's 7 projections is 3 low-precision dots (forward, input and weight gradients): 21 in the
+    layer loop's body. Attention's own products and the output head (not in model.quantized_matmuls by default)
+    stay in bf16 / float32."""
+    cfg = config.load("configs/llama_tiny.yaml", [f"model.quantization={mode}", "model.dtype=bfloat16"])
+    setup = trainer.build(cfg, aot.devices_for(topology))
+    dots = _dots(setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile().as_text())
+    assert sum(n for kinds, n in dots.items() if kinds in low) == 21, dots
+    assert sum(n for kinds, n in dots.items() if kinds not in low) >= 4, dots  # attention and the head
+
+
+def test_a_run_switches_quantization_at_resume(tmp_path):
+    """The checkpoint holds the master weights alone, whatever the mode: a run trained in int8 resumes without."""
+    run = tmp_path / "run"
+
+    def train(steps, mode):
+        cfg = config.load(None, tiny_overrides(run, steps=steps, **{"model.quantization": mode, "mesh.fsdp": -1,
+                                                                     "checkpoint.async_save": False}))
+        assert trainer.run(cfg) == 0
+
+    train(2, "int8")
+    train(3, "none")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) for r in records)
+
+
+def test_the_fp8_matmuls_lower_for_a_gpu():
+    """No GPU here: the quantized training matmul (forward and both gradients) lowered for CUDA multiplies float8
+    operands - e4m3 forward, e5m2 gradients (H100 and later run them at twice the bf16 rate)."""
+    import jax
+    import jax.numpy as jnp
+
+    from scaletrain.models.quantize import Quantization
+
+    def loss(x, w):
+        return jnp.sum(Quantization("fp8").dot(x, w).astype(jnp.float32) ** 2)
+
+    shapes = (jax.ShapeDtypeStruct((256, 128), jnp.bfloat16), jax.ShapeDtypeStruct((128, 512), jnp.bfloat16))
+    text = lower_for_cuda(jax.grad(loss, argnums=(0, 1)), *shapes)
+    dots = re.findall(r"stablehlo.dot_general.*", text)
+    assert len(dots) == 3, dots
+    assert all("f8E4M3FN" in d for d in dots) and sum("f8E5M2" in d for d in dots) == 2, dots
+
+
+def test_the_plan_times_the_quantized_matmuls_at_the_int8_peak():
+    """The roofline's compute time: the attention and MLP projections' training FLOPs (6 per weight and token:
+    nothing recomputed under the 8B config's remat none) at v5p's int8 peak, the rest at its bf16 peak."""
+    from scaletrain.facts import hardware
+    from scaletrain.planner import roofline
+
+    def plan(mode):
+        return roofline.plan(config.load("configs/llama3_8b.yaml", [f"model.quantization={mode}"]), "v5p:4x4x2")
+
+    bf16, int8 = plan("none"), plan("int8")
+    m = config.load("configs/llama3_8b.yaml", []).model
+    d, h, f = m.d_model, m.head_dim, m.d_ff
+    layer = d * (m.num_heads + 2 * m.num_kv_heads) * h + m.num_heads * h * d + 3 * d * f
+    assert int8["quantized_flops"] == pytest.approx(6 * int8["tokens_per_step"] * m.num_layers * layer)
+    assert bf16["quantized_flops"] == 0
+    chip = hardware.spec("v5p")
+    saved = int8["quantized_flops"] * (1 / chip.bf16_flops - 1 / chip.int8_ops) / 32
+    assert int8["time_s"]["compute"] == pytest.approx(bf16["time_s"]["compute"] - saved)
+    assert int8["time_s"]["compute"] < 0.65 * bf16["time_s"]["compute"]
