@@ -110,3 +110,81 @@ def test_the_plan_times_the_quantized_matmuls_at_the_int8_peak():
     saved = int8["quantized_flops"] * (1 / chip.bf16_flops - 1 / chip.int8_ops) / 32
     assert int8["time_s"]["compute"] == pytest.approx(bf16["time_s"]["compute"] - saved)
     assert int8["time_s"]["compute"] < 0.65 * bf16["time_s"]["compute"]
+
+
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["channel", "tensor"])
+def test_the_quantized_matmul_and_its_gradients_follow_the_written_math(per_tensor):
+    """Quantization.dot against its slow twin in numpy, the four steps of docs/quantization.md: the int8 forward
+    with row and column scales (one each with model.quantization_scale=tensor), and the gradients with the
+    forward operands' scales moved onto the incoming gradient before it is rounded."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from scaletrain.models.quantize import Quantization
+
+    rng = np.random.default_rng(0)
+    x, w, g = rng.normal(size=(16, 32)), rng.normal(size=(32, 8)) * 0.1, rng.normal(size=(16, 8))
+
+    def scale(a, axis):
+        return np.max(np.abs(a), axis=None if per_tensor else axis, keepdims=True) / 127
+
+    def q(a, s):
+        return np.round(a / s)
+
+    sx, sw = scale(x, 1), scale(w, 0)
+    y = (q(x, sx) @ q(w, sw)) * sx * sw
+    g1 = g * sw
+    dx = (q(g1, scale(g1, 1)) @ q(w, sw).T) * scale(g1, 1)
+    g2 = g * sx
+    dw = (q(x, sx).T @ q(g2, scale(g2, 0))) * scale(g2, 0)
+
+    quant = Quantization("int8", per_tensor)
+    got_y, vjp = jax.vjp(quant.dot, jnp.float32(x), jnp.float32(w))
+    got_dx, got_dw = vjp(jnp.float32(g))
+    for got, want in ((got_y, y), (got_dx, dx), (got_dw, dw)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(y, x @ w, rtol=1e-3)  # the rounding shows
+
+
+def test_the_quantized_grouped_matmul_follows_the_written_math():
+    """Quantization.ragged_dot against numpy, expert by expert: rows scaled per row, each expert's weights per
+    column, the weight gradient's incoming gradient rounded per expert and column; padding rows past the groups
+    give and take nothing."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from scaletrain.models.quantize import Quantization
+
+    rng = np.random.default_rng(1)
+    sizes = [5, 0, 7, 3]
+    rows = sum(sizes) + 2  # two padding rows
+    x, w, g = rng.normal(size=(rows, 16)), rng.normal(size=(4, 16, 8)) * 0.1, rng.normal(size=(rows, 8))
+
+    def scale(a, axis):
+        return np.maximum(np.max(np.abs(a), axis=axis, keepdims=True), 1e-30) / 127
+
+    y, dx, dw = np.zeros((rows, 8)), np.zeros((rows, 16)), np.zeros_like(w)
+    sx = scale(x, 1)
+    start = 0
+    for e, n in enumerate(sizes):
+        r = slice(start, start + n)
+        start += n
+        sw = scale(w[e], 0)
+        qw = np.round(w[e] / sw)
+        y[r] = (np.round(x[r] / sx[r]) @ qw) * sx[r] * sw
+        g1 = g[r] * sw
+        s1 = scale(g1, 1)
+        dx[r] = (np.round(g1 / s1) @ qw.T) * s1
+        if n:
+            g2 = g[r] * sx[r]
+            s2 = scale(g2, 0)
+            dw[e] = (np.round(x[r] / sx[r]).T @ np.round(g2 / s2)) * s2
+
+    group_sizes = jnp.array(sizes, jnp.int32)
+    got_y, vjp = jax.vjp(lambda a, b: Quantization("int8").ragged_dot(a, b, group_sizes), jnp.float32(x),
+                         jnp.float32(w))
+    got_dx, got_dw = vjp(jnp.float32(g))
+    for got, want in ((got_y, y), (got_dx, dx), (got_dw, dw)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
