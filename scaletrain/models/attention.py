@@ -88,7 +88,7 @@ class Attention(nnx.Module):
         d, _, h = self.wq.shape
         w_dkch = jnp.concatenate([self.wq[...].reshape(d, k, n // k, h), self.wk[...][:, :, None],
                                   self.wv[...][:, :, None]], axis=2)
-        qkv_btkch = norm.project(x_btd, w_dkch, ("embed", "kv_heads", None, "head_dim"), quant=self.quant)
+        qkv_btkch = norm.project(x_btd, w_dkch, ("embed", "kv_heads", None, "head_dim"))
         b, t = x_btd.shape[:2]
         return (checkpoint_name(qkv_btkch[:, :, :, : n // k].reshape(b, t, n, h), "query_proj"),
                 checkpoint_name(qkv_btkch[:, :, :, n // k], "key_proj"),

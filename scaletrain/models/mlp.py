@@ -31,7 +31,7 @@ class MLP(nnx.Module):
         rounding would depend on the mesh."""
         if one_matmul and ways("mlp") > 1 and self.quant is None:
             gate_up_btf2 = norm.project(x_btd, jnp.stack([self.w_gate[...], self.w_up[...]], axis=-1),
-                                        ("embed", "mlp", None), quant=self.quant)
+                                        ("embed", "mlp", None))
             gate_btf, up_btf = gate_up_btf2[..., 0], gate_up_btf2[..., 1]
         else:
             gate_btf, up_btf = norm.project_each(x_btd, ((self.w_gate[...], ("embed", "mlp")),

@@ -133,11 +133,11 @@ def _grouped_forward(x, w, group_sizes, how: _How):
     sx = _scale(x, how.forward, 1, how.contract_axes)  # [M, 1]
     sw = _scale(w, how.forward, 1, how.contract_axes)  # [G, 1, N]
     qx, qw = _cast(x, sx, how.forward), _cast(w, sw, how.forward)
-    gid = jnp.minimum(_group_of_rows(group_sizes, x.shape[0]), w.shape[0] - 1)
-    sw_rows = sw[:, 0][gid]  # [M, N]: each row's expert's column scales
+    rows_of = _group_of_rows(group_sizes, x.shape[0])
+    sw_rows = sw[:, 0][jnp.minimum(rows_of, w.shape[0] - 1)]  # [M, N]: each row's expert's column scales
     acc = jax.lax.ragged_dot(qx, qw, group_sizes, preferred_element_type=_accumulator(how.forward))
     out = (acc.astype(jnp.float32) * sx * sw_rows).astype(x.dtype)
-    return out, (qx, sx, qw, sw_rows, group_sizes, gid)
+    return out, (qx, sx, qw, sw_rows, group_sizes, rows_of)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -146,7 +146,7 @@ def _grouped(x, w, group_sizes, how: _How):
 
 
 def _grouped_backward(how: _How, residuals, g):
-    qx, sx, qw, sw_rows, group_sizes, gid = residuals
+    qx, sx, qw, sw_rows, group_sizes, rows_of = residuals
     dtype, g = g.dtype, g.astype(jnp.float32)  # x's and (cast to it) w's dtype
     # dx = g @ w^T per expert, along w's column scales: rounded per row.
     g1 = g * sw_rows
@@ -157,11 +157,12 @@ def _grouped_backward(how: _How, residuals, g):
     # dw = x^T g per expert, along x's row scales: rounded per expert and column, over the expert's rows on
     # every device that holds some (row_axes).
     g2 = g * sx
-    peak = jax.ops.segment_max(jnp.abs(g2), _group_of_rows(group_sizes, g.shape[0]), num_segments=qw.shape[0])
+    experts = qw.shape[0]
+    peak = jax.ops.segment_max(jnp.abs(g2), rows_of, num_segments=experts)  # padding rows (segment G): dropped
     s2 = _from_peak(jnp.maximum(peak, 0.0), how.grad, how.row_axes)  # [G, N]; an expert without rows: -inf -> 0
     dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
                                              lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-    dw = jax.lax.ragged_dot_general(qx, _cast(g2, s2[gid], how.grad), group_sizes, dims,
+    dw = jax.lax.ragged_dot_general(qx, _cast(g2, s2[jnp.minimum(rows_of, experts - 1)], how.grad), group_sizes, dims,
                                     preferred_element_type=_accumulator(how.grad))
     return dx, (dw.astype(jnp.float32) * s2[:, None, :]).astype(dtype), None
 
