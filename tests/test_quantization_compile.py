@@ -42,19 +42,38 @@ def _dots(hlo: str) -> Counter:
     return Counter((types.get(a), types.get(b)) for a, b in found)
 
 
-@pytest.mark.parametrize("topology, mode, low", [
-    ("v5p:2x2x1", "int8", {("s8", "s8")}),
-    ("tpu7x:2x2x1", "fp8", {("f8e4m3fn", "f8e4m3fn"), ("f8e5m2", "f8e4m3fn"), ("f8e4m3fn", "f8e5m2")}),
+def _collectives(hlo: str, kinds: str, shapes: set[tuple[int, ...]]) -> Counter:
+    """The compiled program's collectives of `kinds` (a regex; asynchronous ones too) whose output is shaped like
+    one of `shapes` (size-1 dims aside), by dtype."""
+    found = re.findall(rf"= \(?(\w+)\[([\d,]+)\][^=]* (?:{kinds})(?:-start)?\(", hlo)
+    return Counter(t for t, dims in found if tuple(int(n) for n in dims.split(",") if n != "1") in shapes)
+
+
+@pytest.mark.parametrize("topology, mode, low, scattered", [
+    ("v5p:2x2x1", "int8", {("s8", "s8")}, {}),  # XLA gathers the rounded activations for the weight gradients
+    ("tpu7x:2x2x1", "fp8", {("f8e4m3fn", "f8e4m3fn"), ("f8e5m2", "f8e4m3fn"), ("f8e4m3fn", "f8e5m2")},
+     {"bf16": 7}),
 ])
-def test_the_compiled_tpu_step_multiplies_in_low_precision(topology, mode, low):
+def test_the_compiled_tpu_step_multiplies_and_gathers_in_low_precision(topology, mode, low, scattered):
     """Each of a layer's 7 projections is 3 low-precision dots (forward, input and weight gradients): 21 in the
     layer loop's body. Attention's own products and the output head (not in model.quantized_matmuls by default)
-    stay in bf16 / float32."""
+    stay in bf16 / float32. FSDP gathers those 7 weights rounded (a byte an element, half bf16's bytes), once for
+    the forward pass and once for the backward, and no bf16 copy of them; where it reduce-scatters their
+    gradients, it does so in bf16 (the dot writes bf16: asked for its float32 accumulator, XLA scattered that)."""
     cfg = config.load("configs/llama_tiny.yaml", [f"model.quantization={mode}", "model.dtype=bfloat16"])
     setup = trainer.build(cfg, aot.devices_for(topology))
-    dots = _dots(setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile().as_text())
+    hlo = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile().as_text()
+    dots = _dots(hlo)
     assert sum(n for kinds, n in dots.items() if kinds in low) == 21, dots
     assert sum(n for kinds, n in dots.items() if kinds not in low) >= 4, dots  # attention and the head
+    m, devices = cfg.model, setup.mesh.devices.size
+    q, kv, f, d = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.d_ff, m.d_model
+    gathers = _collectives(hlo, "all-gather|collective-permute", {(d, q), (d, kv), (q, d), (d, f), (f, d)})
+    assert gathers == {next(iter(low))[0]: 14}, gathers
+    d = d // devices  # FSDP's shard of a weight
+    shards = _collectives(hlo, "reduce-scatter|all-reduce|collective-permute", {(d, q), (d, kv), (q, d), (d, f),
+                                                                                 (f, d)})
+    assert shards == scattered, shards
 
 
 def test_a_run_switches_quantization_at_resume(tmp_path):
@@ -110,6 +129,29 @@ def test_the_plan_times_the_quantized_matmuls_at_the_int8_peak():
     saved = int8["quantized_flops"] * (1 / chip.bf16_flops - 1 / chip.int8_ops) / 32
     assert int8["time_s"]["compute"] == pytest.approx(bf16["time_s"]["compute"] - saved)
     assert int8["time_s"]["compute"] < 0.65 * bf16["time_s"]["compute"]
+
+
+def test_the_plan_gathers_quantized_weights_in_a_byte():
+    """FSDP's gathers as the compiled step makes them (the test above): float32 weights cast to bf16 before they
+    travel, the quantized ones rounded to int8 before (a byte an element); their gradients come back in bf16."""
+    from scaletrain.planner import roofline
+
+    def layer_bytes(mode, dtype="bfloat16"):
+        cfg = config.load("configs/llama3_8b.yaml", [f"model.quantization={mode}", f"model.dtype={dtype}"])
+        return {c["what"]: c["full_bytes"] for c in roofline.plan(cfg, "v5p:4x4x2")["collectives"]
+                if c["what"].startswith("layer")}
+
+    m = config.load("configs/llama3_8b.yaml", []).model
+    d, h, f = m.d_model, m.head_dim, m.d_ff
+    matrices = d * (m.num_heads + 2 * m.num_kv_heads) * h + m.num_heads * h * d + 3 * d * f
+    gains = 4 * 2 * d  # the two norms' float32 gains travel as they are
+    assert layer_bytes("none", "float32") == dict.fromkeys(
+        ["layer weights, forward", "layer weights, backward", "layer gradients"], 4 * matrices + gains)
+    assert layer_bytes("none") == dict.fromkeys(
+        ["layer weights, forward", "layer weights, backward", "layer gradients"], 2 * matrices + gains)
+    assert layer_bytes("int8") == {"layer weights, forward": matrices + gains,
+                                   "layer weights, backward": matrices + gains,
+                                   "layer gradients": 2 * matrices + gains}
 
 
 @pytest.mark.parametrize("per_tensor", [False, True], ids=["channel", "tensor"])

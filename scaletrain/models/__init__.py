@@ -26,7 +26,7 @@ def register(family: Family) -> Family:
 
 def unregister(name: str) -> None:
     FAMILIES.pop(name, None)
-    abstract.cache_clear()
+    _split.cache_clear()
 
 
 def family_name(m) -> str:
@@ -56,13 +56,42 @@ def architectures() -> dict[str, tuple[Family, Architecture]]:
 
 
 @functools.cache
+def _split(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """The config's family's decoder, built abstractly (nothing allocated). Cached: the planner asks for the same
+    model on every slice it tries."""
+    return nnx.split(nnx.eval_shape(lambda: family_of(cfg).decoder(cfg, nnx.Rngs(0))))
+
+
+def _variables(cfg: ModelConfig, what) -> dict:
+    """`what(variable)` of every parameter, as a plain nested dict."""
+    return nnx.to_pure_dict(jax.tree.map(what, _split(cfg)[1], is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+@functools.cache
 def abstract(cfg: ModelConfig) -> tuple[nnx.GraphDef, dict, dict]:
     """(graphdef, parameter shapes, logical axes) of the config's family's decoder, as plain nested dicts, without
-    allocating anything. Cached: the planner asks for the same model on every slice it tries; the dicts are shared,
-    never to be changed."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: family_of(cfg).decoder(cfg, nnx.Rngs(0))))
-    logical = jax.tree.map(lambda v: tuple(v.out_sharding), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(logical)
+    allocating anything. Cached; the dicts are shared, never to be changed."""
+    graphdef, state = _split(cfg)
+    return graphdef, nnx.to_pure_dict(state), _variables(cfg, lambda v: tuple(v.out_sharding))
+
+
+_OPERANDS = {"int8": jax.numpy.int8, "fp8": jax.numpy.float8_e4m3fn}
+
+
+def operand_dtypes(cfg: ModelConfig, quantized: bool = True) -> dict:
+    """The dtype each parameter enters its matmuls in, as FSDP gathers it (layers.param's `operand`): a weight
+    matrix in its matmuls' low-precision dtype where `quantized` and they are (the rounding runs on each device's
+    shard, so XLA gathers the int8 or fp8 weight: docs/quantization.md), else in the compute dtype (cast before
+    the gather, parallel/sharding.py's constrain_param); a norm's gain in the parameter dtype. With `quantized`
+    false: the dtype of its gradient inside the step (a quantized matmul writes its weight gradient in the compute
+    dtype), reduced across the batch per microbatch."""
+    def dtype(v):
+        operand = getattr(v, "operand", None)
+        if operand is None:
+            return jax.numpy.dtype(cfg.param_dtype)
+        return jax.numpy.dtype(_OPERANDS[operand] if quantized and operand in _OPERANDS else cfg.dtype)
+
+    return _variables(cfg, dtype)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
@@ -88,6 +117,7 @@ __all__ = [
     "family_name",
     "family_of",
     "init_params",
+    "operand_dtypes",
     "register",
     "unregister",
 ]

@@ -58,10 +58,10 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.quant = quantize.for_group(cfg, "attention")
         std, pd = cfg.init_std, cfg.param_dtype
-        self.wq = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pd, std)
-        self.wk = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std)
-        self.wv = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std)
-        self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pd, cfg.out_std)
+        self.wq = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pd, std, self.quant)
+        self.wk = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std, self.quant)
+        self.wv = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std, self.quant)
+        self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pd, cfg.out_std, self.quant)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")
             self.k_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")

@@ -18,11 +18,14 @@ from scaletrain.parallel.sharding import active_device, constrain, local
 nnx.use_eager_sharding(False)
 
 
-def param(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str, ...], dtype, std: float) -> nnx.Param:
-    """A normal(0, std) parameter annotated with its logical axis names."""
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str, ...], dtype, std: float,
+          quant: Quantization | None = None) -> nnx.Param:
+    """A normal(0, std) weight matrix annotated with its logical axis names and the dtype its matmuls read it in
+    (`operand`: its matmuls' low-precision mode, else the compute dtype) - the dtype FSDP gathers it in, which the
+    planner counts (models.operand_dtypes)."""
     assert len(shape) == len(logical), (shape, logical)
     value = std * jax.random.normal(rngs.params(), shape, dtype)
-    return nnx.Param(value, out_sharding=logical)
+    return nnx.Param(value, out_sharding=logical, operand=quant.mode if quant else "compute")
 
 
 def ones(shape: tuple[int, ...], logical: tuple[str, ...], dtype) -> nnx.Param:

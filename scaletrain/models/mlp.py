@@ -15,10 +15,10 @@ from scaletrain.parallel.sharding import constrain, ways
 class MLP(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         d, f, pd = cfg.d_model, cfg.d_ff, cfg.param_dtype
-        self.w_gate = param(rngs, (d, f), ("embed", "mlp"), pd, cfg.init_std)
-        self.w_up = param(rngs, (d, f), ("embed", "mlp"), pd, cfg.init_std)
-        self.w_down = param(rngs, (f, d), ("mlp", "embed"), pd, cfg.out_std)
         self.quant = quantize.for_group(cfg, "mlp")
+        self.w_gate = param(rngs, (d, f), ("embed", "mlp"), pd, cfg.init_std, self.quant)
+        self.w_up = param(rngs, (d, f), ("embed", "mlp"), pd, cfg.init_std, self.quant)
+        self.w_down = param(rngs, (f, d), ("mlp", "embed"), pd, cfg.out_std, self.quant)
 
     def __call__(self, x_btd: jax.Array, norm, one_matmul: bool = True) -> jax.Array:
         """The MLP of norm(x): the norm is applied with the gate/up projection (model.norm). Split over

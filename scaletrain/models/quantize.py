@@ -93,9 +93,14 @@ def _accumulator(qtype):
 
 
 def _matmul(a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    """a @ b for rounded a and b, times `scale` (their scales' product, broadcast to the output), in dtype."""
-    acc = jax.lax.dot(a, b, preferred_element_type=_accumulator(a.dtype))
-    return (acc.astype(jnp.float32) * scale).astype(dtype)
+    """a @ b for rounded a and b, times `scale` (their scales' product, broadcast to the output), in dtype.
+
+    The matrix unit accumulates in int32 (float32) and writes the product in `dtype`: where the contraction is
+    split across devices (FSDP's weight gradient, tensor parallelism's row-parallel output), XLA reduces the
+    partial products in the dtype the dot writes - asked for int32, the compiled 8B step reduce-scattered its
+    weight gradients in 4-byte pieces, twice the bf16 program's bytes. Scaling after the reduction is exact: every
+    device rounds with the same scales."""
+    return (jax.lax.dot(a, b, preferred_element_type=dtype).astype(jnp.float32) * scale).astype(dtype)
 
 
 def _dense_forward(x, w, how: _How):

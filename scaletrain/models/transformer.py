@@ -165,7 +165,7 @@ class Decoder(nnx.Module):
                                   cfg.norm_weights != "standard" and not cfg.tie_embeddings)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype,
-                                 cfg.init_std)
+                                 cfg.init_std, quantize.for_group(cfg, "output"))
 
     def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
         """float32 logits [b, t, vocab] for int32 tokens; positions and segment ids come from packing."""

@@ -9,7 +9,7 @@ them -, and the float32 logits and their gradient, which dominate small models. 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 from jax.sharding import AbstractMesh
@@ -50,16 +50,19 @@ class State:
     refused: str | None  # why the trainer could not place these arrays on this mesh (a dim it does not divide)
 
     def weights(self, table: sharding.RuleTable, gathered: Sequence[str] = (),
-                experts: bool | None = None) -> tuple[float, float]:
+                experts: bool | None = None, dtypes: Any = None) -> tuple[float, float]:
         """Bytes one device holds of the parameters placed by `table`, gathered over the mesh axes `gathered`
         (sharded over none of them): (one layer's - the stack's over its layers -, those outside the layers).
-        `experts`: of the arrays with an `experts` dim only (True), of the others only (False), or of all."""
+        `experts`: of the arrays with an `experts` dim only (True), of the others only (False), or of all.
+        `dtypes`: each parameter's dtype (a tree like the parameters', models.operand_dtypes), else as stored."""
         table = {k: tuple(a for a in sharding.mesh_axes(v) if a not in gathered) for k, v in table.items()}
         lay = self.layout
+        params = lay.params if dtypes is None else jax.tree.map(
+            lambda x, d: jax.ShapeDtypeStruct(x.shape, d), lay.params, dtypes)
 
         def part(inside: bool) -> int:
-            pairs = [(x, names) for k in lay.params if (k == "layers") == inside
-                     for x, names in zip(jax.tree.leaves(lay.params[k]),
+            pairs = [(x, names) for k in params if (k == "layers") == inside
+                     for x, names in zip(jax.tree.leaves(params[k]),
                                          jax.tree.leaves(lay.logical[k], is_leaf=sharding.is_logical))
                      if experts is None or ("experts" in names) == experts]
             return layout_lib.device_bytes([x for x, _ in pairs], [names for _, names in pairs], table, self.mesh)

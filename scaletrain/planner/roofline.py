@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from scaletrain import models
 from scaletrain.config import MESH_AXES
@@ -196,6 +196,9 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
     ZeRO-1 (O = data x fsdp) and ZeRO-2 (G = O = data x fsdp) scatter the gradients and gather the updated
     weights. Weights move one layer at a time inside the scanned stack, the rest (embedding, output projection,
     final norm) once; bytes are one device's tensor shard of each, whole over the axes the collective spans.
+    Inside a microbatch the weights travel as their matmuls read them - weight matrices in the compute dtype, or
+    int8 / fp8 where model.quantization rounds them (models.operand_dtypes) - and their gradients in the compute
+    dtype; what moves once a step (the summed gradients, the updated weights) in the parameter dtype.
     The `expert` axis is a batch axis too, but the mesh axes of the `experts` dim split the model, as `tensor`
     does: an array split along experts is neither gathered nor reduced over them (each device trains its own
     experts on every token routed to them), and every other array's gradients are all-reduced over them.
@@ -211,12 +214,15 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
     def over(table: sharding.RuleTable) -> set[str]:
         return {a for name, entry in table.items() if name != "experts" for a in sharding.mesh_axes(entry)} & batch
 
+    operands = models.operand_dtypes(state.layout.model_cfg)
+    cotangents = models.operand_dtypes(state.layout.model_cfg, quantized=False)
+
     def moves(table, axes_: set[str], kind: str, what: str, count: int,
-              of_experts: bool | None = None) -> list[comms.Transfer]:
+              of_experts: bool | None = None, dtypes: Any = None) -> list[comms.Transfer]:
         if not axes_:
             return []
         names = _innermost_first(axes_)
-        layer, rest = state.weights(table, names, of_experts)
+        layer, rest = state.weights(table, names, of_experts, dtypes)
         if not layer + rest:  # no array of the kind `of_experts` asks for
             return []
         return (comms.collective(kind, f"layer {what}", layer, layers * count, levels(names))
@@ -228,19 +234,20 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
                 + moves(rules.grads, batch, "all-reduce", "gradients, once a step", 1)
                 + moves(rules.params, o - p, "all-gather", "updated weights", 1))
     if runner.schedule == "1f1b":
-        return (moves(rules.params, p, "all-gather", "weights, forward", microbatches)
-                + moves(rules.params, p, "all-gather", "weights, backward", microbatches)
-                + moves(rules.grads, g, "reduce-scatter", "gradients", microbatches)
+        return (moves(rules.params, p, "all-gather", "weights, forward", microbatches, dtypes=operands)
+                + moves(rules.params, p, "all-gather", "weights, backward", microbatches, dtypes=operands)
+                + moves(rules.grads, g, "reduce-scatter", "gradients", microbatches, dtypes=cotangents)
                 + moves(rules.grads, batch - p, "all-reduce", "gradients, once a step", 1)
                 + moves(rules.params, o - p, "all-gather", "updated weights", 1))
-    return (moves(rules.params, p, "all-gather", "weights, forward", microbatches)
-            + moves(rules.params, p, "all-gather", "weights, backward", microbatches)
-            + moves(rules.grads, g, "reduce-scatter", "gradients", microbatches)
-            + moves(rules.grads, batch - g - o, "all-reduce", "gradients", microbatches, of_experts=False)
+    return (moves(rules.params, p, "all-gather", "weights, forward", microbatches, dtypes=operands)
+            + moves(rules.params, p, "all-gather", "weights, backward", microbatches, dtypes=operands)
+            + moves(rules.grads, g, "reduce-scatter", "gradients", microbatches, dtypes=cotangents)
+            + moves(rules.grads, batch - g - o, "all-reduce", "gradients", microbatches, of_experts=False,
+                    dtypes=cotangents)
             + moves(rules.grads, batch - g - o - experts, "all-reduce", "experts' gradients", microbatches,
-                    of_experts=True)
-            + moves(rules.grads, o - g, "all-reduce", "gradients", microbatches - 1)
-            + moves(rules.grads, o - g, "reduce-scatter", "gradients", 1)
+                    of_experts=True, dtypes=cotangents)
+            + moves(rules.grads, o - g, "all-reduce", "gradients", microbatches - 1, dtypes=cotangents)
+            + moves(rules.grads, o - g, "reduce-scatter", "gradients", 1, dtypes=cotangents)
             + moves(rules.params, o - p, "all-gather", "updated weights", 1))
 
 

@@ -90,9 +90,9 @@ class MoE(nnx.Module):
         self.k, self.capacity_factor = cfg.experts_per_token, cfg.capacity_factor
         self.quant = quantize.for_group(cfg, "experts")
         self.router = param(rngs, (d, e), ("embed", None), pd, cfg.init_std)
-        self.w_gate = param(rngs, (e, d, f), ("experts", "embed", "moe_mlp"), pd, cfg.init_std)
-        self.w_up = param(rngs, (e, d, f), ("experts", "embed", "moe_mlp"), pd, cfg.init_std)
-        self.w_down = param(rngs, (e, f, d), ("experts", "moe_mlp", "embed"), pd, cfg.out_std)
+        self.w_gate = param(rngs, (e, d, f), ("experts", "embed", "moe_mlp"), pd, cfg.init_std, self.quant)
+        self.w_up = param(rngs, (e, d, f), ("experts", "embed", "moe_mlp"), pd, cfg.init_std, self.quant)
+        self.w_down = param(rngs, (e, f, d), ("experts", "moe_mlp", "embed"), pd, cfg.out_std, self.quant)
 
     def __call__(self, x_btd: jax.Array, norm) -> tuple[jax.Array, dict]:
         """(the block's output [b, t, d] for norm(x), the router's `sums` over these rows)."""
