@@ -113,7 +113,8 @@ def test_the_fp8_matmuls_lower_for_a_gpu():
 def test_the_plan_times_the_quantized_matmuls_at_the_int8_peak():
     """The roofline's compute time: the attention and MLP projections' training FLOPs (6 per weight and token:
     nothing recomputed under the 8B config's remat none) at v5p's int8 peak, the rest at its bf16 peak."""
-    from scaletrain.facts import hardware
+    from scaletrain.facts import flops, hardware
+    from scaletrain.models import ModelConfig
     from scaletrain.planner import roofline
 
     def plan(mode):
@@ -124,11 +125,48 @@ def test_the_plan_times_the_quantized_matmuls_at_the_int8_peak():
     d, h, f = m.d_model, m.head_dim, m.d_ff
     layer = d * (m.num_heads + 2 * m.num_kv_heads) * h + m.num_heads * h * d + 3 * d * f
     assert int8["quantized_flops"] == pytest.approx(6 * int8["tokens_per_step"] * m.num_layers * layer)
+    # The same count as the model's parameters say it (their operand annotations: MFU's share, flops.py).
+    count = flops.param_count(ModelConfig.from_config(config.load("configs/llama3_8b.yaml", [
+        "model.quantization=int8"]).model))
+    assert int8["quantized_flops"] == pytest.approx(6 * int8["tokens_per_step"] * count.quantized)
     assert bf16["quantized_flops"] == 0
     chip = hardware.spec("v5p")
     saved = int8["quantized_flops"] * (1 / chip.bf16_flops - 1 / chip.int8_ops) / 32
     assert int8["time_s"]["compute"] == pytest.approx(bf16["time_s"]["compute"] - saved)
     assert int8["time_s"]["compute"] < 0.65 * bf16["time_s"]["compute"]
+
+
+def test_mfu_divides_by_the_peak_the_quantized_step_could_attain():
+    """MFU's peak weighs the chip's low-precision rate by the share of the FLOPs that run at it, so a quantized
+    step's MFU stays a fraction: against the bf16 peak alone, the int8 8B plan on a v6e-64 claimed 147%. fp8 on a
+    chip without float8 matrix units (v5p) is planned at the bf16 rate."""
+    import types
+
+    from scaletrain.facts import flops, hardware
+    from scaletrain.models import ModelConfig
+    from scaletrain.planner import roofline
+
+    sets = ["remat.policy=save_dots", "train.grad_accum_steps=2"]
+    share = flops.quantized_share(ModelConfig.from_config(config.load("configs/llama3_8b.yaml", [
+        "model.quantization=int8"]).model), 8192)
+    assert 0.81 < share < 0.82  # all but attention's own products and the output head
+    v6e = hardware.spec("v6e")
+    assert v6e.mixed_peak("int8", share) == pytest.approx(1 / ((1 - share) / 9.2e14 + share / 1.84e15))
+    for mode in ("none", "int8"):
+        r = roofline.plan(config.load("configs/llama3_8b.yaml", [f"model.quantization={mode}", *sets]), "v6e:8x8")
+        assert r["mfu_upper_bound"] <= 1.0, (mode, r["mfu_upper_bound"])
+        assert r["mfu_upper_bound"] == pytest.approx(r["step_flops"] / (64 * r["step_time_s"] * v6e.mixed_peak(
+            mode, share if mode == "int8" else 0.0)))
+    # What the trainer divides by: the same mixed peak, and its note says so.
+    chips = [types.SimpleNamespace(device_kind="TPU v6 lite", platform="tpu")] * 4
+    assert hardware.peak_flops(chips, None, "int8", share) == pytest.approx(4 * v6e.mixed_peak("int8", share))
+    assert hardware.peak_note(chips, None, "int8", share) == (
+        "MFU against v6e's bf16 peak 920 TFLOP/s and its int8 peak 1840 for the 81% of the FLOPs model.quantization "
+        "rounds (1551 TFLOP/s) x 4 chips (hardware.yaml)")
+    v5p = {mode: roofline.plan(config.load("configs/llama3_8b.yaml", [f"model.quantization={mode}"]), "v5p:4x4x2")
+           for mode in ("none", "fp8", "int8")}
+    assert v5p["fp8"]["time_s"]["compute"] == pytest.approx(v5p["none"]["time_s"]["compute"])
+    assert v5p["int8"]["time_s"]["compute"] < 0.65 * v5p["none"]["time_s"]["compute"]
 
 
 def test_the_plan_gathers_quantized_weights_in_a_byte():

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import jax
 
 from scaletrain import models as model_lib
+from scaletrain.models import quantize
 from scaletrain.parallel.sharding import is_logical
 
 # The logical dims of a layer stack (models/transformer.py): the layers, and the dense layers within a group.
@@ -32,6 +33,7 @@ class ParamCount:
     norms: int  # the RMSNorm gains (QK norms' too)
     final_norm: int
     lm_head: int  # 0 when tied to the embedding
+    quantized: int = 0  # of `matmul`, the weights a token multiplies in int8 or fp8 (model.quantization)
 
     @property
     def total(self) -> int:
@@ -57,22 +59,30 @@ def param_count(model_cfg) -> ParamCount:
     norm gain, the rest are the feed-forward's (under `mlp`) or attention's; an array with an `experts` dim holds
     E experts of which a token uses k."""
     _, params, logical = model_lib.abstract(model_cfg)
-    sizes = dict.fromkeys(("attention", "mlp", "active_mlp", "norms"), 0)
+    low = model_lib.quantized(model_cfg)
+    sizes = dict.fromkeys(("attention", "mlp", "active_mlp", "norms", "quantized"), 0)
     flat = jax.tree_util.tree_flatten_with_path(params.get("layers", {}))[0]
-    for (path, x), names in zip(flat, jax.tree.leaves(logical.get("layers", {}), is_leaf=is_logical)):
+    for (path, x), names, rounded in zip(flat, jax.tree.leaves(logical.get("layers", {}), is_leaf=is_logical),
+                                         jax.tree.leaves(low.get("layers", {}))):
         own = [n for n in names if n not in _STACKED]
         if len(own) == 1:
             sizes["norms"] += x.size
-        elif any(getattr(k, "key", None) == "mlp" for k in path):
+            continue
+        used = x.size // model_cfg.num_experts * model_cfg.experts_per_token if "experts" in names else x.size
+        if any(getattr(k, "key", None) == "mlp" for k in path):
             sizes["mlp"] += x.size
-            experts = "experts" in names
-            sizes["active_mlp"] += x.size // model_cfg.num_experts * model_cfg.experts_per_token if experts else x.size
+            sizes["active_mlp"] += used
         else:
             sizes["attention"] += x.size
+        sizes["quantized"] += used if rounded else 0
 
     def size(name: str) -> int:
         return sum(x.size for x in jax.tree.leaves(params.get(name, {})))
 
+    # The output head as its matmul takes it (the lm_head's own annotation says the same; a tied table's is the
+    # lookup's compute dtype).
+    head = quantize.for_group(model_cfg, "output") is not None
+    sizes["quantized"] += (size("lm_head") or size("embed")) if head else 0
     return ParamCount(embedding=size("embed"), **sizes, final_norm=size("final_norm"), lm_head=size("lm_head"))
 
 
@@ -85,3 +95,9 @@ def flops_per_token(m, seq_len: int) -> float:
     """Training FLOPs per token: 6 per matmul weight the token is multiplied with (ParamCount.matmul: a mixture
     of experts' active weights), plus causal attention."""
     return 6.0 * param_count(m).matmul + attention_flops_per_token(m, seq_len)
+
+
+def quantized_share(m, seq_len: int) -> float:
+    """The share of flops_per_token that model.quantization runs in int8 or fp8 (0 without): the weight in MFU's
+    peak of the chip's low-precision rate (hardware.Chip.mixed_peak)."""
+    return 6.0 * param_count(m).quantized / flops_per_token(m, seq_len)

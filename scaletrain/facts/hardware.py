@@ -147,18 +147,21 @@ def _measured(what: str, measure, recheck: bool = False) -> Measured:
     return _SEEN[key]
 
 
-def peak_flops(devices: Sequence, per_device_override: float | None = None) -> float | None:
-    """Peak FLOP/s of all `devices` together, or None when unknown."""
+def peak_flops(devices: Sequence, per_device_override: float | None = None, quantization: str = "none",
+               share: float = 0.0) -> float | None:
+    """Peak FLOP/s of all `devices` together, or None when unknown. On a chip of the table, `share` of the FLOPs
+    at model.quantization's rate (Chip.mixed_peak); an override and a CPU's measured peak are taken as they are."""
     if per_device_override:
         return per_device_override * len(devices)
     kind = devices[0].device_kind
     if devices[0].platform == "cpu":
         return cpu_peak() * len({d.process_index for d in devices})  # one host's peak per process
     name = chip(kind)
-    return table()[name]["bf16_flops"] * len(devices) if name else None
+    return spec(name).mixed_peak(quantization, share) * len(devices) if name else None
 
 
-def peak_note(devices: Sequence, per_device_override: float | None = None) -> str:
+def peak_note(devices: Sequence, per_device_override: float | None = None, quantization: str = "none",
+              share: float = 0.0) -> str:
     """One line naming the peak that MFU divides by and where it came from (after peak_flops)."""
     if per_device_override:
         return f"MFU against hardware.peak_flops_per_device {per_device_override:.3g} x {len(devices)} devices"
@@ -167,8 +170,14 @@ def peak_note(devices: Sequence, per_device_override: float | None = None) -> st
         return (f"MFU against this CPU's float32 matmul peak{f' x {hosts} processes' if hosts > 1 else ''}: "
                 f"{cpu_peak_measured().describe()}")
     name = chip(devices[0].device_kind)
-    return (f"MFU against {name}'s bf16 peak {table()[name]['bf16_flops'] / 1e12:.0f} TFLOP/s x {len(devices)} "
-            f"chips (hardware.yaml)" if name else f"MFU unknown: no peak for {devices[0].device_kind}")
+    if not name:
+        return f"MFU unknown: no peak for {devices[0].device_kind}"
+    c = spec(name)
+    mixed = "" if quantization == "none" else (
+        f" and its {quantization} peak {c.matmul_peak(quantization) / 1e12:.0f} for the {100 * share:.0f}% of the "
+        f"FLOPs model.quantization rounds ({c.mixed_peak(quantization, share) / 1e12:.0f} TFLOP/s)")
+    return (f"MFU against {name}'s bf16 peak {c.bf16_flops / 1e12:.0f} TFLOP/s{mixed} x {len(devices)} chips "
+            f"(hardware.yaml)")
 
 
 @dataclass(frozen=True)
@@ -179,6 +188,7 @@ class Chip:
     name: str
     bf16_flops: float
     int8_ops: float
+    fp8_flops: float
     hbm_bytes: float
     hbm_bandwidth: float
     ici_bandwidth_oneway: float  # TPU: per link and direction; GPU: NVLink egress per GPU and direction
@@ -198,6 +208,15 @@ class Chip:
     def is_gpu(self) -> bool:
         return self.torus_dims is None
 
+    def matmul_peak(self, quantization: str = "none") -> float:
+        """FLOP/s of the matrix units on a model.quantization's operands (bf16 for none)."""
+        return {"none": self.bf16_flops, "int8": self.int8_ops, "fp8": self.fp8_flops}[quantization]
+
+    def mixed_peak(self, quantization: str = "none", share: float = 0.0) -> float:
+        """The peak of a step whose FLOPs run `share` at the quantized rate and the rest at the bf16 rate: what
+        MFU divides by, so that a quantized step's MFU stays a fraction of what its matmuls could attain."""
+        return 1.0 / ((1.0 - share) / self.bf16_flops + share / self.matmul_peak(quantization))
+
     @property
     def ragged_all_to_all(self) -> bool:
         """Whether a mixture of experts sends its routed rows by ragged all-to-all here (models/mixtral/moe.py: on a
@@ -214,13 +233,15 @@ def spec(name: str) -> Chip:
                           f"hardware.yaml)")
     e = table()[key]
     if "nvlink_bandwidth" in e:
-        return Chip(name=key, bf16_flops=e["bf16_flops"], int8_ops=e["int8_ops"], hbm_bytes=e["hbm_bytes"],
-                    hbm_bandwidth=e["hbm_bandwidth"], ici_bandwidth_oneway=e["nvlink_bandwidth"],
+        return Chip(name=key, bf16_flops=e["bf16_flops"], int8_ops=e["int8_ops"], fp8_flops=e["fp8_flops"],
+                    hbm_bytes=e["hbm_bytes"], hbm_bandwidth=e["hbm_bandwidth"],
+                    ici_bandwidth_oneway=e["nvlink_bandwidth"],
                     ici_bandwidth_bidi=e["nvlink_bandwidth"], torus_dims=None, max_pod=None,
                     dcn_bandwidth=e["node_egress_bandwidth"] / e["gpus_per_node"], chips_per_host=e["gpus_per_node"])
-    return Chip(name=key, bf16_flops=e["bf16_flops"], int8_ops=e["int8_ops"], hbm_bytes=e["hbm_bytes"],
-                hbm_bandwidth=e["hbm_bandwidth"], ici_bandwidth_oneway=e["ici_bandwidth_oneway"],
-                ici_bandwidth_bidi=e["ici_bandwidth_bidi"], torus_dims=e["torus_dims"],
+    return Chip(name=key, bf16_flops=e["bf16_flops"], int8_ops=e["int8_ops"], fp8_flops=e["fp8_flops"],
+                hbm_bytes=e["hbm_bytes"], hbm_bandwidth=e["hbm_bandwidth"],
+                ici_bandwidth_oneway=e["ici_bandwidth_oneway"], ici_bandwidth_bidi=e["ici_bandwidth_bidi"],
+                torus_dims=e["torus_dims"],
                 max_pod=tuple(e["max_pod"]) if e["max_pod"] else None, dcn_bandwidth=e["dcn_bandwidth"],
                 chips_per_host=e["chips_per_host"], vmem_bytes=e["vmem_bytes"], mxu=e["mxu"],
                 xla_matmul_efficiency=e.get("xla_matmul_efficiency", 1.0),
@@ -233,7 +254,8 @@ def cpu(devices: int) -> Chip:
     node). A rough machine model - CPU collectives are memory copies - kept for comparing layouts."""
     peak, bandwidth = cpu_peak() / devices, cpu_bandwidth() / devices
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Chip(name="cpu", bf16_flops=peak, int8_ops=peak, hbm_bytes=ram / devices, hbm_bandwidth=bandwidth,
+    return Chip(name="cpu", bf16_flops=peak, int8_ops=peak, fp8_flops=peak, hbm_bytes=ram / devices,
+                hbm_bandwidth=bandwidth,
                 ici_bandwidth_oneway=bandwidth, ici_bandwidth_bidi=bandwidth, torus_dims=None, max_pod=None,
                 dcn_bandwidth=None, chips_per_host=devices)
 

@@ -94,6 +94,11 @@ def operand_dtypes(cfg: ModelConfig, quantized: bool = True) -> dict:
     return _variables(cfg, dtype)
 
 
+def quantized(cfg: ModelConfig) -> dict:
+    """Whether each parameter enters its matmuls rounded to int8 or fp8 (layers.param's `operand`)."""
+    return _variables(cfg, lambda v: getattr(v, "operand", None) in _OPERANDS)
+
+
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
     return nnx.to_pure_dict(nnx.state(family_of(cfg).decoder(cfg, nnx.Rngs(key))))
 
@@ -118,6 +123,7 @@ __all__ = [
     "family_of",
     "init_params",
     "operand_dtypes",
+    "quantized",
     "register",
     "unregister",
 ]

@@ -1,5 +1,6 @@
-"""Which of a step's FLOPs run in low precision (model.quantization): the roofline times them at the chip's
-int8_ops peak rather than its bf16 peak (docs/quantization.md)."""
+"""Which of a step's FLOPs run in low precision (model.quantization): the roofline times them at the chip's peak
+for their operands (hardware.Chip.matmul_peak: int8_ops, fp8_flops) rather than its bf16 peak
+(docs/quantization.md)."""
 
 from __future__ import annotations
 

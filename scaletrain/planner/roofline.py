@@ -349,7 +349,8 @@ def plan(cfg, hardware: str) -> dict:
     # Every chip has its share of the work: the expert axis splits the batch (each device routes its own tokens).
     low = tokens * precision.quantized_flops(cfg, forward_flops(m, cfg.data.seq_len), recompute,
                                              recomputed_logits(cfg))
-    times = {"compute": ((step_flops + recompute_flops + extra_flops - low) / chip.bf16_flops + low / chip.int8_ops)
+    times = {"compute": ((step_flops + recompute_flops + extra_flops - low) / chip.bf16_flops
+                         + low / chip.matmul_peak(m.quantization))
              / topo.num_chips / (1 - bubble),
              "hbm": hbm / chip.hbm_bandwidth,
              "ici": max(seconds[a] for a in MESH_AXES),
@@ -397,7 +398,8 @@ def plan(cfg, hardware: str) -> dict:
         "pipeline_bubble": bubble,
         "pipeline": _pipeline(state.layout.runner, bubble),
         "tokens_per_second": tokens / step_time,
-        "mfu_upper_bound": step_flops / (topo.num_chips * chip.bf16_flops * step_time),
+        "mfu_upper_bound": step_flops / (topo.num_chips * step_time * chip.mixed_peak(
+            m.quantization, flops.quantized_share(state.layout.model_cfg, cfg.data.seq_len))),
         "memory_per_device_bytes": {k: detail[k] for k in ("params", "optimizer", "gradients", "activations",
                                                            "total")},
         "memory_detail_bytes": detail,

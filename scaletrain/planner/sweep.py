@@ -188,7 +188,8 @@ def _run(cfg, sweep: Sweep) -> dict:
         seconds.append(time.perf_counter() - start)
     step_time = statistics.median(seconds[1:])
     tokens = cfg.train.global_batch * cfg.data.seq_len
-    peak = hardware.peak_flops(jax.devices(), cfg.hardware.peak_flops_per_device)
+    peak = hardware.peak_flops(jax.devices(), cfg.hardware.peak_flops_per_device, cfg.model.quantization,
+                               flops.quantized_share(setup.model_cfg, cfg.data.seq_len))
     model_flops = flops.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens
     device = jax.devices()[0]
     return {"devices": len(jax.devices()), "device_kind": device.device_kind,

@@ -317,9 +317,10 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
         return 0
 
     flops_per_step = flops.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens_per_step
-    peak = hardware.peak_flops(jax.devices(), cfg.hardware.peak_flops_per_device)
+    mix = (cfg.model.quantization, flops.quantized_share(setup.model_cfg, cfg.data.seq_len))
+    peak = hardware.peak_flops(jax.devices(), cfg.hardware.peak_flops_per_device, *mix)
     if main:  # which peak MFU divides by: measured now, or cached and when
-        print(f"scaletrain: {hardware.peak_note(jax.devices(), cfg.hardware.peak_flops_per_device)}", flush=True)
+        print(f"scaletrain: {hardware.peak_note(jax.devices(), cfg.hardware.peak_flops_per_device, *mix)}", flush=True)
     log = MetricsLog(cfg.run_dir, cfg.steps, start, enabled=main)
     clock = StepClock(start)
 
