@@ -215,6 +215,8 @@ class Chip:
     def mixed_peak(self, quantization: str = "none", share: float = 0.0) -> float:
         """The peak of a step whose FLOPs run `share` at the quantized rate and the rest at the bf16 rate: what
         MFU divides by, so that a quantized step's MFU stays a fraction of what its matmuls could attain."""
+        if not share:
+            return self.bf16_flops
         return 1.0 / ((1.0 - share) / self.bf16_flops + share / self.matmul_peak(quantization))
 
     @property
