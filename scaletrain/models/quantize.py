@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from scaletrain import config
+from scaletrain.parallel import sharding
 
 # (forward operands, gradients): fp8 keeps three mantissa bits forward (e4m3) and trades them for range in the
 # gradients (e5m2), whose magnitudes spread wider - Transformer Engine's "hybrid" format.
@@ -46,8 +47,10 @@ class Quantization:
 
     def dot(self, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
         """x [M, K] @ w [K, N] with quantized operands, in out_dtype (x's by default). Under jit's automatic
-        partitioning: XLA takes each scale's maximum across the devices a sharded operand spans."""
-        return _dense(x, w.astype(x.dtype), self._how()).astype(out_dtype or x.dtype)
+        partitioning XLA takes each scale's maximum across the devices a sharded operand spans; across the batch
+        axes a shard_map makes manual (a 1F1B pipeline's stages run per data shard) the maxima over rows are
+        taken here."""
+        return _dense(x, w.astype(x.dtype), self._how(row_axes=_manual_row_axes())).astype(out_dtype or x.dtype)
 
     def ragged_dot(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array, contract_axes: tuple[str, ...] = (),
                    out_axes: tuple[str, ...] = (), row_axes: tuple[str, ...] = ()) -> jax.Array:
@@ -67,7 +70,14 @@ class _How:
     per_tensor: bool
     contract_axes: tuple[str, ...]  # mesh axes (inside shard_map) that split the forward contraction
     out_axes: tuple[str, ...]  # ... the output's columns
-    row_axes: tuple[str, ...]  # ... the rows of a group (beyond those a device holds)
+    row_axes: tuple[str, ...]  # ... the rows (of a group, in the grouped matmul) beyond those a device holds
+
+
+def _manual_row_axes() -> tuple[str, ...]:
+    """The mesh axes that split a matmul's rows (the batch's) and are manual where it is traced (inside
+    shard_map), so that XLA does not take a maximum across them by itself."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    return tuple(a for a in sharding.active_axes("batch") if a in manual)
 
 
 def _scale(x: jax.Array, qtype, reduce, axes: tuple[str, ...] = ()) -> jax.Array:
@@ -105,7 +115,9 @@ def _matmul(a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
 
 def _dense_forward(x, w, how: _How):
     rows, cols = (None, None) if how.per_tensor else (1, 0)
-    sx, sw = _scale(x, how.forward, rows), _scale(w, how.forward, cols)  # [M, 1], [1, N]
+    # Over the rows too (per tensor), x's scale spans the devices holding other rows; w is whole on them.
+    sx = _scale(x, how.forward, rows, how.row_axes if how.per_tensor else ())  # [M, 1]
+    sw = _scale(w, how.forward, cols)  # [1, N]
     qx, qw = _cast(x, sx, how.forward), _cast(w, sw, how.forward)
     return _matmul(qx, qw, sx * sw, x.dtype), (qx, sx, qw, sw)
 
@@ -120,9 +132,9 @@ def _dense_backward(how: _How, residuals, g):
     dtype, g = g.dtype, g.astype(jnp.float32)
     rows, cols = (None, None) if how.per_tensor else (1, 0)
     g1 = g * sw  # dx = g @ w^T contracts along w's column scales
-    s1 = _scale(g1, how.grad, rows)
-    g2 = g * sx  # dw = x^T @ g contracts along x's row scales
-    s2 = _scale(g2, how.grad, cols)
+    s1 = _scale(g1, how.grad, rows, how.row_axes if how.per_tensor else ())
+    g2 = g * sx  # dw = x^T @ g contracts along x's row scales: a maximum over every row
+    s2 = _scale(g2, how.grad, cols, how.row_axes)
     return _matmul(_cast(g1, s1, how.grad), qw.T, s1, dtype), _matmul(qx.T, _cast(g2, s2, how.grad), s2, dtype)
 
 
