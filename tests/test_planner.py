@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from scaletrain import config, remat
+from scaletrain import config, models, remat
 from scaletrain.errors import ConfigError
 from scaletrain.facts import fit, flops, hardware
 from scaletrain.models import ModelConfig
@@ -415,9 +415,9 @@ LAYER_NONE = 3328 * 32
 STREAM, INNER = residuals.per_token(ModelConfig.from_config(_cfg().model))
 SAVED_NONE = (STREAM + INNER + 768) * 32
 LOGITS = 32 * 384 * 4  # float32 logits, their gradient written over them: 49152
-# FSDP's layer at a time: a layer's 36992 float32 parameters gathered in bfloat16 twice (it and the next) and its
-# float32 gradient formed whole.
-WEIGHTS = 36992 * (2 * 2 + 4)
+# FSDP's layer at a time: a layer's 36992 float32 parameters gathered twice (it and the next) - its 36864 matrix
+# weights in bfloat16, its 128 norm gains as they are - and its float32 gradient formed whole.
+WEIGHTS = 36864 * (2 * 2 + 4) + 128 * (2 * 4 + 4)
 # Full remat recomputes the whole layer before its backward pass: what policy none saves, and the gradients of the
 # MLP's gate and up (2 x 128 elements per token).
 LAYER_FULL = SAVED_NONE + 2 * 128 * 2 * 32
@@ -553,7 +553,9 @@ def test_llama3_8b_on_v5p_64_memory_against_the_compiled_step():
     detail = r["memory_detail_bytes"]
     assert detail["saved_activations"] == 32 * 32768 * 4096 * 2
     layer = sum(residuals.per_token(ModelConfig.from_config(cfg.model))) + 2 * 14336 * 2
-    weights = memory.gathered_layer(memory.state(cfg, _axes(fsdp=32))) * 2
+    state = memory.state(cfg, _axes(fsdp=32))
+    weights = 2 * memory.gathered_layer(state, models.operand_dtypes(state.layout.model_cfg)) + (
+        memory.gathered_layer(state))
     assert detail["layer_working_set"] == pytest.approx(layer * 32768 + 4 * 32 * 512 * 8192 * 18 + weights)
     assert detail["logits"] == 2 * 4 * 1024 * 128256 * 4
     # The total is 30% above that compile (libtpu 0.0.42, not re-measured): with XLA's blocked attention the
@@ -685,10 +687,10 @@ def test_moe_layer_activations():
     # 3 x 4 x 64: (768 + 768) x 2 bytes = 3072. Full remat: that one layer rematerialised - what policy none saves
     # and the experts' gate and up gradients for those 4 rows, 2 x 4 x 64 x 2 bytes = 1024 - and its weights
     # (FSDP gathers the 12672 float32 parameters outside the experts; the device's expert, 12288, stays): twice
-    # in bf16 and the float32 gradient, 24960 x 8; the layer inputs saved.
+    # - in bf16 but the 128 norm gains - and the float32 gradient, 24832 x 8 + 128 x 12; the layer inputs saved.
     axes = _axes(fsdp=2, expert=4)
     moe_layer = sum(residuals.per_token(ModelConfig.from_config(_cfg(**MOE).model))) + 768
-    weights = (12672 + 12288) * 8
+    weights = (12544 + 12288) * 8 + 128 * 12
     full = memory.predict(_cfg(**MOE, **{"remat.policy": "full"}), axes)
     assert (full.layer_working_set, full.saved_activations) == ((moe_layer + 1024 + 3072) * 32 + weights,
                                                                 2 * 32 * 64 * 2)

@@ -249,15 +249,15 @@ def unscattered_gradients(cfg, s: State) -> float:
     return s.params * DTYPE_BYTES[cfg.model.dtype] / DTYPE_BYTES[cfg.model.param_dtype]
 
 
-def gathered_layer(s: State) -> float:
-    """Bytes (in the parameters' dtype) of one layer's weights as its matmuls use them - gathered over the batch
-    axes that shard them (FSDP; an expert's weights stay on their `expert` devices) -, or 0 where no batch axis
-    shards them (they are used where they lie)."""
+def gathered_layer(s: State, dtypes: Any = None) -> float:
+    """Bytes (in the parameters' dtype, or in `dtypes`: State.weights') of one layer's weights as its matmuls use
+    them - gathered over the batch axes that shard them (FSDP; an expert's weights stay on their `expert`
+    devices) -, or 0 where no batch axis shards them (they are used where they lie)."""
     batch = sharding.mesh_axes(s.layout.rules.activations["batch"])
     table = s.layout.rules.params
     held, _ = s.weights(table)
-    whole = (s.weights(table, batch, experts=False)[0]
-             + s.weights(table, tuple(a for a in batch if a != "expert"), experts=True)[0])
+    whole = (s.weights(table, batch, experts=False, dtypes=dtypes)[0]
+             + s.weights(table, tuple(a for a in batch if a != "expert"), experts=True, dtypes=dtypes)[0])
     stages = s.mesh.shape["pipeline"]  # State.weights averages a stage's layers over the whole stack
     return whole * stages if whole > held else 0.0
 
@@ -353,11 +353,12 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     # Blocked (model.logits_block): a block's logits and its gradient, formed in the forward pass (loss.py).
     copies = 2 if logits_block(cfg) < cfg.data.seq_len else 1
     logits = copies * logits_tokens * logits_block(cfg) / cfg.data.seq_len * m.vocab_size / t * 4
-    # FSDP's layer at a time: the layer's weights gathered in the compute dtype, and the next layer's gathered
-    # while it runs; its weight gradient formed whole before it is scattered (the 70B's full-remat compile holds
-    # them beside the recomputed layer: 41.6 GiB compiled, 32.7 planned without them).
-    gathered = 0.0 if runner.gather_once else gathered_layer(s)
-    working += gathered * (2 * ab / DTYPE_BYTES[m.param_dtype] + 1)
+    # FSDP's layer at a time: the layer's weights gathered as its matmuls take them (weight matrices in the
+    # compute dtype, int8 or fp8 where quantized, norm gains as they are: models.operand_dtypes), and the next
+    # layer's gathered while it runs; its weight gradient formed whole before it is scattered (the 70B's
+    # full-remat compile holds them beside the recomputed layer: 41.6 GiB compiled, 32.7 planned without them).
+    if not runner.gather_once:
+        working += 2 * gathered_layer(s, model_lib.operand_dtypes(s.layout.model_cfg)) + gathered_layer(s)
     if runner.gather_once:  # a whole stage's weights and gradient sums on every device
         batch = sharding.mesh_axes(s.layout.rules.activations["batch"])
         for table, role in ((s.layout.rules.params, "params"), (s.layout.rules.grads, "grads")):
