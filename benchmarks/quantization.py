@@ -1,7 +1,8 @@
 """model.quantization measured (docs/quantization.md).
 
   python benchmarks/quantization.py rates      XLA's cost model on one matmul per TPU generation: bf16, int8, fp8
-  python benchmarks/quantization.py accuracy   the tiny config 300 steps on the built-in corpus (held-out split),
+  python benchmarks/quantization.py accuracy [--seed N]
+                                               the tiny config 300 steps on the built-in corpus (held-out split),
                                                unquantized, int8 and fp8: final and evaluation losses
 
 `rates` compiles ahead of time through libtpu (no TPU needed); `accuracy` trains on this machine's CPUs (about
@@ -67,19 +68,20 @@ def _prepared(folder: Path) -> Path:
     return out
 
 
-def accuracy(folder: Path, steps: int) -> None:
+def accuracy(folder: Path, steps: int, seed: int) -> None:
     data = _prepared(folder)
-    print(f"configs/llama_tiny.yaml, {steps} steps, data.source=prepared (the built-in corpus, 2% held out), "
-          f"float32 master weights and compute\n")
+    print(f"configs/llama_tiny.yaml, {steps} steps, seed {seed}, data.source=prepared (the built-in corpus, 2% held "
+          f"out), float32 master weights and compute\n")
     print("| model.quantization | final loss | mean of the last 20 | eval loss | vs none (final, eval) |")
     print("|---|---|---|---|---|")
     base = None
     for mode in ("none", "int8", "fp8"):
-        run = folder / f"run_{mode}"
+        run = folder / f"run_{mode}_seed{seed}"
         subprocess.run([sys.executable, "train.py", "--config", "configs/llama_tiny.yaml", "--set", f"steps={steps}",
                         "--set", f"run_dir={run}", "--set", "data.source=prepared", "--set", f"data.path={data}",
                         "--set", f"train.eval_every_steps={steps}", "--set", "train.eval_batches=8", "--set",
-                        f"model.quantization={mode}", "--set", f"checkpoint.every_steps={steps}"],
+                        f"model.quantization={mode}", "--set", f"checkpoint.every_steps={steps}", "--set",
+                        f"seed={seed}"],
                        check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         losses = [r["loss"] for r in records if "loss" in r]
@@ -96,12 +98,13 @@ def main() -> None:
     sub.add_parser("rates")
     acc = sub.add_parser("accuracy")
     acc.add_argument("--steps", type=int, default=300)
+    acc.add_argument("--seed", type=int, default=0, help="the runs' seed (initialisation and sample order)")
     acc.add_argument("--dir", type=Path, help="where the dataset and runs go (default: a new temporary folder)")
     args = parser.parse_args()
     if args.what == "rates":
         rates()
     else:
-        accuracy(args.dir or Path(tempfile.mkdtemp(prefix="quantization-")), args.steps)
+        accuracy(args.dir or Path(tempfile.mkdtemp(prefix="quantization-")), args.steps, args.seed)
 
 
 if __name__ == "__main__":
