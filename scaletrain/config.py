@@ -21,7 +21,7 @@ from etils import epath
 from scaletrain import remat
 from scaletrain.errors import ConfigError
 
-MESH_AXES = ("data", "fsdp", "expert", "pipeline", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "pipeline", "context", "tensor")
 # model.norm: how RMSNorm meets the matmul after it; model.norm_weights: whether the norms carry their gains
 # (docs/flashnorm.md). Here rather than in the model, so that checking a config never imports Flax.
 ATTENTIONS = ("xla", "flash")
@@ -126,7 +126,7 @@ def defaults() -> ml_collections.ConfigDict:
                 **{axis: 1 for axis in MESH_AXES},
                 **{f"dcn_{axis}": 1 for axis in MESH_AXES},
             },
-            "sharding": {"preset": "fsdp", "sequence_parallel": True},
+            "sharding": {"preset": "fsdp", "sequence_parallel": True, "context_layout": "zigzag"},
             "checkpoint": {
                 "every_steps": 50,
                 "every_minutes": 0.0,
@@ -156,6 +156,7 @@ CHOICES = {
     "data.source": ("stdlib", "synthetic", "files", "prepared"),
     "train.on_nonfinite": ("skip", "stop"),
     "sharding.preset": ("fsdp", "dp", "zero1", "zero2"),
+    "sharding.context_layout": ("zigzag", "contiguous"),
     "pipeline.schedule": ("gpipe", "circular", "1f1b"),
     "pipeline.gather_weights": ("per_use", "once"),
     "optim.moment_dtype": ("float32", "bfloat16"),

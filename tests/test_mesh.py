@@ -13,8 +13,8 @@ def _mesh_cfg(**degrees):
 
 def test_fill_and_axis_order():
     m = mesh.make_mesh(_mesh_cfg(data=2, fsdp=-1))
-    assert m.axis_names == ("data", "fsdp", "expert", "pipeline", "tensor")
-    assert dict(m.shape) == {"data": 2, "fsdp": 4, "expert": 1, "pipeline": 1, "tensor": 1}
+    assert m.axis_names == ("data", "fsdp", "expert", "pipeline", "context", "tensor")
+    assert dict(m.shape) == {"data": 2, "fsdp": 4, "expert": 1, "pipeline": 1, "context": 1, "tensor": 1}
     assert all(t == jax.sharding.AxisType.Auto for t in m.axis_types)
 
 

@@ -40,7 +40,7 @@ def _cfg(path: str | None = None, **overrides):
 
 
 def _axes(**sizes) -> dict[str, int]:
-    return {"data": 1, "fsdp": 1, "expert": 1, "pipeline": 1, "tensor": 1, **sizes}
+    return {**dict.fromkeys(config.MESH_AXES, 1), **sizes}
 
 
 def _ring(size: int, wrapped: bool, parts: tuple[int, ...] | None = None) -> comms.Link:
@@ -134,7 +134,7 @@ def test_ring_collectives_with_and_without_wraparound():
 
 def _book_link(hardware_text: str, axis: str, **ici) -> comms.Link:
     """The ICI level of mesh axis `axis` on a slice, laid out as the planner lays out a mesh of these degrees."""
-    sizes = {a: ici.get(a, 1) for a in ("data", "fsdp", "expert", "pipeline", "tensor")}
+    sizes = _axes(**ici)
     return comms.links(hardware.topology(hardware_text), sizes, dict.fromkeys(sizes, 1))[axis][0]
 
 

@@ -83,8 +83,8 @@ def test_a_mesh_the_trainer_refuses_is_planned_with_its_reason():
         trainer.build(cfg, jax.devices()[:8])
     warnings = roofline.plan(cfg, "v5p:2x2x2")["warnings"]
     assert f"the trainer refuses this mesh: {refused.value}" in warnings
-    assert checks.problems(cfg, {"data": 1, "fsdp": 1, "expert": 1, "pipeline": 1, "tensor": 8})[0] == str(
-        refused.value)
+    sizes = {**dict.fromkeys(config.MESH_AXES, 1), "tensor": 8}
+    assert checks.problems(cfg, sizes)[0] == str(refused.value)
 
 
 def test_an_array_the_mesh_does_not_divide_is_refused_by_both():

@@ -273,7 +273,7 @@ def test_checkpoints_describe_themselves(uninterrupted, capfd):
     assert result.returncode == 0, result.stderr
     meta = json.loads(result.stdout)
     assert meta["step"] == STEPS and meta["config"]["steps"] == STEPS and len(meta["config_hash"]) == 16
-    assert meta["mesh"] == {"axes": {"data": 1, "fsdp": 8, "expert": 1, "pipeline": 1, "tensor": 1},
+    assert meta["mesh"] == {"axes": {"data": 1, "fsdp": 8, "expert": 1, "pipeline": 1, "context": 1, "tensor": 1},
                             "devices": 8, "processes": 1}
     w_gate = meta["arrays"][".params['layers']['mlp']['w_gate']"]
     assert w_gate == {"shape": [2, 64, 128], "dtype": "float32", "logical": ["layers", "embed", "mlp"]}

@@ -52,6 +52,7 @@ def test_rules_for_adds_sequence_parallelism_and_replicated_kv_heads():
     plain = sharding.rules_for("fsdp", sequence_parallel=False, shard_kv_heads=True)
     assert plain == sharding.PRESETS["fsdp"]
     adapted = sharding.rules_for("zero1", sequence_parallel=True, shard_kv_heads=False)
-    assert adapted.activations["residual_seq"] == "tensor" and "residual_seq" not in plain.activations
+    assert adapted.activations["residual_seq"] == ("context", "tensor")
+    assert plain.activations["residual_seq"] == plain.activations["seq"] == "context"
     for table in (adapted.params, adapted.grads, adapted.opt_state, adapted.activations):
         assert table["kv_heads"] is None and table["heads"] == "tensor"

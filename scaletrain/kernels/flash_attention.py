@@ -22,12 +22,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from scaletrain.facts import hardware
 from scaletrain.kernels.tiling import round_up
+from scaletrain.parallel.checks import FLASH_BLOCK
 
 # Splash's kernels take blocks in multiples of the TPU's 128 lanes.
-_LANES = 128
+_LANES = FLASH_BLOCK
 _PAD_SEGMENT = -1
 
 
@@ -98,22 +100,56 @@ def splash_blocks(seq_len: int, kernel: Splash) -> tuple[int, int, int]:
     return t, _block(t, kernel.block_q), _block(t, kernel.block_kv)
 
 
-def _splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, kernel: Splash) -> jax.Array:
+def _make_splash(heads: int, seq_len: int, q_len: int, kernel: Splash, q_order: np.ndarray | None = None,
+                 shards: int = 1):
+    """Splash for `heads` query heads against `seq_len` keys in sequence order, its queries split into `shards`
+    slices of `q_len`; `q_order`: the sequence position of each query (context.order), in order by default.
+    Built per trace (the scan traces a layer once): the mask's block structure is numpy work at trace time. Its
+    residuals (output and log-sum-exp) are named attention_out, so remat policies can save or offload them."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-    b, t, n, h = q_btnh.shape
-    _, bq, bkv = splash_blocks(t, kernel)
+    bq, bkv = _block(q_len, kernel.block_q), _block(seq_len, kernel.block_kv)
     blocks = sa.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
                            block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
-    # Built per trace (the scan traces a layer once): the mask's block structure is numpy work at trace time.
-    # Its residuals (output and log-sum-exp) are named attention_out, so remat policies can save or offload them.
-    splash = sa.make_splash_mha(sa.MultiHeadMask([sa.CausalMask((t, t))] * n), block_sizes=blocks, head_shards=1,
-                                q_seq_shards=1, residual_checkpoint_name="attention_out",
-                                interpret=kernel.interpret)
+    mask = sa.CausalMask((seq_len, seq_len))
+    if q_order is not None:
+        mask.q_sequence = q_order  # the kernel compares each query's position, not its slot, with the key's
+    return sa.make_splash_mha(sa.MultiHeadMask([mask] * heads), block_sizes=blocks, head_shards=1,
+                              q_seq_shards=shards, residual_checkpoint_name="attention_out",
+                              interpret=kernel.interpret)
+
+
+def _run_splash(splash, q_btnh, k_bskh, v_bskh, q_segments_bt, k_segments_bs) -> jax.Array:
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
     heads_first = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731 - splash takes [heads, seq, head_dim]
-    out_bnth = jax.vmap(lambda q, k, v, seg: splash(q, k, v, sa.SegmentIds(seg, seg)))(
-        heads_first(q_btnh), heads_first(k_bskh), heads_first(v_bskh), segment_ids_bt)
+    out_bnth = jax.vmap(lambda q, k, v, q_seg, k_seg: splash(q, k, v, sa.SegmentIds(q_seg, k_seg)))(
+        heads_first(q_btnh), heads_first(k_bskh), heads_first(v_bskh), q_segments_bt, k_segments_bs)
     return heads_first(out_bnth)
+
+
+def _splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, kernel: Splash) -> jax.Array:
+    t, n = q_btnh.shape[1:3]  # t: already padded to whole blocks
+    splash = _make_splash(n, t, t, kernel)
+    return _run_splash(splash, q_btnh, k_bskh, v_bskh, segment_ids_bt, segment_ids_bt)
+
+
+def split_splash(heads: int, q_order: np.ndarray, shards: int, kernel: Splash):
+    """Context parallelism's splash: queries laid out in `q_order` (context.order) and split over `shards`
+    devices, each against the whole sequence's keys and values. The kernel is a pytree whose block tables are
+    split along the queries like them: shard_map hands each device its own (`.manual_sharding_spec`), so one
+    traced kernel serves every shard, skipping the key blocks its queries' positions hide. Run it with
+    `split_attention`."""
+    t = len(q_order)
+    return _make_splash(heads, t, t // shards, kernel, q_order, shards)
+
+
+def split_attention(splash, q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, q_segments_bt: jax.Array,
+                    k_segments_bs: jax.Array) -> jax.Array:
+    """One device's share of `split_splash`'s attention: its queries [b, t / shards, n, h] and their segment ids,
+    against every key and value [b, t, kv, h] and key segment id, in sequence order."""
+    return _run_splash(splash, q_btnh, k_bskh, v_bskh, q_segments_bt.astype(jnp.int32),
+                       k_segments_bs.astype(jnp.int32))
 
 
 def _triton(q_btnh, k_bskh, v_bskh, segment_ids_bt, kernel: Triton) -> jax.Array:

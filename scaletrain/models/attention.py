@@ -4,24 +4,21 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from scaletrain.errors import ConfigError
 from scaletrain.kernels import flash_attention
 from scaletrain.models import quantize, rope
 from scaletrain.models.layers import RMSNorm, param, project
-from scaletrain.parallel.sharding import active_device, constrain, local, ways
+from scaletrain.parallel.sharding import active_device, constrain, local, placement, sequence_order, ways
 
 
-def attention_mask(segment_ids_bt: jax.Array) -> jax.Array:
-    """[b, 1, 1, t, s]: query t sees key s iff s <= t and both lie in the same document."""
-    return block_mask(segment_ids_bt, segment_ids_bt, 0)
-
-
-def block_mask(q_segments_bt: jax.Array, k_segments_bs: jax.Array, q_offset) -> jax.Array:
-    """The mask for queries at positions q_offset + [0, t) against all keys."""
-    t, s = q_segments_bt.shape[1], k_segments_bs.shape[1]
-    causal = (q_offset + jnp.arange(t))[:, None] >= jnp.arange(s)[None, :]
+def block_mask(q_segments_bt: jax.Array, k_segments_bs: jax.Array, q_index_t: jax.Array,
+               k_index_s: jax.Array) -> jax.Array:
+    """The mask for queries at sequence positions q_index against keys at k_index."""
+    causal = q_index_t[:, None] >= k_index_s[None, :]
     same_doc = q_segments_bt[:, :, None] == k_segments_bs[:, None, :]
     return (causal & same_doc)[:, None, None, :, :]
 
@@ -34,22 +31,34 @@ def dot_attention(q_btkgh, k_bskh, v_bskh, mask) -> jax.Array:
     return jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
 
 
-def blocked_attention(q_btkgh, k_bskh, v_bskh, segment_ids_bt, block: int, unroll: bool = False) -> jax.Array:
+def blocked_attention(q_btkgh, k_bskh, v_bskh, segment_ids_bt, block: int, unroll: bool = False, *,
+                      k_segments_bs: jax.Array | None = None, index_t: jax.Array | None = None) -> jax.Array:
     """dot_attention one block of queries at a time, each block rematerialised in the backward pass, so the
-    [t, s] score matrix never exists whole: memory O(block x s) instead of O(t x s), the same FLOPs."""
+    [t, s] score matrix never exists whole: memory O(block x s) instead of O(t x s), the same FLOPs. Queries and
+    keys in the same slots, unless `k_segments_bs` (the keys' segment ids) and `index_t` (the sequence position
+    of each query and key slot: context parallelism's layout) say otherwise."""
     b, t = q_btkgh.shape[:2]
     n = t // block
+    k_segments_bs = segment_ids_bt if k_segments_bs is None else k_segments_bs
+    index_t = jnp.arange(t) if index_t is None else index_t
     q_blocks = q_btkgh.reshape(b, n, block, *q_btkgh.shape[2:]).swapaxes(0, 1)
     seg_blocks = segment_ids_bt.reshape(b, n, block).swapaxes(0, 1)
 
     @jax.checkpoint
     def one(args):
-        q, seg, offset = args
-        return dot_attention(q, k_bskh, v_bskh, block_mask(seg, segment_ids_bt, offset))
+        q, seg, q_index = args
+        return dot_attention(q, k_bskh, v_bskh, block_mask(seg, k_segments_bs, q_index, index_t))
 
-    _, out = jax.lax.scan(lambda _, args: (None, one(args)), None, (q_blocks, seg_blocks, jnp.arange(n) * block),
+    _, out = jax.lax.scan(lambda _, args: (None, one(args)), None, (q_blocks, seg_blocks, index_t.reshape(n, block)),
                           unroll=unroll)
     return out.swapaxes(0, 1).reshape(q_btkgh.shape)
+
+
+def _whole_sequence(k_bskh: jax.Array, v_bskh: jax.Array, segment_ids_bs: jax.Array) -> tuple[jax.Array, ...]:
+    """Keys, values and their segment ids split along the sequence (context parallelism), gathered whole on every
+    device (only the key/value heads travel)."""
+    kv = ("batch", None, "kv_heads", "head_dim")
+    return constrain(k_bskh, kv), constrain(v_bskh, kv), constrain(segment_ids_bs, ("batch", None))
 
 
 class Attention(nnx.Module):
@@ -127,15 +136,22 @@ class Attention(nnx.Module):
         q_btnh, k_btkh, v_btkh = self._queries_keys_values(x_btd, norm, sin_bth, cos_bth)
         b, t, n, h = q_btnh.shape
         k = cfg.num_kv_heads
+        order = sequence_order(t)
         if cfg.attention == "flash":
-            out_btnh = self._flash(q_btnh, k_btkh, v_btkh, segment_ids_bt)
+            out_btnh = self._flash(q_btnh, k_btkh, v_btkh, segment_ids_bt, order)
         else:
             q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
+            # Split along the sequence, the queries stay where they are and meet every key, in the layout's order.
+            k_btkh, v_btkh, k_segments_bt = _whole_sequence(k_btkh, v_btkh, segment_ids_bt) if order is not None \
+                else (k_btkh, v_btkh, segment_ids_bt)
+            index_t = jnp.arange(t) if order is None else jnp.asarray(order)
             block = cfg.attention_block
             if 0 < block < t and t % block == 0:
-                out_btkgh = blocked_attention(q_btkgh, k_btkh, v_btkh, segment_ids_bt, block, cfg.unroll_loops)
+                out_btkgh = blocked_attention(q_btkgh, k_btkh, v_btkh, segment_ids_bt, block, cfg.unroll_loops,
+                                              k_segments_bs=k_segments_bt, index_t=index_t)
             else:
-                out_btkgh = dot_attention(q_btkgh, k_btkh, v_btkh, attention_mask(segment_ids_bt))
+                out_btkgh = dot_attention(q_btkgh, k_btkh, v_btkh,
+                                          block_mask(segment_ids_bt, k_segments_bt, index_t, index_t))
             out_btnh = checkpoint_name(out_btkgh.reshape(b, t, n, h), "attention_out")
         return self._out(out_btnh)
 
@@ -154,17 +170,32 @@ class Attention(nnx.Module):
         out_btkgh = dot_attention(q_btnh.reshape(b, t, k, n // k, h), k_cache, v_cache, causal[None, None, None])
         return self._out(out_btkgh.reshape(b, t, n, h)), (k_cache, v_cache)
 
-    def _flash(self, q_btnh, k_btkh, v_btkh, segment_ids_bt) -> jax.Array:
+    def _flash(self, q_btnh, k_btkh, v_btkh, segment_ids_bt, order) -> jax.Array:
         """The flash kernel per device on its batch rows and heads (kernels/flash_attention.py). The kernel
         names its own residuals attention_out. Where the key/value heads are not split like the query heads
-        (fewer of them than `tensor` ways), each device's query heads get copies of the K/V heads they use."""
+        (fewer of them than `tensor` ways), each device's query heads get copies of the K/V heads they use.
+        Split along the sequence (`order`: context parallelism's layout), each device's queries meet the whole
+        sequence's keys and values, gathered and put back in sequence order for the kernel's causal mask."""
+        seq = "seq" if order is None else None
         if ways("kv_heads") != ways("heads"):
             g = self.cfg.num_heads // self.cfg.num_kv_heads
             k_btkh, v_btkh = (constrain(jnp.repeat(x, g, axis=2), ("batch", "seq", "heads", "head_dim"))
                               for x in (k_btkh, v_btkh))
-        kv_logical = ("batch", "seq", "kv_heads" if ways("kv_heads") == ways("heads") else "heads", "head_dim")
+        kv_logical = ("batch", seq, "kv_heads" if ways("kv_heads") == ways("heads") else "heads", "head_dim")
         q_logical = ("batch", "seq", "heads", "head_dim")
         kernel = flash_attention.kernel_for(active_device())
-        return local(lambda q, k, v, seg: flash_attention.flash_attention(q, k, v, seg, kernel),
-                     (q_logical, kv_logical, kv_logical, ("batch", "seq")), q_logical)(
-            q_btnh, k_btkh, v_btkh, segment_ids_bt)
+        if order is None:
+            return local(lambda q, k, v, seg: flash_attention.flash_attention(q, k, v, seg, kernel),
+                         (q_logical, kv_logical, kv_logical, ("batch", "seq")), q_logical)(
+                q_btnh, k_btkh, v_btkh, segment_ids_bt)
+        if not isinstance(kernel, flash_attention.Splash):
+            raise ConfigError("context parallelism (mesh.context > 1) with model.attention=flash runs splash "
+                              "attention (TPU, or interpreted on CPU); on a GPU set model.attention=xla")
+        in_order = np.argsort(order)
+        k_btkh, v_btkh = (jnp.take(constrain(x, kv_logical), in_order, axis=1) for x in (k_btkh, v_btkh))
+        k_segments_bt = jnp.take(constrain(segment_ids_bt, ("batch", None)), in_order, axis=1)
+        splash = flash_attention.split_splash(q_btnh.shape[2] // ways("heads"), order, ways("seq"), kernel)
+        kernel_spec = splash.manual_sharding_spec(placement((None, "seq")))
+        return local(flash_attention.split_attention,
+                     (kernel_spec, q_logical, kv_logical, kv_logical, ("batch", "seq"), ("batch", None)), q_logical)(
+            splash, q_btnh, k_btkh, v_btkh, segment_ids_bt, k_segments_bt)

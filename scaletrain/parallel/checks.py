@@ -8,7 +8,12 @@ from typing import Mapping
 
 from scaletrain.config import moe_d_ff
 from scaletrain.errors import ConfigError
+from scaletrain.parallel import context
 from scaletrain.parallel.sharding import batch_ways
+
+# The flash kernel's query blocks are multiples of the TPU's 128 lanes (kernels/flash_attention.py's _LANES,
+# which takes it from here: checking a config does not import the kernels).
+FLASH_BLOCK = 128
 
 
 def shards_kv_heads(num_kv_heads: int, tensor: int) -> bool:
@@ -60,6 +65,27 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
         if cfg.train.grad_accum_steps > 1:
             out.append("with mesh.pipeline > 1 the pipeline's microbatches replace gradient accumulation: set "
                        "pipeline.microbatches and train.grad_accum_steps=1")
+    context_ways = axis_sizes["context"]
+    if context_ways > 1:
+        pieces = context.chunks(context_ways, cfg.sharding.context_layout)
+        if cfg.data.seq_len % pieces:
+            out.append(f"data.seq_len={cfg.data.seq_len} is not divisible by the {pieces} chunks that "
+                       f"mesh.context={context_ways} with sharding.context_layout={cfg.sharding.context_layout} "
+                       f"cuts a sequence into")
+        elif cfg.sharding.sequence_parallel and (cfg.data.seq_len // context_ways) % tensor:
+            out.append(f"data.seq_len / mesh.context = {cfg.data.seq_len // context_ways} is not divisible by "
+                       f"mesh.tensor={tensor}, which splits each context shard's sequence with "
+                       f"sharding.sequence_parallel=true")
+        if m.attention == "flash" and (cfg.data.seq_len // context_ways) % FLASH_BLOCK:
+            out.append(f"data.seq_len / mesh.context = {cfg.data.seq_len / context_ways:g} is not a multiple of "
+                       f"{FLASH_BLOCK}: with model.attention=flash each context shard's queries are whole blocks "
+                       f"of the kernel's {FLASH_BLOCK} lanes")
+        if m.attention_block and (cfg.data.seq_len // context_ways) % m.attention_block:
+            out.append(f"model.attention_block={m.attention_block} does not divide data.seq_len / mesh.context = "
+                       f"{cfg.data.seq_len / context_ways:g}, each context shard's queries")
+        if m.num_experts and m.capacity_factor > 0:
+            out.append("mesh.context > 1 with model.capacity_factor > 0: capacity ranks a sequence's tokens by "
+                       "position, which the context layout reorders; use the dropless routing (capacity_factor 0)")
     experts = m.num_experts
     if axis_sizes["expert"] > 1 and not experts:
         out.append(f"mesh.expert={axis_sizes['expert']} needs a mixture-of-experts model (model.num_experts > 0): "

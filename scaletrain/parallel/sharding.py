@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 import jax
+import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from scaletrain.errors import ConfigError
+from scaletrain.parallel import context
 
 LOGICAL_AXES = ("batch", "seq", "residual_seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
                 "experts", "moe_mlp", "sublayers", "stage")
@@ -41,8 +43,11 @@ SIZE_KEY = {
 RuleTable = Mapping[str, Any]
 
 # Activations: batch over every data-parallel axis and the expert axis (whose devices each take a share of the
-# batch and send each token to its experts: models/mixtral/moe.py), Megatron-style tensor axes (a no-op at tensor=1).
-_ACTIVATIONS: RuleTable = {"batch": ("data", "fsdp", "expert"), "heads": "tensor", "kv_heads": "tensor",
+# batch and send each token to its experts: models/mixtral/moe.py), the sequence over `context` (context
+# parallelism: context.py lays it out, attention gathers the keys and values), Megatron-style tensor axes (a no-op
+# at tensor=1).
+_ACTIVATIONS: RuleTable = {"batch": ("data", "fsdp", "expert"), "seq": "context", "residual_seq": "context",
+                           "heads": "tensor", "kv_heads": "tensor",
                            "mlp": "tensor", "moe_mlp": "tensor", "vocab": "tensor", "experts": "expert",
                            "stage": "pipeline"}
 # Stacked layers are split over the pipeline stages along `layers`, each stage's devices holding a contiguous
@@ -61,6 +66,7 @@ class Rules:
     grads: RuleTable
     opt_state: RuleTable
     activations: RuleTable
+    seq_layout: str = "zigzag"  # context.LAYOUTS: how a sequence split over `context` is laid out
 
 
 PRESETS: dict[str, Rules] = {
@@ -75,19 +81,20 @@ PRESETS: dict[str, Rules] = {
 }
 
 
-def rules_for(preset_name: str, sequence_parallel: bool, shard_kv_heads: bool) -> Rules:
+def rules_for(preset_name: str, sequence_parallel: bool, shard_kv_heads: bool, seq_layout: str = "zigzag") -> Rules:
     """A preset, adapted: with sequence parallelism the residual stream (norms, residual adds) is split along
-    the sequence over `tensor`, turning each tensor-parallel all-reduce into a reduce-scatter + all-gather;
-    with fewer key/value heads than `tensor` ways, K/V projections are replicated over `tensor` (each device
-    keeps every K/V head and uses the ones its query heads share)."""
+    the sequence over `tensor` too (within each `context` shard), turning each tensor-parallel all-reduce into a
+    reduce-scatter + all-gather; with fewer key/value heads than `tensor` ways, K/V projections are replicated
+    over `tensor` (each device keeps every K/V head and uses the ones its query heads share)."""
     rules = PRESETS[preset_name]
 
     def adapt(table: RuleTable) -> RuleTable:
         return {**table, **({} if shard_kv_heads else {"kv_heads": None})}
 
-    activations = {**adapt(rules.activations), **({"residual_seq": "tensor"} if sequence_parallel else {})}
+    activations = {**adapt(rules.activations),
+                   **({"residual_seq": ("context", "tensor")} if sequence_parallel else {})}
     return Rules(params=adapt(rules.params), grads=adapt(rules.grads), opt_state=adapt(rules.opt_state),
-                 activations=activations)
+                 activations=activations, seq_layout=seq_layout)
 
 
 def mesh_axes(entry: Any) -> tuple[str, ...]:
@@ -183,13 +190,21 @@ def local(fn, in_logical: tuple[tuple[str | None, ...], ...], out_logical):
     """`fn` run per device on its shards (jax.shard_map) with the active activation rules, for code the SPMD
     partitioner cannot split (Pallas kernels, a mixture of experts' routing); XLA gathers the inputs into these
     layouts first. `out_logical` names the output's axes, or is a tuple of such names for several outputs. `fn`
-    itself outside a step."""
+    itself outside a step. An `in_logical` entry that is not a tuple of names is a shard_map spec already (a
+    pytree prefix of its argument's specs: `placement`)."""
     if not _ACTIVE:
         return fn
     mesh, rules = _traced_mesh(), _ACTIVE[-1][1]
     out_specs = jax.tree.map(lambda n: spec(n, rules.activations, mesh), out_logical, is_leaf=is_logical)
-    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(n, rules.activations, mesh) for n in in_logical),
-                         out_specs=out_specs, check_vma=False)
+    in_specs = tuple(spec(n, rules.activations, mesh) if is_logical(n) else n for n in in_logical)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def placement(logical: tuple[str | None, ...]) -> NamedSharding:
+    """Where the active activation rules put an array with these logical axes, on the mesh being traced: for a
+    library object that says its own shard_map specs (splash's kernel) and is passed to `local` with them."""
+    mesh = _traced_mesh()
+    return NamedSharding(mesh, spec(logical, _ACTIVE[-1][1].activations, mesh))
 
 
 def active_axes(logical: str) -> tuple[str, ...]:
@@ -211,6 +226,12 @@ def replica_axes() -> tuple[str, ...]:
 def ways(logical: str) -> int:
     """Into how many shards the active activation rules split a logical axis (1 outside a step)."""
     return math.prod(_ACTIVE[-1][0].shape[a] for a in active_axes(logical)) if _ACTIVE else 1
+
+
+def sequence_order(seq_len: int) -> np.ndarray | None:
+    """The sequence position at each slot of a sequence laid out for the active rules (context.order), or None
+    where it is in order (no context parallelism, or outside a step)."""
+    return context.order(seq_len, ways("seq"), _ACTIVE[-1][1].seq_layout) if _ACTIVE else None
 
 
 def active_mesh() -> Mesh:

@@ -53,7 +53,8 @@ class StateLayout:
 def of(cfg, axis_sizes: Mapping[str, int], unroll_loops: bool = False) -> StateLayout:
     """The state of config `cfg` on a mesh of these axis sizes. Builds shapes only; nothing is allocated."""
     shard_kv = shards_kv_heads(cfg.model.num_kv_heads, axis_sizes["tensor"])
-    rules = sharding.rules_for(cfg.sharding.preset, cfg.sharding.sequence_parallel, shard_kv)
+    rules = sharding.rules_for(cfg.sharding.preset, cfg.sharding.sequence_parallel, shard_kv,
+                               cfg.sharding.context_layout)
     model_cfg = model_lib.ModelConfig.from_config(
         cfg.model, fuse_qkv=shard_kv, remat=cfg.remat.policy, remat_custom=tuple(cfg.remat.custom.items()),
         unroll_loops=unroll_loops)

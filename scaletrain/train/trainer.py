@@ -26,7 +26,7 @@ from scaletrain.data import loader as data_lib
 from scaletrain.data import tokenizer as tokenizer_lib
 from scaletrain.errors import CheckpointError, UserError, first_line
 from scaletrain.facts import fit, flops, hardware
-from scaletrain.parallel import checks, sharding
+from scaletrain.parallel import checks, context, sharding
 from scaletrain.parallel import mesh as mesh_lib
 from scaletrain.store import storage
 from scaletrain.store.checkpoint import Checkpointer, check_resumable, params_source, read_metadata, restore_params
@@ -63,10 +63,14 @@ class Setup:
     # its parameters alone, donating the reordered arrays; the identity for every other layout.
     to_disk: Callable[[Any], Any] = lambda tree: tree
     from_disk: Callable[[Any], Any] = lambda tree: tree
+    # Under context parallelism, the sequence position each slot of a laid-out sequence holds (context.order).
+    seq_order: np.ndarray | None = None
 
     def put_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """This process's rows (data.process_rows) -> global batch arrays on the mesh."""
-        return data_lib.to_global(local, self.batch_sharding, self.cfg.train.global_batch)
+        """This process's rows (data.process_rows) -> global batch arrays on the mesh, each sequence laid out for
+        the `context` axis."""
+        return data_lib.to_global(context.lay_out(local, self.seq_order), self.batch_sharding,
+                                  self.cfg.train.global_batch)
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         shape = (self.cfg.train.global_batch, self.cfg.data.seq_len)
@@ -112,6 +116,8 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
         eval_step=jax.jit(make_eval_step(lay.graphdef, lay.runner, update.fetch_params, mesh, rules),
                           in_shardings=(state_shardings.params, batch_sharding),
                           out_shardings=sharding.replicated(mesh)),
+        seq_order=context.order(cfg.data.seq_len, sharding.split_ways("seq", rules.activations, mesh.shape),
+                                rules.seq_layout),
         **({} if order is None else {"to_disk": _reorder(np.argsort(order), logical_state, state_shardings),
                                      "from_disk": _reorder(order, logical_state, state_shardings)}),
     )

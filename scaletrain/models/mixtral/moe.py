@@ -100,7 +100,7 @@ class MoE(nnx.Module):
         # permuted, past where a norm could be fused into their matmul.
         h_btd = constrain(norm(x_btd), ("batch", "seq", "embed"))
         fn = _per_device(self.k, self.capacity_factor, active_axes("experts"), active_axes("moe_mlp"),
-                         active_device().platform == "tpu", self.quant, active_axes("batch"))
+                         active_device().platform == "tpu", self.quant, active_axes("batch"), active_axes("seq"))
         up, down = ("experts", "embed", "moe_mlp"), ("experts", "moe_mlp", "embed")
         per_device = local(fn, (("batch", "seq", "embed"), ("embed", None), up, up, down),
                            (("batch", "seq", "embed"), ("batch", None)))
@@ -135,25 +135,34 @@ def route(h_td: jax.Array, router_de: jax.Array, k: int):
     return top_e, top_p / jnp.sum(top_p, axis=-1, keepdims=True), probs, jax.nn.logsumexp(logits, axis=-1)
 
 
-def router_stats(top_e_btk: jax.Array, probs_bte: jax.Array, lse_bt: jax.Array, dropped) -> jax.Array:
+def router_stats(top_e_btk: jax.Array, probs_bte: jax.Array, lse_bt: jax.Array, dropped,
+                 seq_axes: tuple[str, ...] = ()) -> jax.Array:
     """The statistics vector of `MoE.__call__` for these sequences. The load-balancing loss is Switch's and
     Mixtral's, E x sum_e f_e P_e (f_e: the share of the sequence's assignments that expert e got, P_e: its mean
-    probability; 1 when balanced), taken per sequence so that it does not depend on how the batch is split."""
-    b, t, e = probs_bte.shape
-    load_be = jnp.sum(jax.nn.one_hot(top_e_btk, e, dtype=jnp.float32), axis=(1, 2))
-    share_be = jax.lax.stop_gradient(load_be) / (t * top_e_btk.shape[-1])
-    aux = e * jnp.sum(share_be * jnp.mean(probs_bte, axis=1)) * t
-    return jnp.concatenate([jnp.stack([aux, jnp.sum(lse_bt ** 2), dropped]), jnp.sum(load_be, axis=0)])
+    probability; 1 when balanced), taken per sequence so that it does not depend on how the batch is split.
+    `seq_axes`: the mesh axes that split each sequence (context parallelism): every sum is then the whole
+    sequence's, the same on each of them."""
+    def whole(x):
+        return jax.lax.psum(x, seq_axes) if seq_axes else x
+
+    e, k = probs_bte.shape[-1], top_e_btk.shape[-1]
+    t = probs_bte.shape[1] * (jax.lax.psum(1, seq_axes) if seq_axes else 1)
+    load_be = whole(jnp.sum(jax.nn.one_hot(top_e_btk, e, dtype=jnp.float32), axis=(1, 2)))
+    share_be = jax.lax.stop_gradient(load_be) / (t * k)
+    aux = e * jnp.sum(share_be * whole(jnp.sum(probs_bte, axis=1)))
+    return jnp.concatenate([jnp.stack([aux, whole(jnp.sum(lse_bt ** 2)), whole(dropped)]), jnp.sum(load_be, axis=0)])
 
 
 def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], tensor_axes: tuple[str, ...],
-                ragged_transport: bool, quant: quantize.Quantization | None, batch_axes: tuple[str, ...] = ()):
+                ragged_transport: bool, quant: quantize.Quantization | None, batch_axes: tuple[str, ...] = (),
+                seq_axes: tuple[str, ...] = ()):
     """The block on one device's tokens and weights: h [b, t, d], router [d, E], the device's experts
     [E_l, d, f_l] and [E_l, f_l, d] -> (output [b, t, d], statistics [1, stats]). `quant`: the experts' matmuls'
-    low-precision mode (the router's stays float32); `batch_axes` the mesh axes that split the batch."""
-    # An expert's rows lie on the devices of its expert shard: across the other batch axes (and, being the same
-    # rows, not across `tensor`) a quantized matmul takes its gradient's scales as maxima over all of them.
-    rows = tuple(a for a in batch_axes if a not in expert_axes)
+    low-precision mode (the router's stays float32); `batch_axes` the mesh axes that split the batch, `seq_axes`
+    those that split each sequence (routing is per token: each device routes its own tokens)."""
+    # An expert's rows lie on the devices of its expert shard: across the other batch and sequence axes (and,
+    # being the same rows, not across `tensor`) a quantized matmul takes its gradient's scales as maxima over all.
+    rows = tuple(a for a in batch_axes if a not in expert_axes) + seq_axes
     grouped = _GroupedMatmul(quant, tensor_axes, rows)
 
     def fn(h_btd, router_de, w_gate, w_up, w_down):
@@ -175,7 +184,7 @@ def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], te
         if tensor_axes:  # each device summed over its slice of the experts' hidden dim
             out_td = jax.lax.psum(out_td, tensor_axes)
         stats = router_stats(top_e.reshape(b, t, k), probs.reshape(b, t, -1), lse.reshape(b, t),
-                             jnp.asarray(dropped, jnp.float32))
+                             jnp.asarray(dropped, jnp.float32), seq_axes)
         return out_td.reshape(b, t, d), stats[None]
 
     return fn

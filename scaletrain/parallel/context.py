@@ -1,0 +1,36 @@
+"""Context parallelism's sequence layout: which positions of a sequence each `context` shard holds.
+
+Under a causal mask a query attends to the keys before it, so with the sequence cut into contiguous shards the
+last shard does C times the attention work of the first. The zig-zag layout (MaxText's and torchtitan's load
+balancing) cuts the sequence into 2C chunks and gives shard i chunks i and 2C-1-i: every shard then holds the
+same number of (query, key) pairs to compute. The trainer lays each batch out so (Setup.put_batch, on the host,
+before the arrays reach the devices); attention reads the same order to build its causal mask and to put the
+gathered keys and values back in sequence order. Every other layer works token by token, and the loss is a sum
+over tokens, so nothing else sees the layout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def order(seq_len: int, shards: int, layout: str) -> np.ndarray | None:
+    """The sequence position held at each slot of the laid-out sequence ([seq_len] int32), shard i holding slots
+    [i seq_len / shards, (i + 1) seq_len / shards); None where that is the sequence's own order."""
+    if shards == 1 or layout == "contiguous":
+        return None
+    chunk = seq_len // (2 * shards)
+    chunks = np.stack([np.arange(shards), 2 * shards - 1 - np.arange(shards)], axis=1).reshape(-1)
+    return (chunks[:, None] * chunk + np.arange(chunk)).reshape(-1).astype(np.int32)
+
+
+def chunks(shards: int, layout: str) -> int:
+    """The pieces `order` cuts a sequence into: the sequence length must be a multiple of it."""
+    return 2 * shards if shards > 1 and layout == "zigzag" else shards
+
+
+def lay_out(batch: dict[str, np.ndarray], seq_order: np.ndarray | None) -> dict[str, np.ndarray]:
+    """A batch's [rows, seq_len] arrays in the layout `seq_order` gives."""
+    return batch if seq_order is None else {k: np.take(v, seq_order, axis=1) for k, v in batch.items()}

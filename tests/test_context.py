@@ -1,0 +1,102 @@
+"""Context parallelism (the sequence split over `mesh.context`) trains exactly like one device: 4 steps' loss and
+gradient norm, the parameters and Adam's moment within 1e-5 (fp32), with documents packed across the layout's
+chunk boundaries, for both attention modes, alone and beside data, fsdp, tensor (sequence parallel), expert and
+pipeline axes; the zig-zag layout balances the causal work; the meshes it cannot split are refused."""
+
+import numpy as np
+import pytest
+
+from scaletrain import config
+from scaletrain.data import loader as data
+from scaletrain.errors import ConfigError
+from scaletrain.parallel import checks, context
+from tests import equivalence
+
+STEPS = 4
+# Document boundaries (as fractions of the sequence) that fall inside the layout's chunks, not on their edges: a
+# query and the keys of its document then lie on different devices and in chunks the zig-zag swaps around.
+CUTS = (0.17, 0.43, 0.77)
+
+
+def _packed(batches: list[dict]) -> list[dict]:
+    """The batches with every row cut into four documents at CUTS (shifted by one token per row): segment ids and
+    positions as the loader packs them, the tokens unchanged."""
+    out = []
+    for batch in batches:
+        rows, t = batch["tokens"].shape
+        segments = np.ones((rows, t), np.int32)
+        positions = np.zeros((rows, t), np.int32)
+        for r in range(rows):
+            starts = [0, *(int(c * t) + r for c in CUTS)]
+            for doc, (a, b) in enumerate(zip(starts, [*starts[1:], t]), 1):
+                segments[r, a:b], positions[r, a:b] = doc, np.arange(b - a)
+        out.append({**batch, "segment_ids": segments, "positions": positions})
+    return out
+
+
+def _batches(seq_len: int) -> list[dict]:
+    it = data.BatchIterator(data.make_dataset(config.load(None, [f"data.seq_len={seq_len}"])), global_batch=8)
+    return _packed([next(it) for _ in range(STEPS)])
+
+
+@pytest.fixture(scope="module")
+def short():
+    return _batches(32)
+
+
+@pytest.fixture(scope="module")
+def long():
+    return _batches(512)  # the flash kernel's blocks are 128 queries: 512 / 4 shards
+
+
+MOE = ["model.num_experts=4", "model.moe_d_ff=64"]
+# (sequence, the model's overrides (the reference's too), the mesh's)
+MESHES = {
+    "context=8, xla": (32, [], ["mesh.context=8"]),
+    "context=4 x fsdp=2, blocked xla": (32, ["model.attention_block=4"], ["mesh.context=4", "mesh.fsdp=2"]),
+    "context=2 x data=2 x tensor=2, contiguous": (32, [], ["mesh.context=2", "mesh.data=2", "mesh.tensor=2",
+                                                          "sharding.context_layout=contiguous"]),
+    "context=2 x expert=2 x fsdp=2, experts": (32, MOE, ["mesh.context=2", "mesh.expert=2", "mesh.fsdp=2"]),
+    "context=2 x pipeline=2 x fsdp=2, 1f1b, full remat": (
+        32, [], ["mesh.context=2", "mesh.pipeline=2", "mesh.fsdp=2", "pipeline.schedule=1f1b",
+                 "pipeline.microbatches=2", "remat.policy=full"]),
+    "context=4 x data=2, flash": (512, ["model.attention=flash"], ["mesh.context=4", "mesh.data=2"]),
+    "context=2 x fsdp=2 x tensor=2, flash": (512, ["model.attention=flash"],
+                                             ["mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+}
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_a_context_parallel_run_equals_one_device(mesh, short, long):
+    seq_len, model, layout = MESHES[mesh]
+    batches = short if seq_len == 32 else long
+    overrides = [f"data.seq_len={seq_len}", *model]
+    got = equivalence.run(batches, *overrides, *layout)
+    equivalence.assert_same(got, equivalence.reference(batches, *overrides))
+    assert got.setup.mesh.shape["context"] > 1
+
+
+def test_the_zigzag_layout_balances_causal_work():
+    """Each of 4 shards holds 2 of the 8 chunks, i and 7 - i; the (query, key) pairs a causal mask leaves are then
+    the same on every shard, where contiguous shards would hold 1, 3, 5 and 7 parts of 16."""
+    order = context.order(64, 4, "zigzag")
+    assert sorted(order) == list(range(64))
+    np.testing.assert_array_equal(order.reshape(4, 2, 8)[:, :, 0], [[0, 56], [8, 48], [16, 40], [24, 32]])
+    pairs = (order + 1).reshape(4, 16).sum(axis=1)  # query at position p sees p + 1 keys
+    assert len(set(pairs)) == 1
+    assert context.order(64, 4, "contiguous") is None and context.order(64, 1, "zigzag") is None
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["data.seq_len=36", "mesh.context=4"], "not divisible by the 8 chunks"),
+    (["data.seq_len=36", "mesh.context=4", "sharding.context_layout=contiguous", "mesh.tensor=2"],
+     "data.seq_len / mesh.context = 9 is not divisible by mesh.tensor=2"),
+    (["data.seq_len=256", "mesh.context=4", "model.attention=flash"], "not a multiple of 128"),
+    (["data.seq_len=32", "mesh.context=4", "model.attention_block=16"], "does not divide data.seq_len / mesh.context"),
+    (["mesh.context=2", *MOE, "model.capacity_factor=1.25"], "capacity_factor 0"),
+])
+def test_a_sequence_the_context_axis_cannot_split_is_refused(overrides, says):
+    cfg = config.load(None, overrides)
+    sizes = {a: int(cfg.mesh[a]) for a in config.MESH_AXES}
+    with pytest.raises(ConfigError, match=says):
+        checks.check(cfg, sizes)
