@@ -11,7 +11,7 @@ from flax import nnx
 from scaletrain.config import NORMS
 from scaletrain.kernels import norm_matmul
 from scaletrain.models.quantize import Quantization
-from scaletrain.parallel.sharding import active_device, constrain, local
+from scaletrain.parallel.sharding import active_device, constrain, local, ways
 
 # Flax would otherwise try to shard each variable as it is created, which needs a mesh; we resolve
 # logical names to mesh axes ourselves (sharding.py), from shapes, before anything is materialised.
@@ -45,9 +45,10 @@ def project(x: jax.Array, w: jax.Array, in_dims: int = 1, out_dtype=None, quant:
 def projections(x: jax.Array, ws, in_dims: int = 1, out_dtype=None, quant: Quantization | None = None
                 ) -> tuple[jax.Array, ...]:
     """`project` of x by each of `ws`, x flattened to [tokens, in] once for all of them (the backward pass saves
-    one copy of it, not one per matmul)."""
+    one copy of it, not one per matmul). Not where the sequence is split (context parallelism): a shard of the
+    flattened tokens would be a block of whole rows, so XLA would gather the sequence to flatten it."""
     lead, k = x.shape[: x.ndim - in_dims], math.prod(x.shape[x.ndim - in_dims:])
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(-1, k) if quant is not None or ways("seq") == 1 else x.reshape(*lead, k)
 
     def matmul(w2):
         if quant is not None:

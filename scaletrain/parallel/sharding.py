@@ -54,8 +54,10 @@ _ACTIVATIONS: RuleTable = {"batch": ("data", "fsdp", "expert"), "seq": "context"
 # block of them (pipeline.py): one layout whatever the stage count.
 _TENSOR_ONLY: RuleTable = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "moe_mlp": "tensor",
                            "vocab": "tensor", "experts": "expert", "stage": "pipeline", "layers": "pipeline"}
-_FSDP: RuleTable = {**_TENSOR_ONLY, "embed": "fsdp"}
-_ZERO: RuleTable = {**_TENSOR_ONLY, "embed": ("data", "fsdp")}
+# The `context` axis's devices hold other tokens of the same sequences: for the state they are data-parallel
+# devices, so FSDP and ZeRO shard over them too (as MaxText does), and their gradients are reduce-scattered.
+_FSDP: RuleTable = {**_TENSOR_ONLY, "embed": ("fsdp", "context")}
+_ZERO: RuleTable = {**_TENSOR_ONLY, "embed": ("data", "fsdp", "context")}
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,11 @@ def split_ways(logical: str, table: RuleTable, axis_sizes: Mapping[str, int]) ->
 def batch_ways(axis_sizes: Mapping[str, int]) -> int:
     """The batch's shards: every preset's activation rules split it alike (data x fsdp x expert today)."""
     return split_ways("batch", _ACTIVATIONS, axis_sizes)
+
+
+def seq_ways(axis_sizes: Mapping[str, int]) -> int:
+    """Each sequence's shards (context parallelism): every preset's activation rules split it alike."""
+    return split_ways("seq", _ACTIVATIONS, axis_sizes)
 
 
 def spec(logical: tuple[str | None, ...], table: RuleTable, mesh: Mesh) -> P:

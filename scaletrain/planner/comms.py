@@ -145,6 +145,15 @@ def tensor(activation_bytes: float, layers: int, microbatches: int, sequence_par
                          levels) + moe)
 
 
+def context(kv_bytes: float, layers: int, microbatches: int, recomputed: bool,
+            levels: Sequence[Link]) -> list[Transfer]:
+    """Context parallelism per layer and microbatch, V = the keys and values of the whole sequences of the
+    context axis's rows (models/attention.py): an all-gather before attention, forward, and again where the remat
+    policy recomputes attention (`recomputed`); the reduce-scatter of their gradient, backward."""
+    return (collective("all-gather", "keys and values", kv_bytes, (1 + recomputed) * layers * microbatches, levels)
+            + collective("reduce-scatter", "key and value gradients", kv_bytes, layers * microbatches, levels))
+
+
 def pipeline(activation_bytes: float, microbatches: int, levels: Sequence[Link]) -> list[Transfer]:
     """Pipeline stages per microbatch: the activations sent to the next stage forward and their gradient back
     (2BD bytes each in bf16: scaling.md). A schedule advances at the pace of its slowest hop, so every send is

@@ -263,11 +263,19 @@ def gathered_layer(s: State, dtypes: Any = None) -> float:
 
 
 def replica_tokens(cfg, axes: Mapping[str, int]) -> float:
-    """Tokens of one microbatch of one data-parallel replica (data x fsdp x expert ways: the expert axis's
-    devices each route their own share of the batch, models/mixtral/moe.py): the batch its devices' matmuls see (tensor
-    devices share it)."""
-    ways = sharding.batch_ways(axes)
+    """Tokens of one microbatch that one device's matmuls see: its data-parallel replica's share of the batch
+    (data x fsdp x expert ways: the expert axis's devices each route their own share, models/mixtral/moe.py) and
+    its `context` shard's of each sequence (context parallelism; the zig-zag layout gives each shard the same
+    attention work). Tensor devices share them."""
+    ways = sharding.batch_ways(axes) * sharding.seq_ways(axes)
     return cfg.train.global_batch * cfg.data.seq_len / (microbatches(cfg, axes) * ways)
+
+
+def gathered_kv(cfg, axes: Mapping[str, int], elements: Mapping[str, float]) -> float:
+    """Elements per local token of the keys and values that context parallelism gathers from the other `context`
+    shards for one layer's attention (models/attention.py): the sequences' whole K/V less the device's own. Zero
+    without it."""
+    return (elements["key_proj"] + elements["value_proj"]) * (sharding.seq_ways(axes) - 1)
 
 
 def held_microbatches(runner: Runner) -> int:
@@ -292,7 +300,7 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     (the sum, a backward slot's). optim.offload moves the moments to host memory, params.offload parameters,
     moments and gradients (a pipeline's stage still holds its parameters and gradients on the device for the
     step, fetched whole).
-    Activations: the remat policy's saved tensors for every layer of the device's stage (policy none:
+    Activations (for the device's share of the tokens: `replica_tokens`): the remat policy's saved tensors for every layer of the device's stage (policy none:
     the residuals the layer body saves, residuals.per_token), the peak of one layer's backward pass while it
     rematerialises it (every other policy: NONE_TENSORS), and the float32 logits and their gradient - of one block of
     model.logits_block positions per sequence when that is set. A GPipe stage keeps them for every microbatch;
@@ -302,7 +310,8 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     a stage in its backward slot: under policy none that recomputation holds every activation of the stage's
     layers for one microbatch), and runs the head, logits and all, on one microbatch at a time.
     A mixture-of-experts layer holds its routed rows besides (`routed_layer`; `ragged`: the TPU's transport,
-    `expert_rows`), and keeps the experts' gate and up where the policy keeps `moe_gate` and `moe_up`."""
+    `expert_rows`), and keeps the experts' gate and up where the policy keeps `moe_gate` and `moe_up`. Context
+    parallelism adds one layer's gathered keys and values and their gradient (`gathered_kv`)."""
     m = cfg.model
     t, stage_layers = axes["tensor"], m.num_layers / axes["pipeline"]
     ab = DTYPE_BYTES[m.dtype]
@@ -359,6 +368,9 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     # full-remat compile holds them beside the recomputed layer: 41.6 GiB compiled, 32.7 planned without them).
     if not runner.gather_once:
         working += 2 * gathered_layer(s, model_lib.operand_dtypes(s.layout.model_cfg)) + gathered_layer(s)
+    # Context parallelism: one layer's keys and values gathered whole, and their gradient formed whole before it
+    # is scattered back.
+    working += 2 * gathered_kv(cfg, axes, elements) * ab * micro
     if runner.gather_once:  # a whole stage's weights and gradient sums on every device
         batch = sharding.mesh_axes(s.layout.rules.activations["batch"])
         for table, role in ((s.layout.rules.params, "params"), (s.layout.rules.grads, "grads")):

@@ -254,7 +254,7 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
 def step_transfers(cfg, axes: Mapping[str, int], links: Mapping[str, list[comms.Link]],
                    recompute: frozenset[str], state: memory.State, ragged: bool = True) -> list[comms.Transfer]:
     """Every collective of one train step: data parallelism as the rule tables shard the state
-    (`data_parallel_transfers`), then tensor, pipeline and expert parallelism (comms.py). `ragged`: the MoE
+    (`data_parallel_transfers`), then tensor, context, pipeline and expert parallelism (comms.py). `ragged`: the MoE
     layers' rows travel by ragged all-to-all (TPU), else padded (memory.expert_rows)."""
     m = cfg.model
     ab = memory.DTYPE_BYTES[m.dtype]
@@ -270,8 +270,11 @@ def step_transfers(cfg, axes: Mapping[str, int], links: Mapping[str, list[comms.
     routed = memory.expert_rows(cfg, axes, ragged)[0] * activations * shards
     dropless = not m.capacity_factor
     counts = shards * m.num_experts * 4 if dropless else 0  # int32 assignments per expert, from every device
+    elements = memory.tensor_elements(m, state.layout.rules.activations, axes)
+    kv = (elements["key_proj"] + elements["value_proj"]) * memory.replica_tokens(cfg, axes) * sharding.seq_ways(axes) * ab
     return (data_parallel_transfers(state, layers, accum, levels)
             + comms.tensor(activations, layers, accum, sp, recompute, levels(["tensor"]), moe_layers)
+            + comms.context(kv, layers, accum, "attention" in recompute, levels(["context"]))
             + comms.pipeline(activations / (t if sp else 1), accum * state.layout.runner.repeats,
                              levels(["pipeline"]))
             + comms.expert(routed, counts, moe_layers, accum, "expert_down" in recompute, levels(["expert"]),

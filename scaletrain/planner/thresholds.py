@@ -38,7 +38,7 @@ def critical_batches(cfg, topo: hw.Topology, axes: Mapping[str, int],
                                           replica_tokens / axes["tensor"])
     if topo.slices > 1:
         out["dcn"] = _criterion("tokens per slice (per microbatch) > C / W_dcn", c / chip.dcn_bandwidth,
-                                replica_tokens * sharding.batch_ways(axes) / topo.slices)
+                                replica_tokens * sharding.batch_ways(axes) * sharding.seq_ways(axes) / topo.slices)
     return out
 
 
