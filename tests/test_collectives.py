@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from scaletrain import config
-from scaletrain.planner import hlo
+from scaletrain.planner import hlo, roofline
 from scaletrain.train import trainer
 from tests import equivalence
 from tests.conftest import tiny_overrides
@@ -133,3 +133,22 @@ def test_tpu_loop_spelling_and_combined_all_reduces():
     assert all(c.count == 3 and c.loops == (3,) and c.axes == ("data",) for c in found.values())
     assert found[("all-gather", 256)].phase == "forward" and found[("reduce-scatter", 256)].phase == "backward"
     assert hlo.summary(found.values())["reduce-scatter"] == {"count": 3, "bytes": 768}
+
+
+def test_context_parallelism_gathers_keys_and_values_as_planned():
+    """mesh.context=8 (dp: no weight moves over it, so every collective in the layers is context parallelism's
+    own): per layer, K and V all-gathered forward and their gradient reduce-scattered backward, V = the whole
+    sequences' keys and values - what the planner counts, in kind, count and bytes. (Under FSDP the weights move
+    over context too: its devices are data-parallel for the state.)"""
+    overrides = ["mesh.context=8", "sharding.preset=dp"]
+    layers = _in_layers(_inventory(*overrides))
+    kv = B * T * 2 * K * H * 4
+    assert _bytes(layers, "all-gather", "context", "forward") == kv
+    assert _bytes(layers, "reduce-scatter", "context", "backward") == kv
+    cfg = config.load(None, tiny_overrides("unused", **MODEL) + overrides)
+    planned = [c for c in roofline.plan(cfg, "v5p:2x2x2")["collectives"] if c["axis"] == "context"]
+    moves = {(c["kind"], c["what"]): (c["full_bytes"], c["count"]) for c in planned}
+    assert moves["all-gather", "keys and values"] == (kv, L)
+    assert moves["reduce-scatter", "key and value gradients"] == (kv, L)
+    weight_gradients = [c for c in layers if c.effective_kind == "all-reduce" and c.phase == "backward"]
+    assert moves["all-reduce", "layer gradients"][1] == L * len(weight_gradients)

@@ -300,18 +300,19 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     (the sum, a backward slot's). optim.offload moves the moments to host memory, params.offload parameters,
     moments and gradients (a pipeline's stage still holds its parameters and gradients on the device for the
     step, fetched whole).
-    Activations (for the device's share of the tokens: `replica_tokens`): the remat policy's saved tensors for every layer of the device's stage (policy none:
-    the residuals the layer body saves, residuals.per_token), the peak of one layer's backward pass while it
-    rematerialises it (every other policy: NONE_TENSORS), and the float32 logits and their gradient - of one block of
-    model.logits_block positions per sequence when that is set. A GPipe stage keeps them for every microbatch;
-    under a remat policy it keeps each microbatch's stage input rather than every layer's input (pipeline.py
-    rematerialises an iteration from it), and recomputing one iteration holds its layers' inputs. A 1F1B stage
-    keeps the stage inputs of `held_microbatches` microbatches whatever the policy (pipeline_1f1b.py recomputes
-    a stage in its backward slot: under policy none that recomputation holds every activation of the stage's
-    layers for one microbatch), and runs the head, logits and all, on one microbatch at a time.
-    A mixture-of-experts layer holds its routed rows besides (`routed_layer`; `ragged`: the TPU's transport,
+    Activations (for the device's share of the tokens: `replica_tokens`): the remat policy's saved tensors for every
+    layer of the device's stage (policy none: the residuals the layer body saves, residuals.per_token), the peak of
+    one layer's backward pass while it rematerialises it (every other policy: NONE_TENSORS), and the float32 logits
+    and their gradient - of one block of model.logits_block positions per sequence when that is set. A GPipe stage
+    keeps them for every microbatch; under a remat policy it keeps each microbatch's stage input rather than every
+    layer's input (pipeline.py rematerialises an iteration from it), and recomputing one iteration holds its layers'
+    inputs. A 1F1B stage keeps the stage inputs of `held_microbatches` microbatches whatever the policy
+    (pipeline_1f1b.py recomputes a stage in its backward slot: under policy none that recomputation holds every
+    activation of the stage's layers for one microbatch), and runs the head, logits and all, on one microbatch at a
+    time. A mixture-of-experts layer holds its routed rows besides (`routed_layer`; `ragged`: the TPU's transport,
     `expert_rows`), and keeps the experts' gate and up where the policy keeps `moe_gate` and `moe_up`. Context
-    parallelism adds one layer's gathered keys and values and their gradient (`gathered_kv`)."""
+    parallelism adds one layer's gathered keys and values and their gradient (`gathered_kv`).
+    """
     m = cfg.model
     t, stage_layers = axes["tensor"], m.num_layers / axes["pipeline"]
     ab = DTYPE_BYTES[m.dtype]

@@ -199,7 +199,8 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
     Inside a microbatch the weights travel as their matmuls read them - weight matrices in the compute dtype, or
     int8 / fp8 where model.quantization rounds them (models.operand_dtypes) - and their gradients in the compute
     dtype; what moves once a step (the summed gradients, the updated weights) in the parameter dtype.
-    The `expert` axis is a batch axis too, but the mesh axes of the `experts` dim split the model, as `tensor`
+    The `context` axis's devices hold other tokens of the same sequences: for the state they are batch axes. The
+    `expert` axis is a batch axis too, but the mesh axes of the `experts` dim split the model, as `tensor`
     does: an array split along experts is neither gathered nor reduced over them (each device trains its own
     experts on every token routed to them), and every other array's gradients are all-reduced over them.
 
@@ -208,7 +209,8 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
     weights then gathered once on the way in."""
     rules = state.layout.rules
     runner = state.layout.runner
-    batch = set(sharding.mesh_axes(rules.activations["batch"]))
+    # Devices that hold other tokens: the batch's axes and the sequence's (context parallelism).
+    batch = set(sharding.mesh_axes(rules.activations["batch"])) | set(sharding.mesh_axes(rules.activations["seq"]))
     experts = set(sharding.mesh_axes(rules.params.get("experts")))
 
     def over(table: sharding.RuleTable) -> set[str]:
@@ -271,7 +273,9 @@ def step_transfers(cfg, axes: Mapping[str, int], links: Mapping[str, list[comms.
     dropless = not m.capacity_factor
     counts = shards * m.num_experts * 4 if dropless else 0  # int32 assignments per expert, from every device
     elements = memory.tensor_elements(m, state.layout.rules.activations, axes)
-    kv = (elements["key_proj"] + elements["value_proj"]) * memory.replica_tokens(cfg, axes) * sharding.seq_ways(axes) * ab
+    # Context parallelism's V: the keys and values of the whole sequences of a device's rows.
+    kv = (elements["key_proj"] + elements["value_proj"]) * memory.replica_tokens(cfg, axes) * ab
+    kv *= sharding.seq_ways(axes)
     return (data_parallel_transfers(state, layers, accum, levels)
             + comms.tensor(activations, layers, accum, sp, recompute, levels(["tensor"]), moe_layers)
             + comms.context(kv, layers, accum, "attention" in recompute, levels(["context"]))
