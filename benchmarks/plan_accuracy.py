@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
     "llama3_1b": ("v5p:2x2x2", {}),
     "llama3_8b": ("v5p:4x4x2", {}),
+    "llama3_8b_128k": ("v5p:4x4x2", {}),
     "llama3_70b": ("v5p:4x4x4", {}),
     "mixtral_8x7b": ("v5p:4x4x4", {"LIBTPU_INIT_ARGS": "--xla_tpu_scoped_vmem_limit_kib=81920"}),
 }

@@ -100,3 +100,25 @@ def test_a_sequence_the_context_axis_cannot_split_is_refused(overrides, says):
     sizes = {a: int(cfg.mesh[a]) for a in config.MESH_AXES}
     with pytest.raises(ConfigError, match=says):
         checks.check(cfg, sizes)
+
+
+def test_a_run_trains_with_the_sequence_split_and_resumes_without(tmp_path):
+    """The trainer's own path - the loader's rows for this process, each batch laid out and placed along the
+    sequence - with context 4 x fsdp 2, then resumed from its checkpoint on fsdp 8: the checkpoint holds no layout."""
+    import json
+    import math
+
+    from scaletrain.train import trainer
+    from tests.conftest import tiny_overrides
+
+    run = tmp_path / "run"
+
+    def train(steps, mesh):
+        cfg = config.load(None, tiny_overrides(run, steps=steps, **mesh, **{"checkpoint.async_save": False}))
+        assert trainer.run(cfg) == 0
+
+    train(2, {"mesh.context": 4, "mesh.fsdp": 2})
+    train(3, {"mesh.fsdp": 8})
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)

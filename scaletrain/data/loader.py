@@ -335,7 +335,8 @@ def make_eval_dataset(cfg) -> grain.MapDataset | None:
 def process_rows(batch_sharding, global_batch: int) -> np.ndarray:
     """The rows of the global batch that this process's devices hold, ascending: only these are loaded.
     Replicas across processes load the same rows; any device order works."""
-    index_map = batch_sharding.addressable_devices_indices_map((global_batch, 1))
+    # A second dim every mesh axis divides: the sequence's (context parallelism) may be split too.
+    index_map = batch_sharding.addressable_devices_indices_map((global_batch, batch_sharding.mesh.size))
     return np.unique(np.concatenate([np.arange(*index[0].indices(global_batch)) for index in index_map.values()]))
 
 
@@ -432,6 +433,12 @@ def make_iterator(cfg, batch_sharding, dataset: grain.MapDataset | None = None,
 
 
 def to_global(local: dict[str, np.ndarray], sharding, global_batch: int) -> dict[str, jax.Array]:
-    """Assemble each process's rows into global arrays sharded over the batch axes."""
-    return {k: jax.make_array_from_process_local_data(sharding, v, (global_batch, *v.shape[1:]))
-            for k, v in local.items()}
+    """Assemble each process's rows into global arrays sharded over the batch axes (and, with context
+    parallelism, along the sequence: a process whose devices hold part of each sequence passes that part)."""
+    out = {}
+    for k, v in local.items():
+        shape = (global_batch, *v.shape[1:])
+        spans = [index[1].indices(shape[1]) for index in sharding.addressable_devices_indices_map(shape).values()]
+        held = slice(min(a for a, _, _ in spans), max(b for _, b, _ in spans))
+        out[k] = jax.make_array_from_process_local_data(sharding, v[:, held], shape)
+    return out

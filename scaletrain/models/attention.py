@@ -32,26 +32,33 @@ def dot_attention(q_btkgh, k_bskh, v_bskh, mask) -> jax.Array:
 
 
 def blocked_attention(q_btkgh, k_bskh, v_bskh, segment_ids_bt, block: int, unroll: bool = False, *,
-                      k_segments_bs: jax.Array | None = None, index_t: jax.Array | None = None) -> jax.Array:
+                      k_segments_bs: jax.Array | None = None, index_t: jax.Array | None = None,
+                      shards: int = 1) -> jax.Array:
     """dot_attention one block of queries at a time, each block rematerialised in the backward pass, so the
     [t, s] score matrix never exists whole: memory O(block x s) instead of O(t x s), the same FLOPs. Queries and
     keys in the same slots, unless `k_segments_bs` (the keys' segment ids) and `index_t` (the sequence position
-    of each query and key slot: context parallelism's layout) say otherwise."""
+    of each query and key slot: context parallelism's layout) say otherwise. `shards`: the devices the queries
+    are split over along the sequence (context parallelism); each step of the loop takes the next block of every
+    shard, so each device works on its own queries (a loop over the blocks of the whole sequence would take them
+    from one device at a time)."""
     b, t = q_btkgh.shape[:2]
-    n = t // block
+    n = t // (shards * block)
     k_segments_bs = segment_ids_bt if k_segments_bs is None else k_segments_bs
     index_t = jnp.arange(t) if index_t is None else index_t
-    q_blocks = q_btkgh.reshape(b, n, block, *q_btkgh.shape[2:]).swapaxes(0, 1)
-    seg_blocks = segment_ids_bt.reshape(b, n, block).swapaxes(0, 1)
+
+    def blocks(x):  # [b, t, ...] -> [n, b, shards x block, ...]: the i-th block of every shard
+        y = jnp.moveaxis(x.reshape(x.shape[0], shards, n, block, *x.shape[2:]), 2, 0)
+        return y.reshape(n, x.shape[0], shards * block, *x.shape[2:])
 
     @jax.checkpoint
     def one(args):
         q, seg, q_index = args
         return dot_attention(q, k_bskh, v_bskh, block_mask(seg, k_segments_bs, q_index, index_t))
 
-    _, out = jax.lax.scan(lambda _, args: (None, one(args)), None, (q_blocks, seg_blocks, index_t.reshape(n, block)),
-                          unroll=unroll)
-    return out.swapaxes(0, 1).reshape(q_btkgh.shape)
+    _, out = jax.lax.scan(lambda _, args: (None, one(args)), None,
+                          (blocks(q_btkgh), blocks(segment_ids_bt), blocks(index_t[None])[:, 0]), unroll=unroll)
+    out = jnp.moveaxis(out.reshape(n, b, shards, block, *out.shape[3:]), 0, 2)
+    return out.reshape(q_btkgh.shape)
 
 
 def _whole_sequence(k_bskh: jax.Array, v_bskh: jax.Array, segment_ids_bs: jax.Array) -> tuple[jax.Array, ...]:
@@ -148,7 +155,7 @@ class Attention(nnx.Module):
             block = cfg.attention_block
             if 0 < block < t and t % block == 0:
                 out_btkgh = blocked_attention(q_btkgh, k_btkh, v_btkh, segment_ids_bt, block, cfg.unroll_loops,
-                                              k_segments_bs=k_segments_bt, index_t=index_t)
+                                              k_segments_bs=k_segments_bt, index_t=index_t, shards=ways("seq"))
             else:
                 out_btkgh = dot_attention(q_btkgh, k_btkh, v_btkh,
                                           block_mask(segment_ids_bt, k_segments_bt, index_t, index_t))

@@ -135,7 +135,13 @@ class Embed(nnx.Module):
         self.table = param(rngs, (vocab, dim), ("vocab", "embed"), param_dtype, std)
 
     def __call__(self, tokens_bt: jax.Array, dtype) -> jax.Array:
-        x_btd = jnp.take(self.table[...].astype(dtype), tokens_bt, axis=0)
+        table = self.table[...].astype(dtype)
+        if ways("seq") > 1:
+            # With the tokens split over the sequence axis and the table's width over the same axis (FSDP over
+            # context), XLA's gather cannot be partitioned: it would replicate the whole batch's embeddings on
+            # every device. Gathered whole first, as FSDP gathers any weight its matmul reads.
+            table = constrain(table, ("vocab", None))
+        x_btd = jnp.take(table, tokens_bt, axis=0)
         return constrain(x_btd, ("batch", "residual_seq", "embed"))
 
     def attend(self, x_btd: jax.Array, quant: Quantization | None = None) -> jax.Array:

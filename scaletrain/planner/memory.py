@@ -201,13 +201,14 @@ PIPELINE_STREAM_COPIES = 3
 BLOCK_SCORE_F32_COPIES = 4
 
 
-def _attention_block_working(cfg, tokens: float, tensor: int, dtype_bytes: int) -> float:
-    """Bytes of one query block's scores, for the device's sequences: zero without query blocking (the scores
-    are then part of every layer's activations)."""
+def _attention_block_working(cfg, tokens: float, tensor: int, dtype_bytes: int, context: int = 1) -> float:
+    """Bytes of one query block's scores, for the device's sequences (`tokens` of them, each 1/`context` of its
+    sequence under context parallelism): zero without query blocking (the scores are then part of every layer's
+    activations)."""
     if not blocked_attention(cfg):
         return 0.0
     m, seq = cfg.model, cfg.data.seq_len
-    elements = tokens / seq * m.num_heads / tensor * m.attention_block * seq
+    elements = tokens * context / seq * m.num_heads / tensor * m.attention_block * seq
     return elements * (BLOCK_SCORE_F32_COPIES * 4 + dtype_bytes)
 
 
@@ -334,14 +335,14 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     if policy == "none":
         every = (_saved_layer(cfg, s.layout.model_cfg, t) + moe * routed) * stage_layers
         saved, working, offloaded = (stage_inputs, every * micro, 0.0) if one_f_one_b else (every * tokens, 0.0, 0.0)
-        working += _attention_block_working(cfg, micro if one_f_one_b else tokens, t, ab)
+        working += _attention_block_working(cfg, micro if one_f_one_b else tokens, t, ab, sharding.seq_ways(axes))
     else:
         where = kept(policy, cfg.remat.custom)
         named = sum(elements[n] for n, w in where.items() if w == "device")
         host = sum(elements[n] for n, w in where.items() if w == "offload")
         per_layer = (elements["decoder_layer_input"] + named) * ab * stage_layers
         working = ((_rematerialised_layer(cfg, s.layout.model_cfg, elements, t, ab) + routed) * micro
-                   + _attention_block_working(cfg, micro, t, ab))
+                   + _attention_block_working(cfg, micro, t, ab, sharding.seq_ways(axes)))
         if one_f_one_b:  # the stage inputs; a recomputed stage's per-layer tensors for one microbatch
             saved, offloaded = stage_inputs, host * ab * micro * stage_layers
             working += per_layer * micro
