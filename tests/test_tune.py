@@ -142,3 +142,13 @@ def test_bad_input_is_one_error_line(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert cli.main([*args[:-1], str(tmp_path / "file")]) == cli.EXIT_USAGE
     assert "already exists" in capsys.readouterr().err
+
+
+def test_the_context_degree_is_searched_where_the_config_splits_its_sequences():
+    """A long-context config (mesh.context set) gets every context degree among its candidates; any other keeps
+    its sequences whole (context 1): the search space grows only where the user asked for the axis."""
+    long = config.load(BASE, [*TINY, "mesh.context=2"])
+    degrees = {mesh["mesh.context"] for mesh in tune.meshes(long, 8, 1)}
+    assert degrees == {1, 2, 4, 8}
+    plain = config.load(BASE, list(TINY))
+    assert {mesh["mesh.context"] for mesh in tune.meshes(plain, 8, 1)} == {1}

@@ -73,10 +73,12 @@ def _factorisations(n: int, axes: tuple[str, ...]) -> Iterator[dict[str, int]]:
 
 def meshes(cfg, chips_per_slice: int, slices: int) -> Iterator[dict[str, int]]:
     """Mesh degrees (every `mesh.` key) for a topology: the slice's chips factored over data, fsdp, tensor (at most
-    MAX_TENSOR) and, for a mixture of experts, expert (dividing the experts); the slices over DCN by data, fsdp
-    or - where the layers divide - pipeline."""
+    MAX_TENSOR), for a mixture of experts expert (dividing the experts) and, for a config that splits its sequences
+    (mesh.context other than 1: a long-context config), context; the slices over DCN by data, fsdp or - where the
+    layers divide - pipeline."""
     m = cfg.model
-    ici_axes = ("data", "fsdp", "tensor") + (("expert",) if m.num_experts else ())
+    ici_axes = (("data", "fsdp", "tensor") + (("expert",) if m.num_experts else ())
+                + (("context",) if cfg.mesh.context != 1 else ()))
     dcn_axes = [None] if slices == 1 else ["data", "fsdp"] + (["pipeline"] if m.num_layers % slices == 0 else [])
     for dcn in dcn_axes:
         for ici in _factorisations(chips_per_slice, ici_axes):
