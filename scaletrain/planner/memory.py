@@ -272,11 +272,17 @@ def replica_tokens(cfg, axes: Mapping[str, int]) -> float:
     return cfg.train.global_batch * cfg.data.seq_len / (microbatches(cfg, axes) * ways)
 
 
-def gathered_kv(cfg, axes: Mapping[str, int], elements: Mapping[str, float]) -> float:
-    """Elements per local token of the keys and values that context parallelism gathers from the other `context`
-    shards for one layer's attention (models/attention.py): the sequences' whole K/V less the device's own. Zero
-    without it."""
-    return (elements["key_proj"] + elements["value_proj"]) * (sharding.seq_ways(axes) - 1)
+def sequence_kv(elements: Mapping[str, float], axes: Mapping[str, int]) -> float:
+    """Elements per token a device holds of the keys and values of the whole sequences its tokens belong to:
+    what context parallelism gathers for one layer's attention (models/attention.py), `elements` being
+    tensor_elements'."""
+    return (elements["key_proj"] + elements["value_proj"]) * sharding.seq_ways(axes)
+
+
+def gathered_kv(elements: Mapping[str, float], axes: Mapping[str, int]) -> float:
+    """`sequence_kv` less the device's own keys and values: what the gather brings (zero without context
+    parallelism)."""
+    return sequence_kv(elements, axes) - elements["key_proj"] - elements["value_proj"]
 
 
 def held_microbatches(runner: Runner) -> int:
@@ -372,7 +378,7 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
         working += 2 * gathered_layer(s, model_lib.operand_dtypes(s.layout.model_cfg)) + gathered_layer(s)
     # Context parallelism: one layer's keys and values gathered whole, and their gradient formed whole before it
     # is scattered back.
-    working += 2 * gathered_kv(cfg, axes, elements) * ab * micro
+    working += 2 * gathered_kv(elements, axes) * ab * micro
     if runner.gather_once:  # a whole stage's weights and gradient sums on every device
         batch = sharding.mesh_axes(s.layout.rules.activations["batch"])
         for table, role in ((s.layout.rules.params, "params"), (s.layout.rules.grads, "grads")):

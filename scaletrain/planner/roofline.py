@@ -209,7 +209,6 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
     weights then gathered once on the way in."""
     rules = state.layout.rules
     runner = state.layout.runner
-    # Devices that hold other tokens: the batch's axes and the sequence's (context parallelism).
     batch = set(sharding.mesh_axes(rules.activations["batch"])) | set(sharding.mesh_axes(rules.activations["seq"]))
     experts = set(sharding.mesh_axes(rules.params.get("experts")))
 
@@ -272,10 +271,8 @@ def step_transfers(cfg, axes: Mapping[str, int], links: Mapping[str, list[comms.
     routed = memory.expert_rows(cfg, axes, ragged)[0] * activations * shards
     dropless = not m.capacity_factor
     counts = shards * m.num_experts * 4 if dropless else 0  # int32 assignments per expert, from every device
-    elements = memory.tensor_elements(m, state.layout.rules.activations, axes)
-    # Context parallelism's V: the keys and values of the whole sequences of a device's rows.
-    kv = (elements["key_proj"] + elements["value_proj"]) * memory.replica_tokens(cfg, axes) * ab
-    kv *= sharding.seq_ways(axes)
+    kv = memory.sequence_kv(memory.tensor_elements(m, state.layout.rules.activations, axes), axes)
+    kv *= memory.replica_tokens(cfg, axes) * ab  # context parallelism's V: its rows' whole sequences' K/V
     return (data_parallel_transfers(state, layers, accum, levels)
             + comms.tensor(activations, layers, accum, sp, recompute, levels(["tensor"]), moe_layers)
             + comms.context(kv, layers, accum, "attention" in recompute, levels(["context"]))
