@@ -33,6 +33,8 @@ NORM_WEIGHTS = ("standard", "folded", "weightless")
 QUANTIZATIONS = ("none", "int8", "fp8")
 QUANTIZATION_SCALES = ("channel", "tensor")
 MATMUL_GROUPS = ("attention", "mlp", "experts", "output")
+# sharding.context_layout: how a sequence split over mesh.context is laid out (parallel/context.py).
+CONTEXT_LAYOUTS = ("zigzag", "contiguous")
 DEFAULT_QUANTIZED = "attention,mlp,experts"
 
 
@@ -156,7 +158,7 @@ CHOICES = {
     "data.source": ("stdlib", "synthetic", "files", "prepared"),
     "train.on_nonfinite": ("skip", "stop"),
     "sharding.preset": ("fsdp", "dp", "zero1", "zero2"),
-    "sharding.context_layout": ("zigzag", "contiguous"),
+    "sharding.context_layout": CONTEXT_LAYOUTS,
     "pipeline.schedule": ("gpipe", "circular", "1f1b"),
     "pipeline.gather_weights": ("per_use", "once"),
     "optim.moment_dtype": ("float32", "bfloat16"),

@@ -435,10 +435,9 @@ def make_iterator(cfg, batch_sharding, dataset: grain.MapDataset | None = None,
 def to_global(local: dict[str, np.ndarray], sharding, global_batch: int) -> dict[str, jax.Array]:
     """Assemble each process's rows into global arrays sharded over the batch axes (and, with context
     parallelism, along the sequence: a process whose devices hold part of each sequence passes that part)."""
-    out = {}
-    for k, v in local.items():
-        shape = (global_batch, *v.shape[1:])
-        spans = [index[1].indices(shape[1]) for index in sharding.addressable_devices_indices_map(shape).values()]
-        held = slice(min(a for a, _, _ in spans), max(b for _, b, _ in spans))
-        out[k] = jax.make_array_from_process_local_data(sharding, v[:, held], shape)
-    return out
+    seq_len = next(iter(local.values())).shape[1]  # every array is [rows, seq_len]
+    spans = [index[1].indices(seq_len)
+             for index in sharding.addressable_devices_indices_map((global_batch, seq_len)).values()]
+    held = slice(min(a for a, _, _ in spans), max(b for _, b, _ in spans))
+    return {k: jax.make_array_from_process_local_data(sharding, v[:, held], (global_batch, *v.shape[1:]))
+            for k, v in local.items()}

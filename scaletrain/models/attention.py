@@ -61,10 +61,11 @@ def blocked_attention(q_btkgh, k_bskh, v_bskh, segment_ids_bt, block: int, unrol
     return out.reshape(q_btkgh.shape)
 
 
-def _whole_sequence(k_bskh: jax.Array, v_bskh: jax.Array, segment_ids_bs: jax.Array) -> tuple[jax.Array, ...]:
+def _whole_sequence(k_bskh: jax.Array, v_bskh: jax.Array, segment_ids_bs: jax.Array,
+                    heads: str = "kv_heads") -> tuple[jax.Array, ...]:
     """Keys, values and their segment ids split along the sequence (context parallelism), gathered whole on every
-    device (only the key/value heads travel)."""
-    kv = ("batch", None, "kv_heads", "head_dim")
+    device (only the key/value heads travel; `heads`: the logical axis of their heads dim)."""
+    kv = ("batch", None, heads, "head_dim")
     return constrain(k_bskh, kv), constrain(v_bskh, kv), constrain(segment_ids_bs, ("batch", None))
 
 
@@ -199,8 +200,8 @@ class Attention(nnx.Module):
             raise ConfigError("context parallelism (mesh.context > 1) with model.attention=flash runs splash "
                               "attention (TPU, or interpreted on CPU); on a GPU set model.attention=xla")
         in_order = np.argsort(order)
-        k_btkh, v_btkh = (jnp.take(constrain(x, kv_logical), in_order, axis=1) for x in (k_btkh, v_btkh))
-        k_segments_bt = jnp.take(constrain(segment_ids_bt, ("batch", None)), in_order, axis=1)
+        k_btkh, v_btkh, k_segments_bt = (jnp.take(x, in_order, axis=1)
+                                         for x in _whole_sequence(k_btkh, v_btkh, segment_ids_bt, kv_logical[2]))
         splash = flash_attention.split_splash(q_btnh.shape[2] // ways("heads"), order, ways("seq"), kernel)
         kernel_spec = splash.manual_sharding_spec(placement((None, "seq")))
         return local(flash_attention.split_attention,

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import numpy as np
 
-LAYOUTS = ("zigzag", "contiguous")
-
 
 def order(seq_len: int, shards: int, layout: str) -> np.ndarray | None:
     """The sequence position held at each slot of the laid-out sequence ([seq_len] int32), shard i holding slots

@@ -68,7 +68,7 @@ class Rules:
     grads: RuleTable
     opt_state: RuleTable
     activations: RuleTable
-    seq_layout: str = "zigzag"  # context.LAYOUTS: how a sequence split over `context` is laid out
+    seq_layout: str = "zigzag"  # config.CONTEXT_LAYOUTS: how a sequence split over `context` is laid out
 
 
 PRESETS: dict[str, Rules] = {
