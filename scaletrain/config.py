@@ -25,6 +25,8 @@ MESH_AXES = ("data", "fsdp", "expert", "pipeline", "context", "tensor")
 # model.norm: how RMSNorm meets the matmul after it; model.norm_weights: whether the norms carry their gains
 # (docs/flashnorm.md). Here rather than in the model, so that checking a config never imports Flax.
 ATTENTIONS = ("xla", "flash")
+# model.context_attention: how attention meets a sequence split over mesh.context (docs/context.md).
+CONTEXT_ATTENTIONS = ("allgather", "ring")
 NORMS = ("standard", "deferred", "fused")
 NORM_WEIGHTS = ("standard", "folded", "weightless")
 # model.quantization: the dtype of the chosen matmuls' operands; model.quantized_matmuls: which groups of matmuls,
@@ -66,6 +68,7 @@ def defaults() -> ml_collections.ConfigDict:
                 "dtype": "bfloat16",
                 "attention": "xla",
                 "attention_block": 0,
+                "context_attention": "allgather",
                 "logits_block": 0,
                 "norm": "standard",
                 "norm_weights": "standard",
@@ -149,6 +152,7 @@ CHOICES = {
     "model.param_dtype": ("float32", "bfloat16"),
     "model.dtype": ("float32", "bfloat16"),
     "model.attention": ATTENTIONS,
+    "model.context_attention": CONTEXT_ATTENTIONS,
     "model.norm": NORMS,
     "model.norm_weights": NORM_WEIGHTS,
     "model.quantization": QUANTIZATIONS,

@@ -1,7 +1,7 @@
 """Context parallelism (the sequence split over `mesh.context`) trains exactly like one device: 4 steps' loss and
 gradient norm, the parameters and Adam's moment within 1e-5 (fp32), with documents packed across the layout's
-chunk boundaries, for both attention modes, alone and beside data, fsdp, tensor (sequence parallel), expert and
-pipeline axes; the zig-zag layout balances the causal work; the meshes it cannot split are refused."""
+chunk boundaries, for both attention modes and both context-attention modes (all-gather, ring), alone and beside
+data, fsdp, tensor (sequence parallel), expert and pipeline axes; the zig-zag layout balances the causal work; the meshes it cannot split are refused."""
 
 import numpy as np
 import pytest
@@ -60,6 +60,15 @@ MESHES = {
     "context=2 x pipeline=2 x fsdp=2, 1f1b, full remat": (
         32, [], ["mesh.context=2", "mesh.pipeline=2", "mesh.fsdp=2", "pipeline.schedule=1f1b",
                  "pipeline.microbatches=2", "remat.policy=full"]),
+    "context=8, ring": (32, [], ["mesh.context=8", "model.context_attention=ring"]),
+    "context=4 x fsdp=2, ring in tiles": (32, ["model.attention_block=4"], ["mesh.context=4", "mesh.fsdp=2",
+                                                                           "model.context_attention=ring"]),
+    "context=2 x data=2 x tensor=2, ring, contiguous": (32, [], ["mesh.context=2", "mesh.data=2", "mesh.tensor=2",
+                                                                "sharding.context_layout=contiguous",
+                                                                "model.context_attention=ring"]),
+    "context=2 x pipeline=2 x fsdp=2, experts, 1f1b, ring": (
+        32, MOE, ["mesh.context=2", "mesh.pipeline=2", "mesh.fsdp=2", "pipeline.schedule=1f1b",
+                  "pipeline.microbatches=2", "model.context_attention=ring"]),
     "context=4 x data=2, flash": (512, ["model.attention=flash"], ["mesh.context=4", "mesh.data=2"]),
     "context=2 x fsdp=2 x tensor=2, flash": (512, ["model.attention=flash"],
                                              ["mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2"]),
@@ -94,6 +103,8 @@ def test_the_zigzag_layout_balances_causal_work():
     (["data.seq_len=256", "mesh.context=4", "model.attention=flash"], "not a multiple of 128"),
     (["data.seq_len=32", "mesh.context=4", "model.attention_block=16"], "does not divide data.seq_len / mesh.context"),
     (["mesh.context=2", *MOE, "model.capacity_factor=1.25"], "capacity_factor 0"),
+    (["data.seq_len=512", "mesh.context=2", "model.attention=flash", "model.context_attention=ring"],
+     "set model.attention=xla with it"),
 ])
 def test_a_sequence_the_context_axis_cannot_split_is_refused(overrides, says):
     cfg = config.load(None, overrides)

@@ -9,9 +9,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain.errors import ConfigError
-from scaletrain.kernels import flash_attention
+from scaletrain.kernels import flash_attention, ring_attention
 from scaletrain.models import quantize, rope
 from scaletrain.models.layers import RMSNorm, param, project
+from scaletrain.parallel import sharding
 from scaletrain.parallel.sharding import active_device, constrain, local, placement, sequence_order, ways
 
 
@@ -145,7 +146,9 @@ class Attention(nnx.Module):
         b, t, n, h = q_btnh.shape
         k = cfg.num_kv_heads
         order = sequence_order(t)
-        if cfg.attention == "flash":
+        if ways("seq") > 1 and cfg.context_attention == "ring":
+            out_btnh = checkpoint_name(self._ring(q_btnh, k_btkh, v_btkh, segment_ids_bt), "attention_out")
+        elif cfg.attention == "flash":
             out_btnh = self._flash(q_btnh, k_btkh, v_btkh, segment_ids_bt, order)
         else:
             q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
@@ -178,18 +181,44 @@ class Attention(nnx.Module):
         out_btkgh = dot_attention(q_btnh.reshape(b, t, k, n // k, h), k_cache, v_cache, causal[None, None, None])
         return self._out(out_btkgh.reshape(b, t, n, h)), (k_cache, v_cache)
 
+    def _kv_beside_queries(self, k_btkh, v_btkh) -> tuple[jax.Array, jax.Array, str]:
+        """K and V for code run per device on its query heads (`local`), and the logical axis of their heads:
+        where the key/value heads are not split like the query heads (fewer of them than `tensor` ways), each
+        device's query heads get copies of the K/V heads they use."""
+        if ways("kv_heads") == ways("heads"):
+            return k_btkh, v_btkh, "kv_heads"
+        g = self.cfg.num_heads // self.cfg.num_kv_heads
+        k_btkh, v_btkh = (constrain(jnp.repeat(x, g, axis=2), ("batch", "seq", "heads", "head_dim"))
+                          for x in (k_btkh, v_btkh))
+        return k_btkh, v_btkh, "heads"
+
+    def _ring(self, q_btnh, k_btkh, v_btkh, segment_ids_bt) -> jax.Array:
+        """Context parallelism's ring schedule (kernels/ring_attention.py): each device's queries meet the keys
+        and values passed around the context axes, one shard at a time, `attention_block` queries per tile."""
+        t = q_btnh.shape[1]
+        k_btkh, v_btkh, kv_heads = self._kv_beside_queries(k_btkh, v_btkh)
+        order = sequence_order(t)
+        order_ct = (np.arange(t, dtype=np.int32) if order is None else order).reshape(ways("seq"), -1)
+        axes, block = sharding.active_axes("seq"), self.cfg.attention_block
+
+        def attend(q_btnh, k_btkh, v_btkh, segments_bt):
+            b, tl, n, h = q_btnh.shape
+            q_btkgh = q_btnh.reshape(b, tl, k_btkh.shape[2], -1, h)
+            out = ring_attention.ring_attention(q_btkgh, k_btkh, v_btkh, segments_bt, segments_bt, order_ct, axes,
+                                                block, self.cfg.unroll_loops)
+            return out.reshape(q_btnh.shape)
+
+        q_logical, kv_logical = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", kv_heads, "head_dim")
+        return local(attend, (q_logical, kv_logical, kv_logical, ("batch", "seq")), q_logical)(
+            q_btnh, k_btkh, v_btkh, segment_ids_bt)
+
     def _flash(self, q_btnh, k_btkh, v_btkh, segment_ids_bt, order) -> jax.Array:
         """The flash kernel per device on its batch rows and heads (kernels/flash_attention.py). The kernel
-        names its own residuals attention_out. Where the key/value heads are not split like the query heads
-        (fewer of them than `tensor` ways), each device's query heads get copies of the K/V heads they use.
-        Split along the sequence (`order`: context parallelism's layout), each device's queries meet the whole
-        sequence's keys and values, gathered and put back in sequence order for the kernel's causal mask."""
-        seq = "seq" if order is None else None
-        if ways("kv_heads") != ways("heads"):
-            g = self.cfg.num_heads // self.cfg.num_kv_heads
-            k_btkh, v_btkh = (constrain(jnp.repeat(x, g, axis=2), ("batch", "seq", "heads", "head_dim"))
-                              for x in (k_btkh, v_btkh))
-        kv_logical = ("batch", seq, "kv_heads" if ways("kv_heads") == ways("heads") else "heads", "head_dim")
+        names its own residuals attention_out. Split along the sequence (`order`: context parallelism's layout),
+        each device's queries meet the whole sequence's keys and values, gathered and put back in sequence order
+        for the kernel's causal mask."""
+        k_btkh, v_btkh, kv_heads = self._kv_beside_queries(k_btkh, v_btkh)
+        kv_logical = ("batch", "seq" if order is None else None, kv_heads, "head_dim")
         q_logical = ("batch", "seq", "heads", "head_dim")
         kernel = flash_attention.kernel_for(active_device())
         if order is None:

@@ -67,6 +67,7 @@ class ModelConfig:
     quantization: str = "none"  # config.QUANTIZATIONS: the chosen matmuls' operand dtype (models/quantize.py)
     quantization_scale: str = "channel"  # config.QUANTIZATION_SCALES
     quantized_matmuls: str = config.DEFAULT_QUANTIZED  # which config.MATMUL_GROUPS, comma-separated
+    context_attention: str = "allgather"  # config.CONTEXT_ATTENTIONS: with the sequence split over `context`
     # Derived by the trainer from other sections.
     remat: str = "none"  # a remat.POLICIES name
     remat_custom: tuple[tuple[str, str], ...] = ()  # (checkpoint name, remat|device|offload) for "custom"

@@ -80,6 +80,10 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
             out.append(f"data.seq_len / mesh.context = {cfg.data.seq_len / context_ways:g} is not a multiple of "
                        f"{FLASH_BLOCK}: with model.attention=flash each context shard's queries are whole blocks "
                        f"of the kernel's {FLASH_BLOCK} lanes")
+        if m.attention == "flash" and m.context_attention == "ring":
+            out.append("model.context_attention=ring computes its blocks in XLA, not the flash kernel: set "
+                       "model.attention=xla with it (model.attention_block tiles its queries), or keep flash with "
+                       "model.context_attention=allgather")
         if m.attention_block and (cfg.data.seq_len // context_ways) % m.attention_block:
             out.append(f"model.attention_block={m.attention_block} does not divide data.seq_len / mesh.context = "
                        f"{cfg.data.seq_len / context_ways:g}, each context shard's queries")
