@@ -152,3 +152,24 @@ def test_context_parallelism_gathers_keys_and_values_as_planned():
     assert moves["reduce-scatter", "key and value gradients"] == (kv, L)
     weight_gradients = [c for c in layers if c.effective_kind == "all-reduce" and c.phase == "backward"]
     assert moves["all-reduce", "layer gradients"][1] == L * len(weight_gradients)
+
+
+def test_the_ring_passes_keys_and_values_as_planned():
+    """model.context_attention=ring on mesh.context=8 (dp): per layer each device sends its block of K and of V on
+    to the next C - 1 times forward and C - 1 times backward, and their gradients (float32) C times - the
+    planner's sends, in count and bytes. (The segment ids travel with the blocks, an int32 per token: the
+    planner leaves them out, and so does this count.)"""
+    c = 8
+    overrides = ["mesh.context=8", "sharding.preset=dp", "model.context_attention=ring"]
+    block = B * T // c * K * H * 4  # a device's K (or V)
+    inventory = _inventory(*overrides)
+    sends = [s for s in inventory if s.kind == "collective-permute" and s.full_bytes == block]
+    assert all(s.axes == ("context",) for s in sends)
+    cfg = config.load(None, tiny_overrides("unused", **MODEL) + overrides)
+    planned = {p["what"]: p for p in roofline.plan(cfg, "v5p:2x2x2")["collectives"] if p["axis"] == "context"}
+    kv, grads = planned["keys and values"], planned["key and value gradients"]
+    assert (kv["full_bytes"], kv["count"]) == (2 * block, 2 * (c - 1) * L)
+    assert (grads["full_bytes"], grads["count"]) == (2 * block, c * L)
+    assert sum(s.count for s in sends if s.phase == "forward") == 2 * (c - 1) * L  # K and V, C - 1 passes a layer
+    assert sum(s.count * s.full_bytes for s in sends) == sum(p["count"] * p["full_bytes"] for p in (kv, grads))
+    assert not [s for s in inventory if s.kind == "all-gather" and "context" in s.axes]

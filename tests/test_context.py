@@ -1,7 +1,8 @@
 """Context parallelism (the sequence split over `mesh.context`) trains exactly like one device: 4 steps' loss and
 gradient norm, the parameters and Adam's moment within 1e-5 (fp32), with documents packed across the layout's
 chunk boundaries, for both attention modes and both context-attention modes (all-gather, ring), alone and beside
-data, fsdp, tensor (sequence parallel), expert and pipeline axes; the zig-zag layout balances the causal work; the meshes it cannot split are refused."""
+data, fsdp, tensor (sequence parallel), expert and pipeline axes; the zig-zag layout balances the causal work; the
+meshes it cannot split are refused."""
 
 import numpy as np
 import pytest

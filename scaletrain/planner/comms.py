@@ -145,25 +145,42 @@ def tensor(activation_bytes: float, layers: int, microbatches: int, sequence_par
                          levels) + moe)
 
 
-def context(kv_bytes: float, layers: int, microbatches: int, recomputed: bool,
-            levels: Sequence[Link]) -> list[Transfer]:
+def context(kv_bytes: float, layers: int, microbatches: int, recomputed: bool, levels: Sequence[Link],
+            ring_dtype_bytes: int = 0) -> list[Transfer]:
     """Context parallelism per layer and microbatch, V = the keys and values of the whole sequences of the
     context axis's rows (models/attention.py): an all-gather before attention, forward, and again where the remat
-    policy recomputes attention (`recomputed`); the reduce-scatter of their gradient, backward."""
-    return (collective("all-gather", "keys and values", kv_bytes, (1 + recomputed) * layers * microbatches, levels)
-            + collective("reduce-scatter", "key and value gradients", kv_bytes, layers * microbatches, levels))
+    policy recomputes attention (`recomputed`); the reduce-scatter of their gradient, backward.
+    The ring schedule instead (`ring_dtype_bytes`: the compute dtype's bytes; kernels/ring_attention.py), C the
+    ring's devices: each device sends its block (V / C) on to the next C - 1 times forward (again where
+    attention is recomputed) and C - 1 times backward, and the blocks' float32 gradients C times backward, each
+    pass one hop at the pace of the slowest level the ring spans. The segment ids travelling with the blocks
+    (an int32 per token against 2 kv_heads head_dim K/V values) are left out."""
+    if not ring_dtype_bytes:
+        return (collective("all-gather", "keys and values", kv_bytes, (1 + recomputed) * layers * microbatches,
+                           levels)
+                + collective("reduce-scatter", "key and value gradients", kv_bytes, layers * microbatches, levels))
+    ways = math.prod(link.size for link in levels)
+    if ways == 1:
+        return []
+    block, passes = kv_bytes / ways, layers * microbatches
+    return (_hops("keys and values", block, (2 + recomputed) * (ways - 1) * passes, levels)
+            + _hops("key and value gradients", block * 4 / ring_dtype_bytes, ways * passes, levels))
+
+
+def _hops(what: str, full_bytes: float, count: int, levels: Sequence[Link]) -> list[Transfer]:
+    """`count` sends of `full_bytes` to a neighbour, timed on the slowest level the axis spans (a ring, or a
+    pipeline, advances at the pace of its slowest hop)."""
+    spanned = [link for link in levels if link.size > 1]
+    if not spanned:
+        return []
+    return collective("send", what, full_bytes, count, [min(spanned, key=lambda link: link.oneway)])
 
 
 def pipeline(activation_bytes: float, microbatches: int, levels: Sequence[Link]) -> list[Transfer]:
     """Pipeline stages per microbatch: the activations sent to the next stage forward and their gradient back
-    (2BD bytes each in bf16: scaling.md). A schedule advances at the pace of its slowest hop, so every send is
-    timed on the slowest level the pipeline axis spans (DCN when mesh.dcn_pipeline > 1)."""
-    spanned = [link for link in levels if link.size > 1]
-    if not spanned:
-        return []
-    slowest = min(spanned, key=lambda link: link.oneway)
-    return collective("send", "stage activations and their gradients", activation_bytes, 2 * microbatches,
-                      [slowest])
+    (2BD bytes each in bf16: scaling.md), every send timed on the slowest level the pipeline axis spans (DCN
+    when mesh.dcn_pipeline > 1)."""
+    return _hops("stage activations and their gradients", activation_bytes, 2 * microbatches, levels)
 
 
 def expert(routed_bytes: float, counts_bytes: float, moe_layers: int, microbatches: int, recomputed: bool,

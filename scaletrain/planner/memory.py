@@ -153,29 +153,36 @@ def blocked_attention(cfg) -> bool:
     return cfg.model.attention == "xla" and 0 < block < seq and seq % block == 0
 
 
+def ring_attention(cfg, axes: Mapping[str, int]) -> bool:
+    """Context parallelism's ring schedule runs attention (kernels/ring_attention.py): its scores a tile of
+    queries against one device's keys at a time, rematerialised in its own backward pass."""
+    return cfg.model.context_attention == "ring" and sharding.seq_ways(axes) > 1
+
+
 def logits_block(cfg) -> int:
     """Positions per sequence whose float32 logits exist at a time: model.logits_block, or the whole sequence."""
     block, seq = cfg.model.logits_block, cfg.data.seq_len
     return block if 0 < block < seq else seq
 
 
-def _scores(cfg, tensor: int) -> float:
+def _scores(cfg, tensor: int, ring: bool) -> float:
     """XLA's attention scores per token when no query blocking bounds them (the float32 softmax output its VJP
-    reads and the probabilities cast for the values matmul: N T elements), else none."""
+    reads and the probabilities cast for the values matmul: N T elements), else none (`ring`: ring_attention)."""
     m = cfg.model
-    whole = m.attention == "xla" and not blocked_attention(cfg)  # flash kernels keep scores on-chip
+    whole = m.attention == "xla" and not blocked_attention(cfg) and not ring  # flash keeps scores on-chip
     return m.num_heads / tensor * cfg.data.seq_len * (4 + DTYPE_BYTES[m.dtype]) if whole else 0.0
 
 
-def _saved_layer(cfg, model_cfg, tensor: int) -> float:
+def _saved_layer(cfg, model_cfg, tensor: int, ring: bool) -> float:
     """Bytes per token one layer keeps for its backward pass with nothing rematerialised: the residuals the
     model's own layer body saves (residuals.per_token: the stream's split over `tensor` only with sequence
     parallelism, the rest always), and the scores."""
     stream, inner = residuals.per_token(model_cfg)
-    return stream / (tensor if cfg.sharding.sequence_parallel else 1) + inner / tensor + _scores(cfg, tensor)
+    return stream / (tensor if cfg.sharding.sequence_parallel else 1) + inner / tensor + _scores(cfg, tensor, ring)
 
 
-def _rematerialised_layer(cfg, model_cfg, elements: Mapping[str, float], tensor: int, dtype_bytes: int) -> float:
+def _rematerialised_layer(cfg, model_cfg, elements: Mapping[str, float], tensor: int, dtype_bytes: int,
+                          ring: bool) -> float:
     """Bytes per token at the peak of one rematerialised layer's backward pass. Under full remat the whole layer
     is computed again before any of its backward pass runs - every residual the layer saves under policy none at
     once (`_saved_layer`) - and the MLP's backward pass then adds the gradients of gate and up (one fusion writes
@@ -184,11 +191,11 @@ def _rematerialised_layer(cfg, model_cfg, elements: Mapping[str, float], tensor:
     policies XLA interleaves the recomputation with the backward pass: NONE_TENSORS of d_model, and the scores."""
     if cfg.remat.policy == "full":
         hidden = elements["mlp_gate"] + elements["mlp_up"] + elements["moe_gate"] + elements["moe_up"]
-        return _saved_layer(cfg, model_cfg, tensor) + hidden * dtype_bytes
+        return _saved_layer(cfg, model_cfg, tensor, ring) + hidden * dtype_bytes
     d, sp = cfg.model.d_model, cfg.sharding.sequence_parallel
     residual = RESIDUAL_TENSORS * d / (tensor if sp else 1)
     inner = (NONE_TENSORS - RESIDUAL_TENSORS) * d / tensor
-    return (residual + inner) * dtype_bytes + _scores(cfg, tensor)
+    return (residual + inner) * dtype_bytes + _scores(cfg, tensor, ring)
 
 
 # Copies of the whole batch's residual stream a pipelined step holds beside its microbatches' (measured on the
@@ -204,11 +211,15 @@ BLOCK_SCORE_F32_COPIES = 4
 def _attention_block_working(cfg, tokens: float, tensor: int, dtype_bytes: int, context: int = 1) -> float:
     """Bytes of one query block's scores, for the device's sequences (`tokens` of them, each 1/`context` of its
     sequence under context parallelism): zero without query blocking (the scores are then part of every layer's
-    activations)."""
-    if not blocked_attention(cfg):
-        return 0.0
+    activations). The ring schedule's tile (model.attention_block queries, or the device's whole shard) meets one
+    device's keys at a time."""
     m, seq = cfg.model, cfg.data.seq_len
-    elements = tokens * context / seq * m.num_heads / tensor * m.attention_block * seq
+    ring = m.context_attention == "ring" and context > 1
+    if not (blocked_attention(cfg) or ring):
+        return 0.0
+    keys = seq // context if ring else seq  # a tile meets at a time
+    queries = m.attention_block if 0 < m.attention_block < keys else keys
+    elements = tokens * context / seq * m.num_heads / tensor * queries * keys
     return elements * (BLOCK_SCORE_F32_COPIES * 4 + dtype_bytes)
 
 
@@ -333,13 +344,13 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     micro = replica_tokens(cfg, axes)  # one microbatch: what one layer (or iteration) recomputes
     tokens = micro * held_microbatches(runner)
     elements = tensor_elements(m, s.layout.rules.activations, axes, expert_rows(cfg, axes, ragged)[1])
-    policy = cfg.remat.policy
+    policy, ring = cfg.remat.policy, ring_attention(cfg, axes)
     stage_inputs = elements["decoder_layer_input"] * ab * tokens
     moe = moe_share(m)
     # Bytes per token of a layer with nothing rematerialised: a MoE layer's routed rows on top.
     routed = routed_layer(cfg, axes, ab, ragged) if moe else 0.0
     if policy == "none":
-        every = (_saved_layer(cfg, s.layout.model_cfg, t) + moe * routed) * stage_layers
+        every = (_saved_layer(cfg, s.layout.model_cfg, t, ring) + moe * routed) * stage_layers
         saved, working, offloaded = (stage_inputs, every * micro, 0.0) if one_f_one_b else (every * tokens, 0.0, 0.0)
         working += _attention_block_working(cfg, micro if one_f_one_b else tokens, t, ab, sharding.seq_ways(axes))
     else:
@@ -347,7 +358,7 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
         named = sum(elements[n] for n, w in where.items() if w == "device")
         host = sum(elements[n] for n, w in where.items() if w == "offload")
         per_layer = (elements["decoder_layer_input"] + named) * ab * stage_layers
-        working = ((_rematerialised_layer(cfg, s.layout.model_cfg, elements, t, ab) + routed) * micro
+        working = ((_rematerialised_layer(cfg, s.layout.model_cfg, elements, t, ab, ring) + routed) * micro
                    + _attention_block_working(cfg, micro, t, ab, sharding.seq_ways(axes)))
         if one_f_one_b:  # the stage inputs; a recomputed stage's per-layer tensors for one microbatch
             saved, offloaded = stage_inputs, host * ab * micro * stage_layers
@@ -377,8 +388,10 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     if not runner.gather_once:
         working += 2 * gathered_layer(s, model_lib.operand_dtypes(s.layout.model_cfg)) + gathered_layer(s)
     # Context parallelism: one layer's keys and values gathered whole, and their gradient formed whole before it
-    # is scattered back.
-    working += 2 * gathered_kv(elements, axes) * ab * micro
+    # is scattered back; or the ring's blocks: the one worked on and the one in flight, each with its float32
+    # gradient backward.
+    own_kv = elements["key_proj"] + elements["value_proj"]
+    working += (2 * (ab + 4) * own_kv if ring else 2 * gathered_kv(elements, axes) * ab) * micro
     if runner.gather_once:  # a whole stage's weights and gradient sums on every device
         batch = sharding.mesh_axes(s.layout.rules.activations["batch"])
         for table, role in ((s.layout.rules.params, "params"), (s.layout.rules.grads, "grads")):

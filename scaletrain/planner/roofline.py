@@ -258,8 +258,7 @@ def step_transfers(cfg, axes: Mapping[str, int], links: Mapping[str, list[comms.
     (`data_parallel_transfers`), then tensor, context, pipeline and expert parallelism (comms.py). `ragged`: the MoE
     layers' rows travel by ragged all-to-all (TPU), else padded (memory.expert_rows)."""
     m = cfg.model
-    ab = memory.DTYPE_BYTES[m.dtype]
-    accum, t, shards = microbatches(cfg, axes), axes["tensor"], axes["expert"]
+    ab, accum, t, shards = memory.DTYPE_BYTES[m.dtype], microbatches(cfg, axes), axes["tensor"], axes["expert"]
     layers = math.ceil(m.num_layers / axes["pipeline"])
     moe_layers = state.layout.model_cfg.moe_layers
 
@@ -275,7 +274,8 @@ def step_transfers(cfg, axes: Mapping[str, int], links: Mapping[str, list[comms.
     kv *= memory.replica_tokens(cfg, axes) * ab  # context parallelism's V: its rows' whole sequences' K/V
     return (data_parallel_transfers(state, layers, accum, levels)
             + comms.tensor(activations, layers, accum, sp, recompute, levels(["tensor"]), moe_layers)
-            + comms.context(kv, layers, accum, "attention" in recompute, levels(["context"]))
+            + comms.context(kv, layers, accum, "attention" in recompute and cfg.remat.policy != "none",
+                            levels(["context"]), memory.ring_attention(cfg, axes) and ab)
             + comms.pipeline(activations / (t if sp else 1), accum * state.layout.runner.repeats,
                              levels(["pipeline"]))
             + comms.expert(routed, counts, moe_layers, accum, "expert_down" in recompute, levels(["expert"]),
