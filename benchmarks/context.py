@@ -1,6 +1,7 @@
 """Context parallelism measured on this machine's CPUs (docs/context.md).
 
-  python benchmarks/context.py memory [--seq-len N]   the compiled step's temporary memory per device, one
+  python benchmarks/context.py memory [--seq-len N] [--ring]
+                                                      the compiled step's temporary memory per device, one
                                                       sequence on C = 1, 2, 4, 8 devices with mesh.context=C
   python benchmarks/context.py train [--seq-len N] [--steps S]
                                                       the tiny model trained at N tokens a sequence on 8 devices
@@ -9,7 +10,9 @@
 
 Both run on 8 simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8, set here). `memory`
 compiles the tiny model of configs/llama_tiny.yaml in float32 with flash attention (splash, interpreted: the
-scores never exist whole, so what remains is what the sequence's split should divide) and full remat.
+scores never exist whole, so what remains is what the sequence's split should divide) and full remat; with
+`--ring`, the ring schedule (model.context_attention=ring), whose tiles are XLA's: 512 queries a tile
+(model.attention_block=512; on one device XLA's blocked attention, the same blocks against the whole sequence).
 """
 
 from __future__ import annotations
@@ -40,17 +43,21 @@ def _config(seq_len: int, context: int, batch: int, *extra: str):
         "mesh.fsdp=1", "mesh.data=1", *extra])
 
 
-def memory(seq_len: int) -> None:
+RING = ["model.attention=xla", "model.attention_block=512", "model.context_attention=ring"]
+
+
+def memory(seq_len: int, ring: bool) -> None:
     import jax
 
     from scaletrain.train import trainer
 
-    print(f"configs/llama_tiny.yaml, one sequence of {seq_len} tokens, {', '.join(MODEL[:-1])}; XLA's memory "
-          f"analysis of the compiled step, per device\n")
+    extra = RING if ring else []
+    print(f"configs/llama_tiny.yaml, one sequence of {seq_len} tokens, {', '.join(MODEL[:-1] + extra)}; XLA's "
+          f"memory analysis of the compiled step, per device\n")
     print("| mesh.context | temporaries MiB | x context | arguments MiB | compile s |\n|---|---|---|---|---|")
     first = None
     for context in (1, 2, 4, 8):
-        setup = trainer.build(_config(seq_len, context, 1), jax.devices()[:context])
+        setup = trainer.build(_config(seq_len, context, 1, *extra), jax.devices()[:context])
         start = time.perf_counter()
         compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
         seconds = time.perf_counter() - start
@@ -79,12 +86,13 @@ def main() -> None:
     sub = parser.add_subparsers(dest="what", required=True)
     mem = sub.add_parser("memory")
     mem.add_argument("--seq-len", type=int, default=16384)
+    mem.add_argument("--ring", action="store_true")
     tr = sub.add_parser("train")
     tr.add_argument("--seq-len", type=int, default=16384)
     tr.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     if args.what == "memory":
-        memory(args.seq_len)
+        memory(args.seq_len, args.ring)
     else:
         train(args.seq_len, args.steps)
 

@@ -62,19 +62,26 @@ def ring_attention(q_btkgh, k_bskh, v_bskh, q_seg_bt, k_seg_bs, order_ct: np.nda
     block = block if 0 < block < t else t
     ring = [(i, (i + 1) % ways) for i in range(ways)]
 
-    def positions(step):  # the slots' positions of the block a device holds after `step` passes
-        return jnp.asarray(order_ct)[(jax.lax.axis_index(axes) - step) % ways]
+    def tied(x, *known):
+        """`known` passed through one barrier with `x`. The masks depend only on segment ids and positions, the
+        same for every layer and known before the step's values: without it, differentiating the layer scan
+        hoists them out of the loops and stores every tile's [block, t] mask of every pass at once."""
+        return jax.lax.optimization_barrier((x, *known, jnp.asarray(order_ct)))
+
+    def positions(order, step):  # the slots' positions of the block a device holds after `step` passes
+        return order[(jax.lax.axis_index(axes) - step) % ways]
 
     def send(*xs):
         return jax.lax.ppermute(xs, axes, ring)
 
     def forward(q, k, v, q_seg, k_seg):
         b, _, kh, g, h = q.shape
-        queries = tuple(_tiles(x, block) for x in (q, q_seg, positions(0)))
+        q, q_seg, k_seg, order = tied(q, q_seg, k_seg)
+        queries = tuple(_tiles(x, block) for x in (q, q_seg, positions(order, 0)))
 
         def merge(stats, kv, step):  # every tile of queries against one block of keys and values
             k, v, k_seg = kv
-            k_index = positions(step)
+            k_index = positions(order, step)
 
             def tile(args):
                 (q, q_seg, q_index), (out, top, total) = args
@@ -111,13 +118,14 @@ def ring_attention(q_btkgh, k_bskh, v_bskh, q_seg_bt, k_seg_bs, order_ct: np.nda
 
     def attend_bwd(residuals, d_out):
         q, k, v, q_seg, k_seg, out, lse = residuals
+        d_out, q_seg, k_seg, order = tied(d_out, q_seg, k_seg)
         # d softmax: dS = P (dP - rowsum(dO * O)).
         row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), -1)
-        queries = tuple(_tiles(x, block) for x in (q, q_seg, positions(0), lse, row, d_out))
+        queries = tuple(_tiles(x, block) for x in (q, q_seg, positions(order, 0), lse, row, d_out))
 
         def grads(dq, kv, step):  # every tile of queries against one block; the block's gradients summed
             k, v, k_seg, dk, dv = kv
-            k_index = positions(step)
+            k_index = positions(order, step)
 
             def tile(sums, args):
                 (q, q_seg, q_index, lse, row, d_out), dq = args
