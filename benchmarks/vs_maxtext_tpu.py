@@ -137,6 +137,22 @@ ROWS["mixtral_pdb4"] = {
     "maxtext_note": ROWS["mixtral"]["maxtext_note"].replace("pdb 8", "pdb 4"),
     "ours": {"config (as tune chose it)": ("configs/mixtral_8x7b.yaml", ["data.seq_len=4096"])},
 }
+# Long context (issue 32): Llama-3.1-8B at 131,072 tokens on a v5p-64, each sequence over 8 chips. MaxText's
+# context parallelism (ici_context_parallelism; its all-gather of keys and values, load-balanced, with splash
+# attention) at one sequence per 8 chips (per_device_batch_size 1/8), FSDP over the other 4, full remat.
+ROWS["8b_128k"] = {
+    "title": "Llama-3.1-8B, v5p-64 (32 chips), 131,072 tokens, context parallelism 8",
+    "topology": "v5p:4x4x2", "maxtext_topology": "v5p-64", "layers": 32,
+    "maxtext": ["model_name=llama3.1-8b", "per_device_batch_size=0.125", "max_target_length=131072",
+                "remat_policy=full", "ici_context_parallelism=8", "ici_fsdp_parallelism=4", "dtype=bfloat16",
+                "attention=flash", "context_parallel_load_balance=true", "use_iota_embed=true"],
+    "maxtext_note": "pdb 1/8 x 131072, remat full, context 8 x FSDP 4, splash attention, load-balanced",
+    "ours": {
+        # The ring (model.context_attention=ring) is left out: its blocks are XLA's, whose scores at 16,384 keys a
+        # pass make the step HBM-bound (plan: 82 s against 8.2 s; docs/context.md).
+        "config (all-gather, flash)": ("configs/llama3_8b_128k.yaml", []),
+    },
+}
 COMMON_MAXTEXT = ["compile_topology_num_slices=1", "dataset_type=synthetic", "enable_checkpointing=false",
                   "jax_cache_dir=", "enable_goodput_recording=false", "monitor_goodput=false",
                   "enable_tensorboard=false", "skip_jax_distributed_system=true"]

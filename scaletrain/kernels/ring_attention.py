@@ -12,8 +12,8 @@ their gradient grow to the whole sequence.
 Each pass sends the block the device has just worked on, so the transfer has no data dependence on the block's
 compute and the compiler is free to overlap them (on TPU its latency-hiding scheduler does). The block's work is
 XLA's (einsums and a float32 softmax, the same as models/attention.py's dot_attention) rather than the splash
-kernel's: splash takes the softmax statistics of earlier blocks neither in nor back out of its backward kernels
-(docs/attention.md).
+kernel's: splash's backward is reachable only through its own VJP, which takes a block's gradients with that
+block's statistics, where the ring needs the whole row's (docs/attention.md).
 
 Runs per device, inside jax.shard_map over the context axes (`axes`), on its local shards.
 """
