@@ -70,6 +70,10 @@ MESHES = {
     "context=2 x pipeline=2 x fsdp=2, experts, 1f1b, ring": (
         32, MOE, ["mesh.context=2", "mesh.pipeline=2", "mesh.fsdp=2", "pipeline.schedule=1f1b",
                   "pipeline.microbatches=2", "model.context_attention=ring"]),
+    "context=4 x fsdp=2, ring, 2 microbatches accumulated": (32, ["train.grad_accum_steps=2"], [
+        "mesh.context=4", "mesh.fsdp=2", "model.context_attention=ring"]),
+    "context=2 x pipeline=2 x data=2, gpipe": (32, [], ["mesh.context=2", "mesh.pipeline=2", "mesh.data=2",
+                                                       "pipeline.schedule=gpipe", "pipeline.microbatches=2"]),
     "context=4 x data=2, flash": (512, ["model.attention=flash"], ["mesh.context=4", "mesh.data=2"]),
     "context=2 x fsdp=2 x tensor=2, flash": (512, ["model.attention=flash"],
                                              ["mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2"]),
