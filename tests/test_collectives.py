@@ -173,3 +173,12 @@ def test_the_ring_passes_keys_and_values_as_planned():
     assert sum(s.count for s in sends if s.phase == "forward") == 2 * (c - 1) * L  # K and V, C - 1 passes a layer
     assert sum(s.count * s.full_bytes for s in sends) == sum(p["count"] * p["full_bytes"] for p in (kv, grads))
     assert not [s for s in inventory if s.kind == "all-gather" and "context" in s.axes]
+
+
+def test_quantized_matmuls_keep_the_sequence_split():
+    """int8 matmuls under mesh.context=8 take their rows as [batch, seq] (flattened, the tokens would be whole rows
+    and XLA would gather the sequence for every projection): in the layers only the keys and values are gathered
+    over context, as unquantized."""
+    layers = _in_layers(_inventory("mesh.context=8", "sharding.preset=dp", "model.quantization=int8"))
+    gathers = {c.full_bytes for c in layers if c.kind == "all-gather" and "context" in c.axes}
+    assert gathers == {B * T * K * H * 4}  # K, and V

@@ -17,6 +17,7 @@ MOE = ["model.num_experts=4", "model.experts_per_token=2", "model.moe_d_ff=64", 
     ("int8", ["mesh.fsdp=4", "mesh.tensor=2"], []),
     ("fp8", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], []),
     ("int8", ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"], MOE),
+    ("int8", ["mesh.context=4", "mesh.fsdp=2"], []),  # [batch, seq] rows, not flattened: the sequence stays split
 ])
 def test_a_quantized_run_on_8_devices_equals_its_one_device_run(batches, mode, mesh, model):
     """Every scale is a maximum over whole rows, columns or experts, across the devices that share them, so a

@@ -48,7 +48,7 @@ def projections(x: jax.Array, ws, in_dims: int = 1, out_dtype=None, quant: Quant
     one copy of it, not one per matmul). Not where the sequence is split (context parallelism): a shard of the
     flattened tokens would be a block of whole rows, so XLA would gather the sequence to flatten it."""
     lead, k = x.shape[: x.ndim - in_dims], math.prod(x.shape[x.ndim - in_dims:])
-    x2 = x.reshape(-1, k) if quant is not None or ways("seq") == 1 else x.reshape(*lead, k)
+    x2 = x.reshape(-1, k) if ways("seq") == 1 else x.reshape(*lead, k)
 
     def matmul(w2):
         if quant is not None:

@@ -46,7 +46,9 @@ class Quantization:
         return _How(forward, grad, self.per_tensor, tuple(contract_axes), tuple(out_axes), tuple(row_axes))
 
     def dot(self, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
-        """x [M, K] @ w [K, N] with quantized operands, in out_dtype (x's by default). Under jit's automatic
+        """x [..., K] @ w [K, N] with quantized operands, in out_dtype (x's by default); a row is x's last dim,
+        whatever dims lead it (context parallelism keeps [batch, seq]: flattening would gather the sequence).
+        Under jit's automatic
         partitioning XLA takes each scale's maximum across the devices a sharded operand spans; across the batch
         axes a shard_map makes manual (a 1F1B pipeline's stages run per data shard) the maxima over rows are
         taken here."""
@@ -102,22 +104,31 @@ def _accumulator(qtype):
     return jnp.int32 if jnp.issubdtype(qtype, jnp.integer) else jnp.float32
 
 
-def _matmul(a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    """a @ b for rounded a and b, times `scale` (their scales' product, broadcast to the output), in dtype.
+def _matmul(a: jax.Array, b: jax.Array, scale: jax.Array, dtype, contract=None) -> jax.Array:
+    """a @ b for rounded a and b - a's last dim against b's first, or the dims `contract` ((a's), (b's)) -, times
+    `scale` (their scales' product, broadcast to the output), in dtype.
 
     The matrix unit accumulates in int32 (float32) and writes the product in `dtype`: where the contraction is
     split across devices (FSDP's weight gradient, tensor parallelism's row-parallel output), XLA reduces the
     partial products in the dtype the dot writes - asked for int32, the compiled 8B step reduce-scattered its
     weight gradients in 4-byte pieces, twice the bf16 program's bytes. Scaling after the reduction is exact: every
     device rounds with the same scales."""
-    return (jax.lax.dot(a, b, preferred_element_type=dtype).astype(jnp.float32) * scale).astype(dtype)
+    contract = contract or ((a.ndim - 1,), (0,))
+    product = jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=dtype)
+    return (product.astype(jnp.float32) * scale).astype(dtype)
+
+
+def _reductions(x, how: _How) -> tuple:
+    """The dims of x [..., K] (and of a gradient [..., N]) a row's scale reduces over, and those a column's
+    does: everything per tensor."""
+    return (None, None) if how.per_tensor else (x.ndim - 1, tuple(range(x.ndim - 1)))
 
 
 def _dense_forward(x, w, how: _How):
-    rows, cols = (None, None) if how.per_tensor else (1, 0)
+    rows = _reductions(x, how)[0]
     # Over the rows too (per tensor), x's scale spans the devices holding other rows; w is whole on them.
-    sx = _scale(x, how.forward, rows, how.row_axes if how.per_tensor else ())  # [M, 1]
-    sw = _scale(w, how.forward, cols)  # [1, N]
+    sx = _scale(x, how.forward, rows, how.row_axes if how.per_tensor else ())  # [..., 1]
+    sw = _scale(w, how.forward, None if how.per_tensor else 0)  # [1, N]
     qx, qw = _cast(x, sx, how.forward), _cast(w, sw, how.forward)
     return _matmul(qx, qw, sx * sw, x.dtype), (qx, sx, qw, sw)
 
@@ -130,12 +141,14 @@ def _dense(x, w, how: _How):
 def _dense_backward(how: _How, residuals, g):
     qx, sx, qw, sw = residuals
     dtype, g = g.dtype, g.astype(jnp.float32)
-    rows, cols = (None, None) if how.per_tensor else (1, 0)
+    rows, cols = _reductions(g, how)
     g1 = g * sw  # dx = g @ w^T contracts along w's column scales
     s1 = _scale(g1, how.grad, rows, how.row_axes if how.per_tensor else ())
     g2 = g * sx  # dw = x^T @ g contracts along x's row scales: a maximum over every row
     s2 = _scale(g2, how.grad, cols, how.row_axes)
-    return _matmul(_cast(g1, s1, how.grad), qw.T, s1, dtype), _matmul(qx.T, _cast(g2, s2, how.grad), s2, dtype)
+    lead = tuple(range(g.ndim - 1))
+    return (_matmul(_cast(g1, s1, how.grad), qw.T, s1, dtype),
+            _matmul(qx, _cast(g2, s2, how.grad), s2.reshape(1, -1), dtype, (lead, lead)))
 
 
 _dense.defvjp(_dense_forward, _dense_backward)
