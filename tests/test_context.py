@@ -74,6 +74,8 @@ MESHES = {
         "mesh.context=4", "mesh.fsdp=2", "model.context_attention=ring"]),
     "context=2 x pipeline=2 x data=2, gpipe": (32, [], ["mesh.context=2", "mesh.pipeline=2", "mesh.data=2",
                                                        "pipeline.schedule=gpipe", "pipeline.microbatches=2"]),
+    "context=2 x fsdp=4, state offloaded, save_dots": (32, [], ["mesh.context=2", "mesh.fsdp=4", "optim.offload=true",
+                                                             "params.offload=true", "remat.policy=save_dots"]),
     "context=4 x data=2, flash": (512, ["model.attention=flash"], ["mesh.context=4", "mesh.data=2"]),
     "context=2 x fsdp=2 x tensor=2, flash": (512, ["model.attention=flash"],
                                              ["mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2"]),
