@@ -76,6 +76,8 @@ MESHES = {
                                                        "pipeline.schedule=gpipe", "pipeline.microbatches=2"]),
     "context=2 x fsdp=4, state offloaded, save_dots": (32, [], ["mesh.context=2", "mesh.fsdp=4", "optim.offload=true",
                                                              "params.offload=true", "remat.policy=save_dots"]),
+    "dcn_context=2 x context=2 x fsdp=2, ring": (32, [], ["mesh.dcn_context=2", "mesh.context=2", "mesh.fsdp=2",
+                                                        "model.context_attention=ring"]),
     "context=4 x data=2, flash": (512, ["model.attention=flash"], ["mesh.context=4", "mesh.data=2"]),
     "context=2 x fsdp=2 x tensor=2, flash": (512, ["model.attention=flash"],
                                              ["mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2"]),
