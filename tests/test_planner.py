@@ -284,6 +284,21 @@ def test_pipeline_sends_and_bubble():
     assert (sends.axis, sends.seconds) == ("dcn_pipeline", pytest.approx(24 * 1e6 / 6.25e9))
 
 
+def test_the_ring_hides_its_sends_under_attention_or_counts_what_it_does_not():
+    """Context parallelism's ring over 4 devices, 2 layers: a block of 1 MB (1 ms a send), its float32 gradient
+    2 ms. Under a long pass of attention every send hides but each gradient's last send home; under none, the
+    passes wait for every send."""
+    link = comms.Link("context", 4, (4,), (True,), 1e9, 2e9, switch=False, hop_latency=0.0)
+    kv, grads = comms.context(4e6, 2, 1, False, [link], ring_dtype_bytes=2, pass_seconds=1.0)
+    assert (kv.kind, kv.count, kv.seconds) == ("send", 2 * 3 * 2, pytest.approx(12e-3))
+    assert (grads.count, grads.seconds) == (4 * 2, pytest.approx(16e-3))
+    assert (kv.exposed, grads.exposed) == (0.0, pytest.approx(2 * 2e-3))
+    kv, grads = comms.context(4e6, 2, 1, False, [link], ring_dtype_bytes=2, pass_seconds=0.0)
+    assert kv.exposed + grads.exposed == pytest.approx(kv.seconds + grads.seconds)
+    # The forward's passes again where attention is recomputed.
+    assert comms.context(4e6, 2, 1, True, [link], ring_dtype_bytes=2)[0].count == 3 * 3 * 2
+
+
 def test_expert_all_to_alls():
     link = [_ring(8, True)]
     assert comms.expert(1e6, 256, 0, 4, False, link) == []  # no MoE layer: nothing moves

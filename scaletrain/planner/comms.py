@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Sequence
 
 from scaletrain.config import MESH_AXES
@@ -97,6 +97,7 @@ class Transfer:
     count: int  # executions per step
     bytes_per_device: float  # per step
     seconds: float  # per step
+    exposed: float = 0.0  # seconds per step the step waits for it (the ring's sends beyond their passes' compute)
 
 
 def collective(kind: str, what: str, full_bytes: float, count: int, levels: Sequence[Link]) -> list[Transfer]:
@@ -146,7 +147,7 @@ def tensor(activation_bytes: float, layers: int, microbatches: int, sequence_par
 
 
 def context(kv_bytes: float, layers: int, microbatches: int, recomputed: bool, levels: Sequence[Link],
-            ring_dtype_bytes: int = 0) -> list[Transfer]:
+            ring_dtype_bytes: int = 0, pass_seconds: float = 0.0) -> list[Transfer]:
     """Context parallelism per layer and microbatch, V = the keys and values of the whole sequences of the
     context axis's rows (models/attention.py): an all-gather before attention, forward, and again where the remat
     policy recomputes attention (`recomputed`); the reduce-scatter of their gradient, backward.
@@ -154,7 +155,9 @@ def context(kv_bytes: float, layers: int, microbatches: int, recomputed: bool, l
     ring's devices: each device sends its block (V / C) on to the next C - 1 times forward (again where
     attention is recomputed) and C - 1 times backward, and the blocks' float32 gradients C times backward, each
     pass one hop at the pace of the slowest level the ring spans. The segment ids travelling with the blocks
-    (an int32 per token against 2 kv_heads head_dim K/V values) are left out."""
+    (an int32 per token against 2 kv_heads head_dim K/V values) are left out. A pass's send hides under the
+    attention of the block before it - `pass_seconds` forward, RING_BACKWARD times that backward, where the block
+    and its gradient travel together; what it takes beyond is exposed, and so is each gradient's last send home."""
     if not ring_dtype_bytes:
         return (collective("all-gather", "keys and values", kv_bytes, (1 + recomputed) * layers * microbatches,
                            levels)
@@ -163,8 +166,16 @@ def context(kv_bytes: float, layers: int, microbatches: int, recomputed: bool, l
     if ways == 1:
         return []
     block, passes = kv_bytes / ways, layers * microbatches
-    return (_hops("keys and values", block, (2 + recomputed) * (ways - 1) * passes, levels)
-            + _hops("key and value gradients", block * 4 / ring_dtype_bytes, ways * passes, levels))
+    (kv,), (grads,) = (_hops("keys and values", block, (2 + recomputed) * (ways - 1) * passes, levels),
+                       _hops("key and value gradients", block * 4 / ring_dtype_bytes, ways * passes, levels))
+    send, grad = kv.seconds / kv.count, grads.seconds / grads.count
+    late = ((1 + recomputed) * max(0.0, send - pass_seconds)
+            + max(0.0, send + grad - RING_BACKWARD * pass_seconds)) * (ways - 1) * passes
+    return [replace(kv, exposed=late), replace(grads, exposed=grad * passes)]
+
+
+# A ring pass's backward work in forwards of it: the scores again, then four matmuls to the forward's two.
+RING_BACKWARD = 2.5
 
 
 def _hops(what: str, full_bytes: float, count: int, levels: Sequence[Link]) -> list[Transfer]:

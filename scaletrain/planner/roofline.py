@@ -22,14 +22,12 @@ from scaletrain.facts import flops
 from scaletrain.facts import hardware as hw
 from scaletrain.kernels import flash_attention
 from scaletrain.models.family import Matmul
-from scaletrain.parallel import checks, pipeline_1f1b, sharding
+from scaletrain.parallel import checks, sharding
 from scaletrain.parallel import mesh as mesh_lib
-from scaletrain.parallel import pipeline as pipeline_lib
 from scaletrain.parallel.checks import microbatches
-from scaletrain.planner import comms, estimate, memory, precision
+from scaletrain.planner import comms, estimate, memory, precision, schedule
 from scaletrain.planner.thresholds import critical_batches, fsdp_tensor_split
 from scaletrain.train.loss import projects_the_stream
-from scaletrain.train.runner import Runner
 
 GB = 1e9
 TIMELINE_TICKS = 32  # the longest pipeline timeline the table prints
@@ -204,7 +202,7 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
     does: an array split along experts is neither gathered nor reduced over them (each device trains its own
     experts on every token routed to them), and every other array's gradients are all-reduced over them.
 
-    A 1F1B pipeline (pipeline_1f1b.py) sums each device's gradients over the step and all-reduces them once
+    A 1F1B pipeline (parallel/pipeline_1f1b.py) sums each device's gradients over the step and all-reduces them once
     over the batch axes that shard no parameter; with pipeline.gather_weights=once over every batch axis, the
     weights then gathered once on the way in."""
     rules = state.layout.rules
@@ -253,10 +251,12 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
 
 
 def step_transfers(cfg, axes: Mapping[str, int], links: Mapping[str, list[comms.Link]],
-                   recompute: frozenset[str], state: memory.State, ragged: bool = True) -> list[comms.Transfer]:
+                   recompute: frozenset[str], state: memory.State, ragged: bool = True,
+                   ring_pass: float = 0.0) -> list[comms.Transfer]:
     """Every collective of one train step: data parallelism as the rule tables shard the state
     (`data_parallel_transfers`), then tensor, context, pipeline and expert parallelism (comms.py). `ragged`: the MoE
-    layers' rows travel by ragged all-to-all (TPU), else padded (memory.expert_rows)."""
+    layers' rows travel by ragged all-to-all (TPU), else padded (memory.expert_rows). `ring_pass`: the seconds of
+    one pass of context parallelism's ring (a device's queries against one device's keys)."""
     m = cfg.model
     ab, accum, t, shards = memory.DTYPE_BYTES[m.dtype], microbatches(cfg, axes), axes["tensor"], axes["expert"]
     layers = math.ceil(m.num_layers / axes["pipeline"])
@@ -275,7 +275,7 @@ def step_transfers(cfg, axes: Mapping[str, int], links: Mapping[str, list[comms.
     return (data_parallel_transfers(state, layers, accum, levels)
             + comms.tensor(activations, layers, accum, sp, recompute, levels(["tensor"]), moe_layers)
             + comms.context(kv, layers, accum, "attention" in recompute and cfg.remat.policy != "none",
-                            levels(["context"]), memory.ring_attention(cfg, axes) and ab)
+                            levels(["context"]), memory.ring_attention(cfg, axes) and ab, ring_pass)
             + comms.pipeline(activations / (t if sp else 1), accum * state.layout.runner.repeats,
                              levels(["pipeline"]))
             + comms.expert(routed, counts, moe_layers, accum, "expert_down" in recompute, levels(["expert"]),
@@ -308,21 +308,6 @@ def _warnings(cfg, axes: Mapping[str, int], mem: memory.Prediction, topo: hw.Top
     return out + ([rental] if rental else [])
 
 
-def _pipeline(runner: Runner, bubble: float) -> dict | None:
-    """The pipeline's schedule where there are stages: its timeline per stage (ticks of `F3`, `B3`, `.`: the
-    trainer's own, pipeline.timeline or pipeline_1f1b.timeline)."""
-    stages, n, repeats = runner.stages, runner.microbatches, runner.repeats
-    if stages == 1:
-        return None
-    if runner.schedule == "1f1b":
-        timeline = pipeline_1f1b.timeline(stages, n)
-    else:
-        timeline = pipeline_lib.timeline(stages, n, repeats)
-    return {"schedule": runner.schedule, "stages": stages, "microbatches": n, "repeats": repeats,
-            "bubble": bubble,
-            "timeline": [[tick[p] for tick in timeline] for p in range(stages)]}
-
-
 def plan(cfg, hardware: str) -> dict:
     """The analytic prediction for config `cfg` (scaletrain.config.load) on `hardware` (`[Sx]CHIP:DIMS`, e.g.
     v5p:4x4x4): the `plan` command's keys, the terms behind them, scaling.md's critical batch sizes and the FSDP x
@@ -347,7 +332,9 @@ def plan(cfg, hardware: str) -> dict:
     extra_flops = tokens * attention_extra_flops(cfg, chip.name)
     bubble = comms.bubble(axes["pipeline"], microbatches(cfg, axes), state.layout.runner.repeats)
     ragged = chip.ragged_all_to_all
-    transfers = step_transfers(cfg, axes, links, recompute, state, ragged)
+    ring_pass = forward["attention"] * memory.replica_tokens(cfg, axes) / (
+        axes["tensor"] * sharding.seq_ways(axes) * chip.bf16_flops * chip.xla_matmul_efficiency)
+    transfers = step_transfers(cfg, axes, links, recompute, state, ragged, ring_pass)
     sent, seconds = comms.by_axis(transfers)
     hbm = hbm_bytes(cfg, axes, recompute, state)
     # Every chip has its share of the work: the expert axis splits the batch (each device routes its own tokens).
@@ -370,7 +357,7 @@ def plan(cfg, hardware: str) -> dict:
         else 0.0,
         memory_bytes=estimate.memory_bound_bytes(cfg, axes, state, scores * m.num_layers / axes["pipeline"],
                                                  logits_passes(cfg), ragged),
-        bubble=bubble, exposed_seconds=sum(seconds[a] for a in estimate.EXPOSED),
+        bubble=bubble, exposed_seconds=sum(seconds[a] for a in estimate.EXPOSED) + sum(t.exposed for t in transfers),
         comm_seconds=max(v for a, v in seconds.items() if a not in estimate.EXPOSED))
     mem = memory.predict(cfg, axes, state, ragged)
     detail = mem.as_dict()
@@ -400,7 +387,7 @@ def plan(cfg, hardware: str) -> dict:
         "step_estimate_s": estimated["total"],
         "estimate_s": estimated,
         "pipeline_bubble": bubble,
-        "pipeline": _pipeline(state.layout.runner, bubble),
+        "pipeline": schedule.timeline(state.layout.runner, bubble),
         "tokens_per_second": tokens / step_time,
         "mfu_upper_bound": step_flops / (topo.num_chips * step_time * chip.mixed_peak(
             m.quantization, flops.quantized_share(state.layout.model_cfg, cfg.data.seq_len))),

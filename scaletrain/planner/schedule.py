@@ -1,0 +1,22 @@
+"""The pipeline's schedule as `plan` shows it: the trainer's own timeline per stage."""
+
+from __future__ import annotations
+
+from scaletrain.parallel import pipeline as pipeline_lib
+from scaletrain.parallel import pipeline_1f1b
+from scaletrain.train.runner import Runner
+
+
+def timeline(runner: Runner, bubble: float) -> dict | None:
+    """The pipeline's schedule where there are stages: its timeline per stage (ticks of `F3`, `B3`, `.`: the
+    trainer's own, pipeline.timeline or pipeline_1f1b.timeline)."""
+    stages, n, repeats = runner.stages, runner.microbatches, runner.repeats
+    if stages == 1:
+        return None
+    if runner.schedule == "1f1b":
+        ticks = pipeline_1f1b.timeline(stages, n)
+    else:
+        ticks = pipeline_lib.timeline(stages, n, repeats)
+    return {"schedule": runner.schedule, "stages": stages, "microbatches": n, "repeats": repeats,
+            "bubble": bubble,
+            "timeline": [[tick[p] for tick in ticks] for p in range(stages)]}
