@@ -182,3 +182,11 @@ def test_quantized_matmuls_keep_the_sequence_split():
     layers = _in_layers(_inventory("mesh.context=8", "sharding.preset=dp", "model.quantization=int8"))
     gathers = {c.full_bytes for c in layers if c.kind == "all-gather" and "context" in c.axes}
     assert gathers == {B * T * K * H * 4}  # K, and V
+
+
+def test_logits_blocks_stay_on_their_context_shards():
+    """model.logits_block under mesh.context=8: each step of the loss's loop takes a block of every device's own
+    positions, so nothing moves the stream between the context devices (a block of the whole sequence would lie on
+    one device: all-to-alls of the stream, and every block's head gradient all-reduced inside the loop)."""
+    inventory = _inventory("mesh.context=8", "sharding.preset=dp", "model.logits_block=2")
+    assert not [c for c in inventory if "context" in c.axes and (c.kind == "all-to-all" or c.loops not in ((), (L,)))]

@@ -54,7 +54,8 @@ MOE = ["model.num_experts=4", "model.moe_d_ff=64"]
 # (sequence, the model's overrides (the reference's too), the mesh's)
 MESHES = {
     "context=8, xla": (32, [], ["mesh.context=8"]),
-    "context=4 x fsdp=2, blocked xla": (32, ["model.attention_block=4"], ["mesh.context=4", "mesh.fsdp=2"]),
+    "context=4 x fsdp=2, blocked xla, logits blocks": (32, ["model.attention_block=4", "model.logits_block=4"],
+                                                       ["mesh.context=4", "mesh.fsdp=2"]),
     "context=2 x data=2 x tensor=2, contiguous": (32, [], ["mesh.context=2", "mesh.data=2", "mesh.tensor=2",
                                                           "sharding.context_layout=contiguous"]),
     "context=2 x expert=2 x fsdp=2, experts": (32, MOE, ["mesh.context=2", "mesh.expert=2", "mesh.fsdp=2"]),
@@ -152,6 +153,7 @@ def test_the_zigzag_layout_balances_causal_work():
      "data.seq_len / mesh.context = 9 is not divisible by mesh.tensor=2"),
     (["data.seq_len=256", "mesh.context=4", "model.attention=flash"], "not a multiple of 128"),
     (["data.seq_len=32", "mesh.context=4", "model.attention_block=16"], "does not divide data.seq_len / mesh.context"),
+    (["data.seq_len=48", "mesh.context=2", "model.logits_block=16"], "logits_block=16 does not divide"),
     (["mesh.context=2", *MOE, "model.capacity_factor=1.25"], "capacity_factor 0"),
     (["data.seq_len=512", "mesh.context=2", "model.attention=flash", "model.context_attention=ring"],
      "set model.attention=xla with it"),

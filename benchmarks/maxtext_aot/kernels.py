@@ -9,7 +9,10 @@ matmuls). Pure Python (no jax): it runs in either framework's environment.
 Formulas, per kernel call, with q [..., H, T, D] the queries, k/v [..., Hkv, S, D] the keys and values, B·H the
 product of q's leading dims (batch x heads; query heads sharing a key/value head are counted per query head),
 f the fraction of (query block, key block) pairs a causal mask visits with the kernel's own block sizes
-(`causal_fraction`: blocks on the diagonal are computed whole, so f = (n + 1) / 2n for n equal blocks):
+(`causal_fraction`: blocks on the diagonal are computed whole, so f = (n + 1) / 2n for n equal blocks). A kernel
+with fewer queries than keys (T < S) is one device's share of a sequence split by context parallelism: laid out
+to balance the causal work (both frameworks' zig-zag), each device visits the whole S x S mask's fraction (a
+contiguous split would not be balanced, and is not costed right by this):
 - splash forward: QK^T and PV, 2 matmuls of 2·B·H·T·S·D each: 4·B·H·T·S·D·f;
 - splash backward, dq kernel: recomputed QK^T, dO·V^T and dS·K: 6·B·H·T·S·D·f;
 - splash backward, dkv kernel: recomputed QK^T, dO·V^T, P^T·dO and dS^T·Q: 8·B·H·T·S·D·f;
@@ -184,7 +187,7 @@ def _cost_attention(kind: str, operands, results, meta: dict) -> tuple[float, fl
     bq, bkv = {"fwd": ("block_q", "block_kv"), "dq": ("block_q_dq", "block_kv_dq"),
                "dkv": ("block_q_dkv", "block_kv_dkv"), "fused_bwd": ("block_q_dkv", "block_kv_dkv")}[key]
     block_q, block_kv = int(meta.get(bq, 512)), int(meta.get(bkv, 512))
-    f = causal_fraction(t, s, block_q, block_kv)
+    f = causal_fraction(s, s, block_q, block_kv) if t < s else causal_fraction(t, s, block_q, block_kv)
     flops = 2 * ATTENTION_MATMULS[key] * bh * t * s * d * f
     base = _bytes(operands) + _bytes(results)
     if key == "dkv" or key == "fused_bwd":  # q-side (q, dO) read again per visited key block

@@ -12,7 +12,7 @@ from scaletrain.errors import ConfigError
 from scaletrain.kernels import flash_attention, ring_attention
 from scaletrain.models import quantize, rope
 from scaletrain.models.layers import RMSNorm, param, project
-from scaletrain.parallel import sharding
+from scaletrain.parallel import context, sharding
 from scaletrain.parallel.sharding import active_device, constrain, local, placement, sequence_order, ways
 
 
@@ -42,14 +42,12 @@ def blocked_attention(q_btkgh, k_bskh, v_bskh, segment_ids_bt, block: int, unrol
     are split over along the sequence (context parallelism); each step of the loop takes the next block of every
     shard, so each device works on its own queries (a loop over the blocks of the whole sequence would take them
     from one device at a time)."""
-    b, t = q_btkgh.shape[:2]
-    n = t // (shards * block)
+    t = q_btkgh.shape[1]
     k_segments_bs = segment_ids_bt if k_segments_bs is None else k_segments_bs
     index_t = jnp.arange(t) if index_t is None else index_t
 
-    def blocks(x):  # [b, t, ...] -> [n, b, shards x block, ...]: the i-th block of every shard
-        y = jnp.moveaxis(x.reshape(x.shape[0], shards, n, block, *x.shape[2:]), 2, 0)
-        return y.reshape(n, x.shape[0], shards * block, *x.shape[2:])
+    def blocks(x):
+        return context.blocks(x, shards, block)
 
     @jax.checkpoint
     def one(args):
@@ -58,8 +56,7 @@ def blocked_attention(q_btkgh, k_bskh, v_bskh, segment_ids_bt, block: int, unrol
 
     _, out = jax.lax.scan(lambda _, args: (None, one(args)), None,
                           (blocks(q_btkgh), blocks(segment_ids_bt), blocks(index_t[None])[:, 0]), unroll=unroll)
-    out = jnp.moveaxis(out.reshape(n, b, shards, block, *out.shape[3:]), 0, 2)
-    return out.reshape(q_btkgh.shape)
+    return context.unblocks(out, shards)
 
 
 def _whole_sequence(k_bskh: jax.Array, v_bskh: jax.Array, segment_ids_bs: jax.Array,

@@ -80,6 +80,10 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
             out.append(f"data.seq_len / mesh.context = {cfg.data.seq_len / context_ways:g} is not a multiple of "
                        f"{FLASH_BLOCK}: with model.attention=flash each context shard's queries are whole blocks "
                        f"of the kernel's {FLASH_BLOCK} lanes")
+        shard = cfg.data.seq_len // context_ways
+        if 0 < m.logits_block < shard and shard % m.logits_block:
+            out.append(f"model.logits_block={m.logits_block} does not divide data.seq_len / mesh.context = {shard}, "
+                       f"each context shard's positions")
         if m.attention == "flash" and m.context_attention == "ring":
             out.append("model.context_attention=ring computes its blocks in XLA, not the flash kernel: set "
                        "model.attention=xla with it (model.attention_block tiles its queries), or keep flash with "

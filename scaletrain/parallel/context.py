@@ -29,6 +29,22 @@ def chunks(shards: int, layout: str) -> int:
     return 2 * shards if shards > 1 and layout == "zigzag" else shards
 
 
+def blocks(x, shards: int, block: int):
+    """[b, t, ...] -> [n, b, shards x block, ...]: step i of a loop over a split sequence takes the i-th block of
+    `block` positions of every one of its `shards` (each device's own positions: a block of the whole sequence
+    would lie on one device, which would then work alone, or have the others' share moved to it)."""
+    n = x.shape[1] // (shards * block)
+    y = x.reshape(x.shape[0], shards, n, block, *x.shape[2:]).swapaxes(1, 2).swapaxes(0, 1)
+    return y.reshape(n, x.shape[0], shards * block, *x.shape[2:])
+
+
+def unblocks(y, shards: int):
+    """`blocks`' inverse: [n, b, shards x block, ...] -> [b, t, ...]."""
+    n, b, width = y.shape[:3]
+    x = y.reshape(n, b, shards, width // shards, *y.shape[3:]).swapaxes(0, 1).swapaxes(1, 2)
+    return x.reshape(b, n * width, *y.shape[3:])
+
+
 def lay_out(batch: dict[str, np.ndarray], seq_order: np.ndarray | None) -> dict[str, np.ndarray]:
     """A batch's [rows, seq_len] arrays in the layout `seq_order` gives."""
     return batch if seq_order is None else {k: np.take(v, seq_order, axis=1) for k, v in batch.items()}

@@ -159,10 +159,16 @@ def ring_attention(cfg, axes: Mapping[str, int]) -> bool:
     return cfg.model.context_attention == "ring" and sharding.seq_ways(axes) > 1
 
 
-def logits_block(cfg) -> int:
-    """Positions per sequence whose float32 logits exist at a time: model.logits_block, or the whole sequence."""
-    block, seq = cfg.model.logits_block, cfg.data.seq_len
-    return block if 0 < block < seq else seq
+def logits_blocked(cfg) -> bool:
+    """model.logits_block splits the output projection and the loss."""
+    return 0 < cfg.model.logits_block < cfg.data.seq_len
+
+
+def logits_share(cfg, axes: Mapping[str, int]) -> float:
+    """The share of a device's positions whose float32 logits exist at a time: model.logits_block of each context
+    shard's (train/loss.py), or all."""
+    block, shard = cfg.model.logits_block, cfg.data.seq_len // sharding.seq_ways(axes)
+    return block / shard if 0 < block < shard else 1.0
 
 
 def _scores(cfg, tensor: int, ring: bool) -> float:
@@ -379,8 +385,8 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     # Whole logits: XLA writes their gradient over them (same shape, dead once it is formed) - one float32 copy; the
     # Llama 3.2 1B's compiled step at 4096 tokens per chip has 4.3 GiB of temporaries, two copies would be 3.9.
     # Blocked (model.logits_block): a block's logits and its gradient, formed in the forward pass (loss.py).
-    copies = 2 if logits_block(cfg) < cfg.data.seq_len else 1
-    logits = copies * logits_tokens * logits_block(cfg) / cfg.data.seq_len * m.vocab_size / t * 4
+    copies = 2 if logits_share(cfg, axes) < 1 else 1
+    logits = copies * logits_tokens * logits_share(cfg, axes) * m.vocab_size / t * 4
     # FSDP's layer at a time: the layer's weights gathered as its matmuls take them (weight matrices in the
     # compute dtype, int8 or fp8 where quantized, norm gains as they are: models.operand_dtypes), and the next
     # layer's gathered while it runs; its weight gradient formed whole before it is scattered (the 70B's

@@ -129,7 +129,7 @@ def recomputed(cfg) -> frozenset[str]:
 def recomputed_logits(cfg) -> bool:
     """model.logits_block: the backward pass runs the output projection of each block again - unless the loss
     forms each block's gradient in the forward pass (loss.projects_the_stream)."""
-    return memory.logits_block(cfg) < cfg.data.seq_len and not projects_the_stream(cfg.model)
+    return memory.logits_blocked(cfg) and not projects_the_stream(cfg.model)
 
 
 # HBM bytes per attention score (one query, key and head, per layer and step) of XLA's attention, all passes: read

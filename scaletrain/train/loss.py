@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from scaletrain.models import quantize
+from scaletrain.parallel import context
 from scaletrain.parallel.sharding import active_device, ways
 
 # The CPU's fast path for the output projection + loss (linear_cross_entropy); False: always the plain path, its
@@ -153,13 +154,11 @@ def _blocked_parts(x_btd, w, labels_bt, weights_bt, block, unroll):
     logits are computed twice. float32 logits and softmax, as `cross_entropy`."""
     from scaletrain.parallel.sharding import constrain
 
-    b, t, d = x_btd.shape
-    dtype = x_btd.dtype
+    d, dtype, shards = x_btd.shape[2], x_btd.dtype, ways("seq")
     w_dv = constrain(w.astype(dtype), ("embed", "vocab"))
-    n = t // block
 
-    def split(a):  # [b, t, ...] -> [t / block, b, block, ...]
-        return a.reshape(b, n, block, *a.shape[2:]).swapaxes(0, 1)
+    def split(a):  # each step a block of every context shard's positions
+        return context.blocks(a, shards, block)
 
     def one(dw_dv, xs):
         x_btd, labels_bt, weights_bt = xs
@@ -175,7 +174,7 @@ def _blocked_parts(x_btd, w, labels_bt, weights_bt, block, unroll):
 
     dw0 = constrain(jnp.zeros((d, w.shape[1]), jnp.float32), ("embed", "vocab"), "grads")
     dw_dv, (ce, dx) = jax.lax.scan(one, dw0, (split(x_btd), split(labels_bt), split(weights_bt)), unroll=unroll)
-    ce_bt, dx_btd = (a.swapaxes(0, 1).reshape(b, t, *a.shape[3:]) for a in (ce, dx))
+    ce_bt, dx_btd = (context.unblocks(a, shards) for a in (ce, dx))
     return jnp.sum(ce_bt * weights_bt), (ce_bt, dx_btd, dw_dv.astype(w.dtype))
 
 
@@ -213,7 +212,7 @@ def head_loss(graphdef: nnx.GraphDef, params: Any, x_btd: jax.Array, targets_bt:
     def block_loss(params, x_btd, targets_bt, mask_bt):
         return jnp.sum(cross_entropy(nnx.merge(graphdef, params).logits(x_btd), targets_bt) * mask_bt)
 
-    block, seq = model.cfg.logits_block, x_btd.shape[1]
+    block, seq = model.cfg.logits_block, x_btd.shape[1] // ways("seq")  # positions per context shard
     if (not block or block >= seq) and _fused_loss(model, x_btd):
         return linear_cross_entropy(x_btd, model.lm_head[...], targets_bt, mask_bt.astype(jnp.float32),
                                     vocab_chunk(model.cfg.vocab_size))
@@ -224,8 +223,8 @@ def head_loss(graphdef: nnx.GraphDef, params: Any, x_btd: jax.Array, targets_bt:
         return blocked_linear_cross_entropy(x_btd, model.lm_head[...], targets_bt, mask_bt.astype(jnp.float32),
                                             block, model.cfg.unroll_loops)
 
-    def blocks(a):  # [b, t, ...] -> [t / block, b, block, ...]: a view along the unsharded sequence
-        return a.reshape(a.shape[0], seq // block, block, *a.shape[2:]).swapaxes(0, 1)
+    def blocks(a):  # each step a block of every context shard's positions
+        return context.blocks(a, ways("seq"), block)
 
     recomputed = jax.checkpoint(block_loss)
     total, _ = jax.lax.scan(lambda total, xs: (total + recomputed(params, *xs), None), jnp.zeros((), jnp.float32),
