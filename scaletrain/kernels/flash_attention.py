@@ -144,12 +144,16 @@ def split_splash(heads: int, q_order: np.ndarray, shards: int, kernel: Splash):
     return _make_splash(heads, t, t // shards, kernel, q_order, shards)
 
 
-def split_attention(splash, q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, q_segments_bt: jax.Array,
-                    k_segments_bs: jax.Array) -> jax.Array:
-    """One device's share of `split_splash`'s attention: its queries [b, t / shards, n, h] and their segment ids,
-    against every key and value [b, t, kv, h] and key segment id, in sequence order."""
-    return _run_splash(splash, q_btnh, k_bskh, v_bskh, q_segments_bt.astype(jnp.int32),
-                       k_segments_bs.astype(jnp.int32))
+def split_attention(splash, axes: tuple[str, ...], in_order: np.ndarray, q_btnh: jax.Array, k_btkh: jax.Array,
+                    v_btkh: jax.Array, segments_bt: jax.Array) -> jax.Array:
+    """One device's share of `split_splash`'s attention (inside shard_map over the sequence's mesh `axes`): its
+    queries [b, t / shards, n, h] and segment ids against every key and value, all-gathered here from their shards
+    [b, t / shards, kv, h] and put in sequence order (`in_order`: the laid-out slot of each position). Gathered
+    inside the kernel's shard_map, their gradient stays on each device until the gather's transpose scatters it:
+    a reduce-scatter (gathered outside, libtpu all-reduced the whole gradient, twice the bytes)."""
+    k_bskh, v_bskh, k_segments_bs = (jnp.take(jax.lax.all_gather(x, axes, axis=1, tiled=True), in_order, axis=1)
+                                     for x in (k_btkh, v_btkh, segments_bt))
+    return _run_splash(splash, q_btnh, k_bskh, v_bskh, segments_bt.astype(jnp.int32), k_segments_bs.astype(jnp.int32))
 
 
 def _triton(q_btnh, k_bskh, v_bskh, segment_ids_bt, kernel: Triton) -> jax.Array:

@@ -59,11 +59,10 @@ def blocked_attention(q_btkgh, k_bskh, v_bskh, segment_ids_bt, block: int, unrol
     return context.unblocks(out, shards)
 
 
-def _whole_sequence(k_bskh: jax.Array, v_bskh: jax.Array, segment_ids_bs: jax.Array,
-                    heads: str = "kv_heads") -> tuple[jax.Array, ...]:
+def _whole_sequence(k_bskh: jax.Array, v_bskh: jax.Array, segment_ids_bs: jax.Array) -> tuple[jax.Array, ...]:
     """Keys, values and their segment ids split along the sequence (context parallelism), gathered whole on every
-    device (only the key/value heads travel; `heads`: the logical axis of their heads dim)."""
-    kv = ("batch", None, heads, "head_dim")
+    device (only the key/value heads travel)."""
+    kv = ("batch", None, "kv_heads", "head_dim")
     return constrain(k_bskh, kv), constrain(v_bskh, kv), constrain(segment_ids_bs, ("batch", None))
 
 
@@ -212,10 +211,10 @@ class Attention(nnx.Module):
     def _flash(self, q_btnh, k_btkh, v_btkh, segment_ids_bt, order) -> jax.Array:
         """The flash kernel per device on its batch rows and heads (kernels/flash_attention.py). The kernel
         names its own residuals attention_out. Split along the sequence (`order`: context parallelism's layout),
-        each device's queries meet the whole sequence's keys and values, gathered and put back in sequence order
-        for the kernel's causal mask."""
+        each device's queries meet the whole sequence's keys and values, gathered by the kernel's own shard_map
+        (flash_attention.split_attention) and put back in sequence order for the kernel's causal mask."""
         k_btkh, v_btkh, kv_heads = self._kv_beside_queries(k_btkh, v_btkh)
-        kv_logical = ("batch", "seq" if order is None else None, kv_heads, "head_dim")
+        kv_logical = ("batch", "seq", kv_heads, "head_dim")
         q_logical = ("batch", "seq", "heads", "head_dim")
         kernel = flash_attention.kernel_for(active_device())
         if order is None:
@@ -225,11 +224,9 @@ class Attention(nnx.Module):
         if not isinstance(kernel, flash_attention.Splash):
             raise ConfigError("context parallelism (mesh.context > 1) with model.attention=flash runs splash "
                               "attention (TPU, or interpreted on CPU); on a GPU set model.attention=xla")
-        in_order = np.argsort(order)
-        k_btkh, v_btkh, k_segments_bt = (jnp.take(x, in_order, axis=1)
-                                         for x in _whole_sequence(k_btkh, v_btkh, segment_ids_bt, kv_logical[2]))
         splash = flash_attention.split_splash(q_btnh.shape[2] // ways("heads"), order, ways("seq"), kernel)
         kernel_spec = splash.manual_sharding_spec(placement((None, "seq")))
-        return local(flash_attention.split_attention,
-                     (kernel_spec, q_logical, kv_logical, kv_logical, ("batch", "seq"), ("batch", None)), q_logical)(
-            splash, q_btnh, k_btkh, v_btkh, segment_ids_bt, k_segments_bt)
+        axes, in_order = sharding.active_axes("seq"), np.argsort(order)
+        return local(lambda splash, *qkv: flash_attention.split_attention(splash, axes, in_order, *qkv),
+                     (kernel_spec, q_logical, kv_logical, kv_logical, ("batch", "seq")), q_logical)(
+            splash, q_btnh, k_btkh, v_btkh, segment_ids_bt)
