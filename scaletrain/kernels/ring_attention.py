@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scaletrain.parallel import context
+
 _FLOOR = float(jnp.finfo(jnp.float32).min)
 
 
@@ -40,15 +42,12 @@ def _scores(q_btkgh, k_bskh, mask):
 
 def _tiles(x, block: int):
     """[b, t, ...] -> [t / block, b, block, ...] (a [t] array: [t / block, block])."""
-    axis = 0 if x.ndim == 1 else 1
-    split = x.reshape(*x.shape[:axis], x.shape[axis] // block, block, *x.shape[axis + 1:])
-    return jnp.moveaxis(split, axis, 0)
+    return context.blocks(x[None], 1, block)[:, 0] if x.ndim == 1 else context.blocks(x, 1, block)
 
 
 def _untile(x):
     """`_tiles`' inverse for [n, b, block, ...]."""
-    x = jnp.moveaxis(x, 0, 1)
-    return x.reshape(x.shape[0], -1, *x.shape[3:])
+    return context.unblocks(x, 1)
 
 
 def ring_attention(q_btkgh, k_bskh, v_bskh, q_seg_bt, k_seg_bs, order_ct: np.ndarray, axes: tuple[str, ...],
