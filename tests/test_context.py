@@ -75,6 +75,9 @@ MESHES = {
         "mesh.context=4", "mesh.fsdp=2", "model.context_attention=ring"]),
     "context=2 x pipeline=2 x data=2, gpipe": (32, [], ["mesh.context=2", "mesh.pipeline=2", "mesh.data=2",
                                                        "pipeline.schedule=gpipe", "pipeline.microbatches=2"]),
+    "context=2 x pipeline=2 x fsdp=2, circular": (32, ["model.num_layers=4"], [
+        "mesh.context=2", "mesh.pipeline=2", "mesh.fsdp=2", "pipeline.schedule=circular", "pipeline.repeats=2",
+        "pipeline.microbatches=2"]),
     "context=2 x fsdp=4, state offloaded, save_dots": (32, [], ["mesh.context=2", "mesh.fsdp=4", "optim.offload=true",
                                                              "params.offload=true", "remat.policy=save_dots"]),
     "dcn_context=2 x context=2 x fsdp=2, ring": (32, [], ["mesh.dcn_context=2", "mesh.context=2", "mesh.fsdp=2",
