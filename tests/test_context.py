@@ -78,6 +78,7 @@ MESHES = {
     "context=2 x pipeline=2 x fsdp=2, circular": (32, ["model.num_layers=4"], [
         "mesh.context=2", "mesh.pipeline=2", "mesh.fsdp=2", "pipeline.schedule=circular", "pipeline.repeats=2",
         "pipeline.microbatches=2"]),
+    "context=4 x fsdp=2, FlashNorm": (32, ["model.norm=fused"], ["mesh.context=4", "mesh.fsdp=2"]),
     "context=2 x fsdp=4, state offloaded, save_dots": (32, [], ["mesh.context=2", "mesh.fsdp=4", "optim.offload=true",
                                                              "params.offload=true", "remat.policy=save_dots"]),
     "dcn_context=2 x context=2 x fsdp=2, ring": (32, [], ["mesh.dcn_context=2", "mesh.context=2", "mesh.fsdp=2",
