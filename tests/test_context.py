@@ -84,8 +84,8 @@ MESHES = {
     "dcn_context=2 x context=2 x fsdp=2, ring": (32, [], ["mesh.dcn_context=2", "mesh.context=2", "mesh.fsdp=2",
                                                         "model.context_attention=ring"]),
     "context=4 x data=2, flash": (512, ["model.attention=flash"], ["mesh.context=4", "mesh.data=2"]),
-    "context=2 x fsdp=2 x tensor=2, flash": (512, ["model.attention=flash"],
-                                             ["mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+    "context=2 x fsdp=2 x tensor=2, flash, contiguous": (512, ["model.attention=flash"], [
+        "mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2", "sharding.context_layout=contiguous"]),
 }
 
 

@@ -217,13 +217,15 @@ class Attention(nnx.Module):
         kv_logical = ("batch", "seq", kv_heads, "head_dim")
         q_logical = ("batch", "seq", "heads", "head_dim")
         kernel = flash_attention.kernel_for(active_device())
-        if order is None:
+        if ways("seq") == 1:
             return local(lambda q, k, v, seg: flash_attention.flash_attention(q, k, v, seg, kernel),
                          (q_logical, kv_logical, kv_logical, ("batch", "seq")), q_logical)(
                 q_btnh, k_btkh, v_btkh, segment_ids_bt)
         if not isinstance(kernel, flash_attention.Splash):
             raise ConfigError("context parallelism (mesh.context > 1) with model.attention=flash runs splash "
                               "attention (TPU, or interpreted on CPU); on a GPU set model.attention=xla")
+        if order is None:  # the contiguous layout: each device's slots are in sequence order
+            order = np.arange(q_btnh.shape[1], dtype=np.int32)
         splash = flash_attention.split_splash(q_btnh.shape[2] // ways("heads"), order, ways("seq"), kernel)
         kernel_spec = splash.manual_sharding_spec(placement((None, "seq")))
         axes, in_order = sharding.active_axes("seq"), np.argsort(order)
