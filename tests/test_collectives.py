@@ -154,14 +154,17 @@ def test_context_parallelism_gathers_keys_and_values_as_planned():
     assert moves["all-reduce", "layer gradients"][1] == L * len(weight_gradients)
 
 
-def test_the_ring_passes_keys_and_values_as_planned():
-    """model.context_attention=ring on mesh.context=8 (dp): per layer each device sends its block of K and of V on
-    to the next C - 1 times forward and C - 1 times backward, and their gradients (float32) C times - the
-    planner's sends, in count and bytes. (The segment ids travel with the blocks, an int32 per token: the
-    planner leaves them out, and so does this count.)"""
-    c = 8
-    overrides = ["mesh.context=8", "sharding.preset=dp", "model.context_attention=ring"]
-    block = B * T // c * K * H * 4  # a device's K (or V)
+@pytest.mark.parametrize("attention", ["xla", "flash"])
+def test_the_ring_passes_keys_and_values_as_planned(attention):
+    """model.context_attention=ring on mesh.context=8 (dp), its passes' work XLA's or the splash kernel's: per
+    layer each device sends its block of K and of V on to the next C - 1 times forward and C - 1 times backward,
+    and their gradients (float32) C times - the planner's sends, in count and bytes. (The segment ids travel with
+    the blocks, an int32 per token: the planner leaves them out, and so does this count.) Splash's blocks are 128
+    queries: its sequence is 8 x 128, one row of it."""
+    c, (b, t) = 8, ((B, T) if attention == "xla" else (1, 1024))
+    overrides = ["mesh.context=8", "sharding.preset=dp", "model.context_attention=ring", f"model.attention={attention}",
+                 f"data.seq_len={t}", f"train.global_batch={b}"]
+    block = b * t // c * K * H * 4  # a device's K (or V)
     inventory = _inventory(*overrides)
     sends = [s for s in inventory if s.kind == "collective-permute" and s.full_bytes == block]
     assert all(s.axes == ("context",) for s in sends)

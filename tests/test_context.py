@@ -4,6 +4,8 @@ chunk boundaries, for both attention modes and both context-attention modes (all
 data, fsdp, tensor (sequence parallel), expert and pipeline axes; the zig-zag layout balances the causal work; the
 meshes it cannot split are refused."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -86,6 +88,10 @@ MESHES = {
     "context=4 x data=2, flash": (512, ["model.attention=flash"], ["mesh.context=4", "mesh.data=2"]),
     "context=2 x fsdp=2 x tensor=2, flash, contiguous": (512, ["model.attention=flash"], [
         "mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2", "sharding.context_layout=contiguous"]),
+    "context=4 x fsdp=2, flash, ring": (512, ["model.attention=flash"], ["mesh.context=4", "mesh.fsdp=2",
+                                                                       "model.context_attention=ring"]),
+    "context=2 x data=2 x tensor=2, flash, ring": (512, ["model.attention=flash"], [
+        "mesh.context=2", "mesh.data=2", "mesh.tensor=2", "model.context_attention=ring"]),
 }
 
 
@@ -99,19 +105,23 @@ def test_a_context_parallel_run_equals_one_device(mesh, short, long):
     assert got.setup.mesh.shape["context"] > 1
 
 
-@pytest.mark.parametrize("layout", config.CONTEXT_LAYOUTS)
-def test_the_ring_equals_attention_over_the_whole_sequence(layout):
-    """kernels/ring_attention.py alone on 4 devices, its queries in tiles of 4 and whole, against dot_attention
-    over the whole sequence: the output and the gradients of q, k and v within 1e-5, documents packed."""
+@pytest.mark.parametrize("layout, blocks", [(layout, blocks) for layout in config.CONTEXT_LAYOUTS
+                                            for blocks in ("xla", "xla in tiles", "splash")
+                                            if blocks != "splash" or layout == "zigzag"])
+def test_the_ring_equals_attention_over_the_whole_sequence(layout, blocks):
+    """The ring alone on 4 devices - its passes' work XLA's (queries whole, or in tiles of 32) or the splash
+    kernel's (kernels/ring_splash.py, interpreted) - against dot_attention over the whole sequence: the output and
+    the gradients of q, k and v within 1e-5, documents packed across the layout's chunks."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
+    from scaletrain.kernels import flash_attention, ring_splash
     from scaletrain.kernels.ring_attention import ring_attention
     from scaletrain.models.attention import block_mask, dot_attention
 
-    shards, (b, t, k, g, h) = 4, (2, 32, 2, 2, 8)
+    shards, (b, t, k, g, h) = 4, (2, 512, 2, 2, 8)  # splash's blocks are 128 queries: 512 / 4 shards
     rng = np.random.default_rng(0)
     q, key, value = (jnp.asarray(rng.normal(size=shape), jnp.float32)
                      for shape in ((b, t, k, g, h), (b, t, k, h), (b, t, k, h)))
@@ -126,18 +136,28 @@ def test_the_ring_equals_attention_over_the_whole_sequence(layout):
         return dot_attention(q, key, value, block_mask(segments, segments, index, index)) @ weights
 
     mesh = Mesh(np.array(jax.devices()[:shards]), ("context",))
-    for block in (0, 4):
+    split = P(None, "context")
+    if blocks == "splash":
+        kernels = ring_splash.pass_kernels(k * g, t, shards, layout, flash_attention.INTERPRETED)
+        specs = [kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, "context")))
+                 for kernel in kernels]
+        ring = jax.shard_map(lambda kernels, q, k, v, s: ring_splash.ring_splash_attention(
+            kernels, q.reshape(*q.shape[:2], -1, h), k, v, s, ("context",)).reshape(q.shape),
+            mesh=mesh, in_specs=(specs, *(split,) * 4), out_specs=split, check_vma=False)
+        ring = functools.partial(ring, kernels)
+    else:
+        block = 32 if blocks == "xla in tiles" else 0
         ring = jax.shard_map(
             lambda q, k, v, s: ring_attention(q, k, v, s, s, order.reshape(shards, -1), ("context",), block),
-            mesh=mesh, in_specs=(P(None, "context"),) * 4, out_specs=P(None, "context"), check_vma=False)
+            mesh=mesh, in_specs=(split,) * 4, out_specs=split, check_vma=False)
 
-        def split(q, key, value):
-            return ring(q, key, value, segments) @ weights
+    def on_the_ring(q, key, value):
+        return ring(q, key, value, segments) @ weights
 
-        for got, want in zip(jax.jit(jax.value_and_grad(lambda *a: jnp.sum(split(*a)), (0, 1, 2)))(q, key, value),
-                             jax.value_and_grad(lambda *a: jnp.sum(whole(*a)), (0, 1, 2))(q, key, value)):
-            for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-                np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    for got, want in zip(jax.jit(jax.value_and_grad(lambda *a: jnp.sum(on_the_ring(*a)), (0, 1, 2)))(q, key, value),
+                         jax.value_and_grad(lambda *a: jnp.sum(whole(*a)), (0, 1, 2))(q, key, value)):
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
 
 
 def test_the_zigzag_layout_balances_causal_work():
@@ -159,8 +179,8 @@ def test_the_zigzag_layout_balances_causal_work():
     (["data.seq_len=32", "mesh.context=4", "model.attention_block=16"], "does not divide data.seq_len / mesh.context"),
     (["data.seq_len=48", "mesh.context=2", "model.logits_block=16"], "logits_block=16 does not divide"),
     (["mesh.context=2", *MOE, "model.capacity_factor=1.25"], "capacity_factor 0"),
-    (["data.seq_len=512", "mesh.context=2", "model.attention=flash", "model.context_attention=ring"],
-     "set model.attention=xla with it"),
+    (["data.seq_len=512", "mesh.context=2", "model.attention=flash", "model.context_attention=ring",
+      "sharding.context_layout=contiguous"], "needs sharding.context_layout=zigzag"),
 ])
 def test_a_sequence_the_context_axis_cannot_split_is_refused(overrides, says):
     cfg = config.load(None, overrides)

@@ -100,23 +100,33 @@ def splash_blocks(seq_len: int, kernel: Splash) -> tuple[int, int, int]:
     return t, _block(t, kernel.block_q), _block(t, kernel.block_kv)
 
 
-def _make_splash(heads: int, seq_len: int, q_len: int, kernel: Splash, q_order: np.ndarray | None = None,
-                 shards: int = 1):
-    """Splash for `heads` query heads against `seq_len` keys in sequence order, its queries split into `shards`
-    slices of `q_len`; `q_order`: the sequence position of each query (context.order), in order by default.
-    Built per trace (the scan traces a layer once): the mask's block structure is numpy work at trace time. Its
-    residuals (output and log-sum-exp) are named attention_out, so remat policies can save or offload them."""
+def splash_kernel(mask, heads: int, q_len: int, kv_len: int, kernel: Splash, shards: int = 1,
+                  save_residuals: bool = False, residuals_name: str | None = "attention_out"):
+    """Splash with one splash `mask` ([shards x q_len, kv_len]) for each of `heads` query heads, its queries split
+    into `shards` slices of `q_len`, with the largest blocks `kernel` allows that divide them. Built per trace (the
+    scan traces a layer once): the mask's block structure is numpy work at trace time. Its residuals (output and
+    log-sum-exp) are named `residuals_name`, so remat policies can save or offload them."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-    bq, bkv = _block(q_len, kernel.block_q), _block(seq_len, kernel.block_kv)
+    bq, bkv = _block(q_len, kernel.block_q), _block(kv_len, kernel.block_kv)
     blocks = sa.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
                            block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
+    return sa.make_splash_mha(sa.MultiHeadMask([mask] * heads), block_sizes=blocks, head_shards=1,
+                              q_seq_shards=shards, save_residuals=save_residuals,
+                              residual_checkpoint_name=residuals_name, interpret=kernel.interpret)
+
+
+def _make_splash(heads: int, seq_len: int, q_len: int, kernel: Splash, q_order: np.ndarray | None = None,
+                 shards: int = 1):
+    """Causal splash for `heads` query heads against `seq_len` keys in sequence order, its queries split into
+    `shards` slices of `q_len`; `q_order`: the sequence position of each query (context.order), in order by
+    default."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
     mask = sa.CausalMask((seq_len, seq_len))
     if q_order is not None:
         mask.q_sequence = q_order  # the kernel compares each query's position, not its slot, with the key's
-    return sa.make_splash_mha(sa.MultiHeadMask([mask] * heads), block_sizes=blocks, head_shards=1,
-                              q_seq_shards=shards, residual_checkpoint_name="attention_out",
-                              interpret=kernel.interpret)
+    return splash_kernel(mask, heads, q_len, seq_len, kernel, shards)
 
 
 def _run_splash(splash, q_btnh, k_bskh, v_bskh, q_segments_bt, k_segments_bs) -> jax.Array:

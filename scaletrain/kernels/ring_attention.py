@@ -10,15 +10,17 @@ flight) and one block of scores, [t / C, t / C] per head: memory falls with C wh
 their gradient grow to the whole sequence.
 
 Each pass sends the block the device has just worked on, so the transfer has no data dependence on the block's
-compute and the compiler is free to overlap them (on TPU its latency-hiding scheduler does). The block's work is
-XLA's (einsums and a float32 softmax, the same as models/attention.py's dot_attention) rather than the splash
-kernel's: splash's backward is reachable only through its own VJP, which takes a block's gradients with that
-block's statistics, where the ring needs the whole row's (docs/attention.md).
+compute and the compiler is free to overlap them (on TPU its latency-hiding scheduler does).
+
+The schedule (`ring`) is one; a block's work is pluggable (`Blocks`): XLA's here (einsums and a float32 softmax, the
+same as models/attention.py's dot_attention, queries in tiles), or the splash kernel's (kernels/ring_splash.py).
 
 Runs per device, inside jax.shard_map over the context axes (`axes`), on its local shards.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -50,108 +52,180 @@ def _untile(x):
     return context.unblocks(x, 1)
 
 
-def ring_attention(q_btkgh, k_bskh, v_bskh, q_seg_bt, k_seg_bs, order_ct: np.ndarray, axes: tuple[str, ...],
-                   block: int = 0, unroll: bool = False):
-    """softmax(q k^T) v over the whole sequence, for this device's queries (q already scaled), the keys and values
-    passed around the ring of `axes`. `order_ct`: [C, t] the sequence position of each slot of each device's
-    shard (parallel/context.py's order, by shard). `block` (dividing t; 0: t): queries per tile of a pass, so a
-    pass's scores are [block, t] at a time. `unroll`: the loops unrolled (for XLA's cost estimate, which
-    counts a loop's body once). Differentiable (its own backward ring)."""
-    ways, t = order_ct.shape
-    block = block if 0 < block < t else t
-    ring = [(i, (i + 1) % ways) for i in range(ways)]
+class Blocks(Protocol):
+    """One device's attention against one block of keys and values, as the ring's schedule calls it. `static_steps`:
+    whether a pass needs its step as a Python int (its own kernel per pass), so the passes are unrolled."""
+    static_steps: bool
+    arrays: object  # the arrays the blocks hold (a pytree; () for none), passed into the ring's custom VJP
 
-    def tied(x, *known):
+    def bind(self, arrays) -> Blocks:
+        """These blocks holding `arrays` (as traced inside the custom VJP) in place of their own."""
+
+    def start(self, q, q_seg, kv):
+        """Before the first pass: (what the passes share, the merged statistics' start, the block to send)."""
+
+    def merge(self, shared, stats, kv, step):
+        """The statistics with the block a device holds after `step` passes merged in."""
+
+    def finish(self, shared, stats):
+        """(output, log-sum-exp per query) from the statistics of every block."""
+
+    def start_backward(self, q, q_seg, kv, out, lse, d_out):
+        """Before the first backward pass: (what the passes share, dq's start, the block to send)."""
+
+    def grads(self, shared, dq, kv, dkv, step):
+        """(dq, (dk, dv)) with this block's share added (dk, dv: the block's, float32, travelling with it)."""
+
+    def finish_backward(self, shared, dq):
+        """dq in q's layout."""
+
+
+def ring(blocks: Blocks, q, k, v, q_seg, k_seg, ways: int, axes: tuple[str, ...], unroll: bool = False):
+    """softmax(q k^T) v over the whole sequence for this device's queries, the keys and values (and their segment
+    ids) passed around the ring of `axes` (`ways` devices), each block's work `blocks`'. Differentiable: its own
+    backward ring, the key/value gradients sent home after the last pass."""
+    pairs = [(i, (i + 1) % ways) for i in range(ways)]
+
+    def send(xs):
+        return jax.lax.ppermute(xs, axes, pairs)
+
+    def passes(body, carry):  # body(carry, step) for the first ways - 1 passes, each followed by its send
+        if blocks.static_steps:
+            for step in range(ways - 1):
+                carry = body(carry, step)
+            return carry
+        return jax.lax.scan(lambda c, step: (body(c, step), None), carry, jnp.arange(ways - 1), unroll=unroll)[0]
+
+    def forward(arrays, q, k, v, q_seg, k_seg):
+        b = blocks.bind(arrays)
+        shared, stats, kv = b.start(q, q_seg, (k, v, k_seg))
+        stats, kv = passes(lambda c, step: (b.merge(shared, c[0], c[1], step), send(c[1])), (stats, kv))
+        return b.finish(shared, b.merge(shared, stats, kv, ways - 1))
+
+    # The blocks' arrays (splash's block tables) are the VJP's inputs: closed over, they would leak its tracers.
+    @jax.custom_vjp
+    def attend(arrays, q, k, v, q_seg, k_seg):
+        return forward(arrays, q, k, v, q_seg, k_seg)[0]
+
+    def attend_fwd(arrays, q, k, v, q_seg, k_seg):
+        out, lse = forward(arrays, q, k, v, q_seg, k_seg)
+        return out, (arrays, q, k, v, q_seg, k_seg, out, lse)
+
+    def attend_bwd(residuals, d_out):
+        arrays, q, k, v, q_seg, k_seg, out, lse = residuals
+        blocks_ = blocks.bind(arrays)
+        shared, dq, kv = blocks_.start_backward(q, q_seg, (k, v, k_seg), out, lse, d_out)
+
+        def one(carry, step):
+            dq, (*kv, dk, dv) = carry
+            dq, dkv = blocks_.grads(shared, dq, tuple(kv), (dk, dv), step)
+            return dq, send((*kv, *dkv))
+
+        zeros = jnp.zeros(k.shape, jnp.float32)
+        dq, (*kv, dk, dv) = passes(one, (dq, (*kv, zeros, zeros)))
+        dq, dkv = blocks_.grads(shared, dq, tuple(kv), (dk, dv), ways - 1)
+        dk, dv = send(dkv)  # the C-th pass: each block's gradient home
+        dq = blocks_.finish_backward(shared, dq).astype(q.dtype)
+        return None, dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend(blocks.arrays, q, k, v, q_seg, k_seg)
+
+
+class XlaBlocks:
+    """A block's work in XLA: `block` queries (dividing t; 0: t) per tile, so a pass's scores are [block, t] at a
+    time; merged by the running maximum and sum. q [b, t, kv, g, h] (already scaled), k and v [b, t, kv, h].
+    `order_ct`: [C, t] the sequence position of each slot of each device's shard (parallel/context.py's order,
+    by shard)."""
+    static_steps = False
+    arrays = ()
+
+    def __init__(self, order_ct: np.ndarray, axes: tuple[str, ...], block: int = 0, unroll: bool = False):
+        self.order_ct, self.axes, self.unroll = order_ct, axes, unroll
+        t = order_ct.shape[1]
+        self.block = block if 0 < block < t else t
+
+    def bind(self, arrays):
+        return self
+
+    def _tied(self, x, *known):
         """`known` passed through one barrier with `x`. The masks depend only on segment ids and positions, the
         same for every layer and known before the step's values: without it, differentiating the layer scan
         hoists them out of the loops and stores every tile's [block, t] mask of every pass at once."""
-        return jax.lax.optimization_barrier((x, *known, jnp.asarray(order_ct)))
+        return jax.lax.optimization_barrier((x, *known, jnp.asarray(self.order_ct)))
 
-    def positions(order, step):  # the slots' positions of the block a device holds after `step` passes
-        return order[(jax.lax.axis_index(axes) - step) % ways]
+    def _positions(self, order, step):  # the slots' positions of the block a device holds after `step` passes
+        return order[(jax.lax.axis_index(self.axes) - step) % len(self.order_ct)]
 
-    def send(*xs):
-        return jax.lax.ppermute(xs, axes, ring)
+    def _scan(self, body, carry, xs):
+        return jax.lax.scan(body, carry, xs, unroll=self.unroll)
 
-    def forward(q, k, v, q_seg, k_seg):
-        b, _, kh, g, h = q.shape
-        q, q_seg, k_seg, order = tied(q, q_seg, k_seg)
-        queries = tuple(_tiles(x, block) for x in (q, q_seg, positions(order, 0)))
+    def start(self, q, q_seg, kv):
+        k, v, k_seg = kv
+        q, q_seg, k_seg, order = self._tied(q, q_seg, k_seg)
+        queries = tuple(_tiles(x, self.block) for x in (q, q_seg, self._positions(order, 0)))
+        n, (b, _, kh, g, h) = q.shape[1] // self.block, q.shape
+        stats = (jnp.zeros((n, b, self.block, kh, g, h), jnp.float32),
+                 jnp.full((n, b, self.block, kh, g), _FLOOR), jnp.zeros((n, b, self.block, kh, g), jnp.float32))
+        return (queries, order), stats, (k, v, k_seg)
 
-        def merge(stats, kv, step):  # every tile of queries against one block of keys and values
-            k, v, k_seg = kv
-            k_index = positions(order, step)
+    def merge(self, shared, stats, kv, step):  # every tile of queries against one block of keys and values
+        queries, order = shared
+        k, v, k_seg = kv
+        k_index = self._positions(order, step)
 
-            def tile(args):
-                (q, q_seg, q_index), (out, top, total) = args
-                logits = _scores(q, k, _mask(q_seg, k_seg, q_index, k_index))
-                new_top = jnp.maximum(top, logits.max(-1))
-                probs = jnp.exp(logits - new_top[..., None]) * (logits > _FLOOR)
-                rescale = jnp.exp(top - new_top)
-                out = out * rescale[..., None] + jnp.einsum(
-                    "btkgs,bskh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-                return out, new_top, total * rescale + probs.sum(-1)
+        def tile(_, args):
+            (q, q_seg, q_index), (out, top, total) = args
+            logits = _scores(q, k, _mask(q_seg, k_seg, q_index, k_index))
+            new_top = jnp.maximum(top, logits.max(-1))
+            probs = jnp.exp(logits - new_top[..., None]) * (logits > _FLOOR)
+            rescale = jnp.exp(top - new_top)
+            out = out * rescale[..., None] + jnp.einsum(
+                "btkgs,bskh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            return None, (out, new_top, total * rescale + probs.sum(-1))
 
-            return jax.lax.scan(lambda _, args: (None, tile(args)), None, (queries, stats), unroll=unroll)[1]
+        return self._scan(tile, None, (queries, stats))[1]
 
-        n = t // block
-        stats = (jnp.zeros((n, b, block, kh, g, h), jnp.float32), jnp.full((n, b, block, kh, g), _FLOOR),
-                 jnp.zeros((n, b, block, kh, g), jnp.float32))
-
-        def one(carry, step):
-            stats, kv = carry
-            return (merge(stats, kv, step), send(*kv)), None
-
-        (stats, kv), _ = jax.lax.scan(one, (stats, (k, v, k_seg)), jnp.arange(ways - 1), unroll=unroll)
-        out, top, total = (_untile(x) for x in merge(stats, kv, ways - 1))
+    def finish(self, shared, stats):
+        out, top, total = (_untile(x) for x in stats)
         lse = top + jnp.log(total)  # every query sees at least itself: total > 0
-        return (out / total[..., None]).astype(q.dtype), lse
+        return (out / total[..., None]).astype(shared[0][0].dtype), lse
 
-    @jax.custom_vjp
-    def attend(q, k, v, q_seg, k_seg):
-        return forward(q, k, v, q_seg, k_seg)[0]
-
-    def attend_fwd(q, k, v, q_seg, k_seg):
-        out, lse = forward(q, k, v, q_seg, k_seg)
-        return out, (q, k, v, q_seg, k_seg, out, lse)
-
-    def attend_bwd(residuals, d_out):
-        q, k, v, q_seg, k_seg, out, lse = residuals
-        d_out, q_seg, k_seg, order = tied(d_out, q_seg, k_seg)
+    def start_backward(self, q, q_seg, kv, out, lse, d_out):
+        k, v, k_seg = kv
+        d_out, q_seg, k_seg, order = self._tied(d_out, q_seg, k_seg)
         # d softmax: dS = P (dP - rowsum(dO * O)).
         row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), -1)
-        queries = tuple(_tiles(x, block) for x in (q, q_seg, positions(order, 0), lse, row, d_out))
+        queries = tuple(_tiles(x, self.block) for x in (q, q_seg, self._positions(order, 0), lse, row, d_out))
+        return (queries, order), _tiles(jnp.zeros(q.shape, jnp.float32), self.block), (k, v, k_seg)
 
-        def grads(dq, kv, step):  # every tile of queries against one block; the block's gradients summed
-            k, v, k_seg, dk, dv = kv
-            k_index = positions(order, step)
+    def grads(self, shared, dq, kv, dkv, step):  # every tile of queries against one block; its gradients summed
+        queries, order = shared
+        k, v, k_seg = kv
+        k_index = self._positions(order, step)
 
-            def tile(sums, args):
-                (q, q_seg, q_index, lse, row, d_out), dq = args
-                mask = _mask(q_seg, k_seg, q_index, k_index)
-                probs = jnp.exp(_scores(q, k, mask) - lse[..., None]) * mask
-                d_probs = jnp.einsum("btkgh,bskh->btkgs", d_out, v, preferred_element_type=jnp.float32)
-                d_logits = probs * (d_probs - row[..., None])
-                dk, dv = sums
-                dk = dk + jnp.einsum("btkgs,btkgh->bskh", d_logits, q, preferred_element_type=jnp.float32)
-                dv = dv + jnp.einsum("btkgs,btkgh->bskh", probs, d_out, preferred_element_type=jnp.float32)
-                dq = dq + jnp.einsum("btkgs,bskh->btkgh", d_logits, k, preferred_element_type=jnp.float32)
-                return (dk, dv), dq
+        def tile(sums, args):
+            (q, q_seg, q_index, lse, row, d_out), dq = args
+            mask = _mask(q_seg, k_seg, q_index, k_index)
+            probs = jnp.exp(_scores(q, k, mask) - lse[..., None]) * mask
+            d_probs = jnp.einsum("btkgh,bskh->btkgs", d_out, v, preferred_element_type=jnp.float32)
+            d_logits = probs * (d_probs - row[..., None])
+            dk, dv = sums
+            dk = dk + jnp.einsum("btkgs,btkgh->bskh", d_logits, q, preferred_element_type=jnp.float32)
+            dv = dv + jnp.einsum("btkgs,btkgh->bskh", probs, d_out, preferred_element_type=jnp.float32)
+            dq = dq + jnp.einsum("btkgs,bskh->btkgh", d_logits, k, preferred_element_type=jnp.float32)
+            return (dk, dv), dq
 
-            (dk, dv), dq = jax.lax.scan(tile, (dk, dv), (queries, dq), unroll=unroll)
-            return dq, (k, v, k_seg, dk, dv)
+        dkv, dq = self._scan(tile, dkv, (queries, dq))
+        return dq, dkv
 
-        def one(carry, step):
-            dq, kv = grads(*carry, step)
-            return (dq, send(*kv)), None
+    def finish_backward(self, shared, dq):
+        return _untile(dq)
 
-        zeros = jnp.zeros(k.shape, jnp.float32)
-        dq = _tiles(jnp.zeros(q.shape, jnp.float32), block)
-        (dq, kv), _ = jax.lax.scan(one, (dq, (k, v, k_seg, zeros, zeros)), jnp.arange(ways - 1),
-                                      unroll=unroll)
-        dq, (*_, dk, dv) = grads(dq, kv, ways - 1)
-        dk, dv = send(dk, dv)  # the C-th pass: each block's gradient home
-        return _untile(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
-    attend.defvjp(attend_fwd, attend_bwd)
-    return attend(q_btkgh, k_bskh, v_bskh, q_seg_bt, k_seg_bs)
+def ring_attention(q_btkgh, k_bskh, v_bskh, q_seg_bt, k_seg_bs, order_ct: np.ndarray, axes: tuple[str, ...],
+                   block: int = 0, unroll: bool = False):
+    """The ring with XLA's blocks (`XlaBlocks`) on this device's shards: q [b, t, kv, g, h] already scaled.
+    `unroll`: the loops unrolled (for XLA's cost estimate, which counts a loop's body once)."""
+    blocks = XlaBlocks(order_ct, axes, block, unroll)
+    return ring(blocks, q_btkgh, k_bskh, v_bskh, q_seg_bt, k_seg_bs, len(order_ct), axes, unroll)

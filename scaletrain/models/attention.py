@@ -9,7 +9,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain.errors import ConfigError
-from scaletrain.kernels import flash_attention, ring_attention
+from scaletrain.kernels import flash_attention, ring_attention, ring_splash
 from scaletrain.models import quantize, rope
 from scaletrain.models.layers import RMSNorm, param, project
 from scaletrain.parallel import context, sharding
@@ -190,12 +190,27 @@ class Attention(nnx.Module):
 
     def _ring(self, q_btnh, k_btkh, v_btkh, segment_ids_bt) -> jax.Array:
         """Context parallelism's ring schedule (kernels/ring_attention.py): each device's queries meet the keys
-        and values passed around the context axes, one shard at a time, `attention_block` queries per tile."""
+        and values passed around the context axes, one shard at a time; each pass's work XLA's
+        (`attention_block` queries per tile) or, with model.attention=flash, the splash kernel's
+        (kernels/ring_splash.py)."""
         t = q_btnh.shape[1]
         k_btkh, v_btkh, kv_heads = self._kv_beside_queries(k_btkh, v_btkh)
+        q_logical, kv_logical = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", kv_heads, "head_dim")
+        logical = (q_logical, kv_logical, kv_logical, ("batch", "seq"))
+        axes, shards = sharding.active_axes("seq"), ways("seq")
+        if self.cfg.attention == "flash":
+            kernel = flash_attention.kernel_for(active_device())
+            if not isinstance(kernel, flash_attention.Splash):
+                raise ConfigError("model.context_attention=ring with model.attention=flash runs splash attention "
+                                  "(TPU, or interpreted on CPU); on a GPU set model.attention=xla")
+            kernels = ring_splash.pass_kernels(q_btnh.shape[2] // ways("heads"), t, shards,
+                                               sharding.sequence_layout(), kernel)
+            specs = [k.manual_sharding_spec(placement((None, "seq"))) for k in kernels]
+            return local(lambda kernels, *args: ring_splash.ring_splash_attention(kernels, *args, axes),
+                         (specs, *logical), q_logical)(kernels, q_btnh, k_btkh, v_btkh, segment_ids_bt)
         order = sequence_order(t)
-        order_ct = (np.arange(t, dtype=np.int32) if order is None else order).reshape(ways("seq"), -1)
-        axes, block = sharding.active_axes("seq"), self.cfg.attention_block
+        order_ct = (np.arange(t, dtype=np.int32) if order is None else order).reshape(shards, -1)
+        block = self.cfg.attention_block
 
         def attend(q_btnh, k_btkh, v_btkh, segments_bt):
             b, tl, n, h = q_btnh.shape
@@ -204,9 +219,7 @@ class Attention(nnx.Module):
                                                 block, self.cfg.unroll_loops)
             return out.reshape(q_btnh.shape)
 
-        q_logical, kv_logical = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", kv_heads, "head_dim")
-        return local(attend, (q_logical, kv_logical, kv_logical, ("batch", "seq")), q_logical)(
-            q_btnh, k_btkh, v_btkh, segment_ids_bt)
+        return local(attend, logical, q_logical)(q_btnh, k_btkh, v_btkh, segment_ids_bt)
 
     def _flash(self, q_btnh, k_btkh, v_btkh, segment_ids_bt, order) -> jax.Array:
         """The flash kernel per device on its batch rows and heads (kernels/flash_attention.py). The kernel

@@ -84,10 +84,10 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
         if 0 < m.logits_block < shard and shard % m.logits_block:
             out.append(f"model.logits_block={m.logits_block} does not divide data.seq_len / mesh.context = {shard}, "
                        f"each context shard's positions")
-        if m.attention == "flash" and m.context_attention == "ring":
-            out.append("model.context_attention=ring computes its blocks in XLA, not the flash kernel: set "
-                       "model.attention=xla with it (model.attention_block tiles its queries), or keep flash with "
-                       "model.context_attention=allgather")
+        if m.attention == "flash" and m.context_attention == "ring" and cfg.sharding.context_layout != "zigzag":
+            out.append(f"model.context_attention=ring with model.attention=flash needs sharding.context_layout=zigzag "
+                       f"(got {cfg.sharding.context_layout}): with contiguous shards a device meets only earlier "
+                       f"devices' keys, so half of its passes see none, which splash's kernel grid cannot express")
         if m.attention_block and (cfg.data.seq_len // context_ways) % m.attention_block:
             out.append(f"model.attention_block={m.attention_block} does not divide data.seq_len / mesh.context = "
                        f"{cfg.data.seq_len / context_ways:g}, each context shard's queries")

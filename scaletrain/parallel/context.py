@@ -14,14 +14,23 @@ from __future__ import annotations
 import numpy as np
 
 
+def position(shard, slot, seq_len: int, shards: int, layout: str):
+    """The sequence position that `slot` of `shard` holds (ints or integer arrays, numpy's or jax's). Written with
+    +, * and >= alone so that a Pallas kernel can compute it for its own indices (ring_splash's mask)."""
+    local = seq_len // shards
+    if shards == 1 or layout == "contiguous":
+        return shard * local + slot
+    chunk = local // 2  # slots [0, chunk): chunk `shard`; [chunk, local): chunk 2 shards - 1 - shard
+    return shard * chunk + slot + (slot >= chunk) * ((2 * shards - 2 - 2 * shard) * chunk)
+
+
 def order(seq_len: int, shards: int, layout: str) -> np.ndarray | None:
     """The sequence position held at each slot of the laid-out sequence ([seq_len] int32), shard i holding slots
     [i seq_len / shards, (i + 1) seq_len / shards); None where that is the sequence's own order."""
     if shards == 1 or layout == "contiguous":
         return None
-    chunk = seq_len // (2 * shards)
-    chunks = np.stack([np.arange(shards), 2 * shards - 1 - np.arange(shards)], axis=1).reshape(-1)
-    return (chunks[:, None] * chunk + np.arange(chunk)).reshape(-1).astype(np.int32)
+    slots = np.arange(seq_len // shards)[None, :]
+    return position(np.arange(shards)[:, None], slots, seq_len, shards, layout).reshape(-1).astype(np.int32)
 
 
 def chunks(shards: int, layout: str) -> int:

@@ -241,6 +241,11 @@ def sequence_order(seq_len: int) -> np.ndarray | None:
     return context.order(seq_len, ways("seq"), _ACTIVE[-1][1].seq_layout) if _ACTIVE else None
 
 
+def sequence_layout() -> str:
+    """The active rules' layout of a sequence split over the context axes (config.CONTEXT_LAYOUTS)."""
+    return _ACTIVE[-1][1].seq_layout if _ACTIVE else "contiguous"
+
+
 def active_mesh() -> Mesh:
     """The mesh of the step being traced (use_rules')."""
     return _ACTIVE[-1][0]

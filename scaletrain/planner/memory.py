@@ -218,9 +218,9 @@ def _attention_block_working(cfg, tokens: float, tensor: int, dtype_bytes: int, 
     """Bytes of one query block's scores, for the device's sequences (`tokens` of them, each 1/`context` of its
     sequence under context parallelism): zero without query blocking (the scores are then part of every layer's
     activations). The ring schedule's tile (model.attention_block queries, or the device's whole shard) meets one
-    device's keys at a time."""
+    device's keys at a time; through the flash kernel (kernels/ring_splash.py) its scores stay on-chip."""
     m, seq = cfg.model, cfg.data.seq_len
-    ring = m.context_attention == "ring" and context > 1
+    ring = m.context_attention == "ring" and context > 1 and m.attention == "xla"
     if not (blocked_attention(cfg) or ring):
         return 0.0
     keys = seq // context if ring else seq  # a tile meets at a time
