@@ -152,3 +152,8 @@ def test_the_context_degree_is_searched_where_the_config_splits_its_sequences():
     assert degrees == {1, 2, 4, 8}
     plain = config.load(BASE, list(TINY))
     assert {mesh["mesh.context"] for mesh in tune.meshes(plain, 8, 1)} == {1}
+    # Where a candidate splits its sequences, both context attentions; where it does not, only the config's.
+    attentions = {}
+    for choices in tune.space(long, 8, 1):
+        attentions.setdefault(choices["mesh.context"] > 1, set()).add(choices["model.context_attention"])
+    assert attentions == {True: {"allgather", "ring"}, False: {"allgather"}}

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 import yaml
 
 from scaletrain import remat
-from scaletrain.config import MESH_AXES
+from scaletrain.config import CONTEXT_ATTENTIONS, MESH_AXES
 from scaletrain.errors import ConfigError
 from scaletrain.planner import sweep as sweep_lib
 
@@ -116,14 +116,17 @@ def _offloads(choices: dict[str, Any]) -> bool:
 
 
 def space(cfg, chips_per_slice: int, slices: int, offload: bool = False) -> Iterator[dict[str, Any]]:
-    """The first search's candidates: mesh x preset x remat (`remat_choices`), at the config's own accumulation,
-    offload and logits block. (Relief and logits blocks come after planning: `search`.)"""
+    """The first search's candidates: mesh x preset x remat (`remat_choices`) x, with the sequence split, both
+    context attentions (all-gather, ring), at the config's own accumulation, offload and logits block. (Relief and
+    logits blocks come after planning: `search`.)"""
     for mesh in meshes(cfg, chips_per_slice, slices):
         fsdp = mesh["mesh.fsdp"] * mesh["mesh.dcn_fsdp"]
         presets = PRESETS if fsdp > 1 else (cfg.sharding.preset,)
         pipeline = {"pipeline.schedule": "1f1b"} if mesh["mesh.dcn_pipeline"] > 1 else {}
-        for preset, policy in itertools.product(presets, remat_choices(cfg, offload)):
-            yield {**mesh, "sharding.preset": preset, **pipeline, **policy}
+        split = mesh["mesh.context"] * mesh["mesh.dcn_context"] > 1
+        attentions = CONTEXT_ATTENTIONS if split else (cfg.model.context_attention,)
+        for preset, policy, attention in itertools.product(presets, remat_choices(cfg, offload), attentions):
+            yield {**mesh, "sharding.preset": preset, **pipeline, "model.context_attention": attention, **policy}
 
 
 # --- search and prune ------------------------------------------------------------------------------------
