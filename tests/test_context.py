@@ -37,19 +37,11 @@ def _packed(batches: list[dict]) -> list[dict]:
     return out
 
 
-def _batches(seq_len: int) -> list[dict]:
-    it = data.BatchIterator(data.make_dataset(config.load(None, [f"data.seq_len={seq_len}"])), global_batch=8)
+@functools.cache
+def _batches(seq_len: int, rows: int = 8) -> list[dict]:
+    """STEPS batches of `rows` rows of `seq_len` tokens, packed (made once per shape for the module's runs)."""
+    it = data.BatchIterator(data.make_dataset(config.load(None, [f"data.seq_len={seq_len}"])), global_batch=rows)
     return _packed([next(it) for _ in range(STEPS)])
-
-
-@pytest.fixture(scope="module")
-def short():
-    return _batches(32)
-
-
-@pytest.fixture(scope="module")
-def long():
-    return _batches(512)  # the flash kernel's blocks are 128 queries: 512 / 4 shards
 
 
 MOE = ["model.num_experts=4", "model.moe_d_ff=64"]
@@ -88,17 +80,20 @@ MESHES = {
     "context=4 x data=2, flash": (512, ["model.attention=flash"], ["mesh.context=4", "mesh.data=2"]),
     "context=2 x fsdp=2 x tensor=2, flash, contiguous": (512, ["model.attention=flash"], [
         "mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2", "sharding.context_layout=contiguous"]),
-    "context=4 x fsdp=2, flash, ring": (512, ["model.attention=flash"], ["mesh.context=4", "mesh.fsdp=2",
-                                                                       "model.context_attention=ring"]),
+    "context=8, flash, ring": (1024, ["model.attention=flash", "train.global_batch=2"],
+                               ["mesh.context=8", "model.context_attention=ring"]),
+    "context=4 x fsdp=2, flash, ring": (512, ["model.attention=flash", "train.global_batch=2"],
+                                        ["mesh.context=4", "mesh.fsdp=2", "model.context_attention=ring"]),
     "context=2 x data=2 x tensor=2, flash, ring": (512, ["model.attention=flash"], [
         "mesh.context=2", "mesh.data=2", "mesh.tensor=2", "model.context_attention=ring"]),
 }
 
 
 @pytest.mark.parametrize("mesh", MESHES)
-def test_a_context_parallel_run_equals_one_device(mesh, short, long):
+def test_a_context_parallel_run_equals_one_device(mesh):
     seq_len, model, layout = MESHES[mesh]
-    batches = short if seq_len == 32 else long
+    rows = next((int(o.split("=")[1]) for o in model if o.startswith("train.global_batch=")), 8)
+    batches = _batches(seq_len, rows)  # the flash kernel's blocks are 128 queries: 128 per context shard
     overrides = [f"data.seq_len={seq_len}", *model]
     got = equivalence.run(batches, *overrides, *layout)
     equivalence.assert_same(got, equivalence.reference(batches, *overrides))
