@@ -75,5 +75,6 @@ def test_a_run_ends_with_a_summary(run):
     (best, at), last = min(evals), evals[-1][0]
     expected = (f"scaletrain: finished at step 40 of 40: steps 1-40 this run (40 steps, 10,240 tokens) in WALL wall "
                 f"time; eval loss {last:.4f} at step 40, best {best:.4f} at step {at}; newest checkpoint "
-                f"{root / 'run' / 'checkpoints' / '40'}")
-    assert re.fullmatch(re.escape(expected).replace("WALL", r"\d\d:\d\d"), out.splitlines()[-1]), out
+                f"{root / 'run' / 'checkpoints' / '40'}; goodput GOODPUT")
+    pattern = re.escape(expected).replace("WALL", r"\d\d:\d\d").replace("GOODPUT", r"\d+\.\d% of \d+ s \(badput: .*\)")
+    assert re.fullmatch(pattern, out.splitlines()[-1]), out

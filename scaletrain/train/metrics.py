@@ -15,6 +15,7 @@ from typing import Any
 import jax
 
 from scaletrain.store import storage
+from scaletrain.train import goodput
 
 # Seconds between uploads of a gs:// run directory's metrics files.
 SYNC_EVERY_S = 60
@@ -140,6 +141,7 @@ class MetricsLog:
         self.start_step = resume_step
         self.start_time = time.perf_counter()
         self.evals: list[tuple[int, float]] = []  # (step, eval_loss) of every record kept or logged
+        self.last_logged = resume_step  # the newest step the file had a record of (a killed run's, redone now)
         if not enabled:
             return
         self.mirror = storage.Mirror(run_dir)
@@ -162,6 +164,7 @@ class MetricsLog:
         for line in self.path.read_text().splitlines():
             try:
                 record = json.loads(line)
+                self.last_logged = max(self.last_logged, record["step"])
                 if record["step"] <= step:
                     kept.append(line)
                     if "eval_loss" in record:
@@ -187,6 +190,12 @@ class MetricsLog:
         elapsed = time.perf_counter() - self.start_time
         self.progress.update(record, elapsed / max(done, 1) * (self.total_steps - record["step"]))
 
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        """TensorBoard scalars beside the step records (goodput's)."""
+        if self.enabled and self.tb is not None:
+            for k, v in values.items():
+                self.tb.add_scalar(k, v, step)
+
     def sync(self) -> None:
         """Everything logged so far, durable in the run directory."""
         if not self.enabled:
@@ -207,9 +216,10 @@ class MetricsLog:
 
 
 def summary(outcome: str, first: int, last: int, total: int, tokens_per_step: int, seconds: float,
-            evals: list[tuple[int, float]], checkpoint: str | None) -> str:
+            evals: list[tuple[int, float]], checkpoint: str | None, accounts: dict | None = None) -> str:
     """The line a run ends with: what it did (steps first..last of total; `first` > `last`: none), in how long,
-    the newest and the best held-out loss of the run directory's records, and where its newest checkpoint is."""
+    the newest and the best held-out loss of the run directory's records, where its newest checkpoint is, and the
+    run's goodput over all its attempts (`accounts`: goodput.totals)."""
     done = last - first + 1
     line = (f"scaletrain: {outcome} at step {last} of {total}: "
             + (f"steps {first}-{last} this run ({done} steps, {done * tokens_per_step:,} tokens)" if done > 0 else
@@ -217,4 +227,5 @@ def summary(outcome: str, first: int, last: int, total: int, tokens_per_step: in
     if evals:
         (step, loss), (best_step, best) = evals[-1], min(evals, key=lambda e: e[1])
         line += f"; eval loss {loss:.4f} at step {step}, best {best:.4f} at step {best_step}"
-    return line + f"; newest checkpoint {checkpoint or 'none'}"
+    line += f"; newest checkpoint {checkpoint or 'none'}"
+    return line + (f"; {goodput.describe(accounts)}" if accounts else "")

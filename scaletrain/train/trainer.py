@@ -31,7 +31,7 @@ from scaletrain.parallel import mesh as mesh_lib
 from scaletrain.store import storage
 from scaletrain.store.checkpoint import Checkpointer, check_resumable, params_source, read_metadata, restore_params
 from scaletrain.store.run_lock import RunLock
-from scaletrain.train import layout, offload, optim
+from scaletrain.train import goodput, layout, offload, optim
 from scaletrain.train.control import Control, Preemption
 from scaletrain.train.evaluation import Evaluator
 from scaletrain.train.metrics import MetricsLog, StepClock, summary
@@ -271,8 +271,11 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     if not check_resumable(run_dir / "checkpoints", meta, cfg.run_dir) and cfg.checkpoint.init_from:
         params_source(cfg.checkpoint.init_from, setup.abstract_state.params)  # its shapes, before compiling
 
+    ledger = goodput.Ledger(cfg.run_dir, jax.process_index(), began)  # reads the run's earlier attempts; writes later
+    ledger.started("startup")
     t0 = time.perf_counter()
     step_fn = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
+    ledger.started("compile")
     compiled_memory = fit.compiled(step_fn.memory_analysis())
     if main:
         print(f"compiled the train step in {time.perf_counter() - t0:.1f} s; {fit.describe(compiled_memory)}",
@@ -293,6 +296,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
         state = setup.from_disk(state)
         iterator.set_state(data_state)
         origin = f"resumed at step {start}"
+    ledger.started("restore" if restored is not None else "startup")
     # The run proceeds: only now is anything in the run directory changed.
     ckpt.set_aside_damaged()
     if main:
@@ -304,9 +308,10 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     newest = None if restored is None else start  # the newest checkpoint's step
 
     def ended(outcome: str, evals: list) -> None:
+        total = ledger.close("finished" if outcome in ("finished", "nothing to do") else outcome.split()[0])
         if main:
             print(summary(outcome, start + 1, step, cfg.steps, tokens_per_step, time.perf_counter() - began, evals,
-                          None if newest is None else str(run_dir / "checkpoints" / str(newest))), flush=True)
+                          None if newest is None else str(run_dir / "checkpoints" / str(newest)), total), flush=True)
 
     step = start
     if start >= cfg.steps:
@@ -328,6 +333,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     if main:  # which peak MFU divides by: measured now, or cached and when
         print(f"scaletrain: {hardware.peak_note(jax.devices(), cfg.hardware.peak_flops_per_device, *mix)}", flush=True)
     log = MetricsLog(cfg.run_dir, cfg.steps, start, enabled=main)
+    ledger.resumed(start, log.last_logged)
     clock = StepClock(start)
 
     diverged = None  # the first step whose update was dropped, when train.on_nonfinite is stop
@@ -337,6 +343,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
         seconds an evaluation or a save at this step took)."""
         nonlocal diverged
         clock.wait(step, metrics)
+        ledger.stepped(step)
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if step % cfg.train.log_every_steps == 0 or last or values["update_skipped"] or timed:
             dt = clock.record(step)
@@ -357,7 +364,10 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     step, pending, stop = start, None, False
     profiler = Profiler(cfg)
     try:
-        batch = setup.put_batch(next(iterator))
+        with ledger.timing("data"):
+            batch = setup.put_batch(next(iterator))
+        ledger.started("startup")
+        ledger.loop_started()
         while step < cfg.steps and not stop and diverged is None:
             profiler.before(step + 1)
             clock.dispatching(step + 1)
@@ -375,7 +385,10 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
             pending = (step, metrics, agreed)
             data_state = iterator.get_state() if save else None  # after this step's batch, before the next
             if step < cfg.steps and not stop and diverged is None:
+                t0 = time.perf_counter()
                 batch = setup.put_batch(next(iterator))
+                if all(x.is_ready() for x in jax.tree.leaves(metrics)):  # the devices waited for this batch
+                    ledger.spend("data", time.perf_counter() - t0)
             if evaluate or save:
                 # The host waits here anyway. It waits for the step first, then evaluates and saves before the
                 # next step is dispatched: each is timed alone, and neither counts in any step's time.
@@ -385,6 +398,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
                     t0 = time.perf_counter()
                     metrics = {**metrics, "eval_loss": jax.block_until_ready(evaluator(state.params))}
                     timed["eval_time_s"] = time.perf_counter() - t0
+                    ledger.spend("evaluation", timed["eval_time_s"])
                 if save:
                     t0 = time.perf_counter()
                     if lock is not None:
@@ -393,6 +407,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
                     ckpt.save(step, on_disk, data_state, meta)
                     state = jax.block_until_ready(setup.from_disk(on_disk))
                     timed["checkpoint_time_s"] = time.perf_counter() - t0
+                    ledger.spend("checkpoint", timed["checkpoint_time_s"])
                     newest = step
                     control.saved()
                 # This step's record goes out now; with a checkpoint, a resume from it must find it.
@@ -400,10 +415,14 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
                 clock.paused(step)
                 pending = (step, None, agreed)
                 if save:
+                    ledger.write()
+                    ledger.sync()
+                    log.scalars(goodput.scalars(ledger.totals()), step)
                     log.sync()
         if pending is not None and pending[1] is not None:
             read(*pending[:2], last=True)
-        ckpt.wait()
+        with ledger.timing("checkpoint"):
+            ckpt.wait()
     finally:
         profiler.close()
         log.close()

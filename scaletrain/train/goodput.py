@@ -1,0 +1,169 @@
+"""Goodput: where a run's wall time goes, across every start of the same run directory (docs/health.md).
+
+Each start of `train.py` on a run directory is an attempt. A process keeps a ledger of its attempt: seconds spent
+stepping (productive), and badput by cause - start-up (building the model, the data and the devices), compile,
+restore (or initialisation), data (the host making a batch while the devices had finished their step and waited:
+an upper bound), evaluation, checkpoint (the blocking part of a save, and the wait for the last one), and idle
+(the rest: shutting down, writing the summary). It is written, whole and atomically, to RUN_DIR/goodput.json (process
+0; process p > 0 to goodput.p.json) at every metrics record, and uploaded to a gs:// run directory with the
+metrics.
+
+An attempt that resumes a killed one finds what the kill cost: the steps the killed attempt finished after the
+checkpoint this one restores are done again (`redone`: that many steps at the killed attempt's mean step time,
+taken from its productive time), and the time from the killed attempt's last record to this attempt's start
+(`restart`: the scheduler's delay, the process start, and whatever the killed attempt did after its last record)
+is lost - unless that attempt finished (a later start that raises `steps` continues a finished run: the time
+between is nobody's). Over all attempts the causes and the productive time add up to the wall time: each attempt's
+from its start to its last record, and the restarts between them."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from scaletrain.store import storage
+
+# Badput by cause, in the order they are reported.
+CAUSES = ("startup", "compile", "restore", "data", "evaluation", "checkpoint", "redone", "restart", "idle")
+# Causes timed inside the training loop, whose time is taken out of the loop's (productive) time.
+_IN_LOOP = ("data", "evaluation", "checkpoint")
+# Seconds between two writes of the ledger while steps run (a write is a few hundred microseconds).
+WRITE_EVERY_S = 2.0
+
+
+def file_name(process: int) -> str:
+    return "goodput.json" if process == 0 else f"goodput.{process}.json"
+
+
+def read(run_dir: str | os.PathLike, process: int = 0) -> list[dict]:
+    """The attempts recorded in a run directory (local or gs://), oldest first; none where there is no file."""
+    location = storage.path(run_dir) / file_name(process)
+    return json.loads(location.read_text())["attempts"] if location.exists() else []
+
+
+def totals(attempts: list[dict]) -> dict:
+    """Wall time from the first attempt's start to the last record, the productive seconds, badput by cause (each
+    attempt's idle: its wall time less everything else), the steps redone and the share that was productive."""
+    badput = dict.fromkeys(CAUSES, 0.0)
+    productive, redone_steps, wall_total = 0.0, 0, 0.0
+    for attempt in attempts:
+        wall = attempt["updated"] - attempt["started"]
+        wall_total += wall + attempt["badput"].get("restart", 0.0)
+        productive += attempt["productive"]
+        for cause, seconds in attempt["badput"].items():
+            badput[cause] += seconds
+        # Redone work was counted productive by the attempt that did it first: it moves to badput here.
+        productive -= attempt["badput"].get("redone", 0.0)
+        own = attempt["productive"] + sum(s for c, s in attempt["badput"].items() if c not in ("redone", "restart"))
+        badput["idle"] += max(0.0, wall - own)
+        redone_steps += attempt.get("redone_steps", 0)
+    wall = wall_total
+    return {"wall": wall, "productive": productive, "badput": badput, "redone_steps": redone_steps,
+            "goodput": productive / wall if wall > 0 else 0.0, "attempts": len(attempts)}
+
+
+def scalars(total: dict) -> dict[str, float]:
+    """TensorBoard's goodput/* scalars: the productive share and each cause's share of the wall time."""
+    wall = total["wall"] or 1.0
+    return {"goodput/goodput": total["goodput"], **{f"goodput/{c}": s / wall for c, s in total["badput"].items()}}
+
+
+def describe(total: dict) -> str:
+    """'goodput 91.2% of 1h 02m; badput: compile 4.1%, ...' (the largest causes first)."""
+    wall = total["wall"] or 1.0
+    causes = sorted(((s, c) for c, s in total["badput"].items() if s > 0), reverse=True)
+    lost = ", ".join(f"{c} {s / wall:.1%}" for s, c in causes[:3])
+    return f"goodput {total['goodput']:.1%} of {total['wall']:.0f} s" + (f" (badput: {lost})" if lost else "")
+
+
+class Ledger:
+    """One process's accounting of this attempt (module docstring). `began`: time.perf_counter() when the process
+    started the run."""
+
+    def __init__(self, run_dir: str, process: int, began: float):
+        self.mirror = storage.Mirror(run_dir)
+        self.name = file_name(process)
+        self.mirror.fetch(self.name)
+        path = self.mirror.local / self.name
+        self.previous = json.loads(path.read_text())["attempts"] if path.exists() else []
+        self._clock = began
+        self.attempt = {"started": time.time() - (time.perf_counter() - began), "updated": time.time(),
+                        "first_step": 0, "last_step": 0, "productive": 0.0,
+                        "badput": dict.fromkeys(CAUSES, 0.0), "redone_steps": 0, "ended": None}
+        self._written = float("-inf")
+        self._loop_began = None  # perf_counter when the training loop started
+        self._in_loop = 0.0
+
+    def spend(self, cause: str, seconds: float) -> None:
+        self.attempt["badput"][cause] += seconds
+        if self._loop_began is not None and cause in _IN_LOOP:
+            self._in_loop += seconds
+
+    @contextmanager
+    def timing(self, cause: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spend(cause, time.perf_counter() - t0)
+
+    def started(self, cause: str = "startup") -> None:
+        """Everything since the process began (or the last call) goes to `cause`."""
+        now = time.perf_counter()
+        self.spend(cause, now - self._clock)
+        self._clock = now
+
+    def resumed(self, step: int, last_logged: int = 0) -> None:
+        """This attempt starts at `step`: the previous attempt's steps after it are redone (up to its last step
+        recorded here or, where later, in the metrics log: `last_logged`), and unless it finished, the time
+        between its last record and this attempt's start was lost to the restart."""
+        self.attempt["first_step"] = self.attempt["last_step"] = step
+        if not self.previous or self.previous[-1].get("ended") == "finished":
+            return
+        last = self.previous[-1]
+        done = last["last_step"] - last["first_step"]
+        redone = max(0, max(last["last_step"], last_logged) - step)
+        self.attempt["redone_steps"] = redone
+        self.attempt["badput"]["redone"] = redone * last["productive"] / done if done > 0 else 0.0
+        self.attempt["badput"]["restart"] = max(0.0, self.attempt["started"] - last["updated"])
+
+    def loop_started(self) -> None:
+        self._loop_began = time.perf_counter()
+
+    def stepped(self, step: int) -> None:
+        """Step `step` is done (its metrics read): the loop's time so far, less the badput in it, was productive.
+        Written every WRITE_EVERY_S."""
+        now = time.perf_counter()
+        self.attempt["last_step"] = step
+        self.attempt["productive"] = now - self._loop_began - self._in_loop
+        if now - self._written > WRITE_EVERY_S:
+            self.write()
+            self._written = now
+
+    def write(self) -> None:
+        """This attempt's record, written beside the earlier ones (atomically: a kill leaves the old file or the
+        new one)."""
+        self.attempt["updated"] = time.time()
+        path = self.mirror.local / self.name
+        temporary = path.with_suffix(".json.tmp")
+        temporary.write_text(json.dumps({"attempts": [*self.previous, self.attempt]}, indent=1))
+        Path(temporary).replace(path)
+
+    def sync(self) -> None:
+        """Uploaded to a gs:// run directory (a local one has it already)."""
+        if self.mirror.remote is not None:
+            self.mirror.sync()
+
+    def totals(self) -> dict:
+        """`totals` over the earlier attempts and this one so far."""
+        return totals([*self.previous, self.attempt])
+
+    def close(self, ended: str) -> dict:
+        """The last record (`ended`: finished, preempted, stopped), uploaded; the totals over every attempt."""
+        self.attempt["ended"] = ended
+        self.write()
+        self.mirror.close()
+        return self.totals()
