@@ -49,6 +49,11 @@ def parser() -> argparse.ArgumentParser:
                             "on a multi-host Cloud TPU slice this is detected without flags")
     train.add_argument("--num-processes", type=int, default=None, metavar="N")
     train.add_argument("--process-id", type=int, default=None, metavar="I")
+    st = sub.add_parser("status", help="where a run is: step, ETA, checkpoint, lock, loss curves, goodput (read only)")
+    st.add_argument("run_dir", help="a run directory, local or gs://")
+    st.add_argument("--json", action="store_true", help="print the report as JSON")
+    st.add_argument("--plot", default=None, metavar="PNG",
+                    help="where the loss curves go (default: RUN-status.png in the current directory)")
     ckpt = sub.add_parser("ckpt", help="look into a run's checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=Parser)
     inspect = ckpt_sub.add_parser("inspect", help="print a checkpoint's metadata")
@@ -363,8 +368,23 @@ def train(args: argparse.Namespace) -> int:
     return trainer.run(cfg)
 
 
-COMMANDS = {"train": train, "ckpt": ckpt, "convert": convert, "logits": logits, "generate": generate, "data": data,
-            "plan": plan, "compile": compile_, "sweep": sweep, "tune": tune}
+def status(args: argparse.Namespace) -> int:
+    import json
+
+    from scaletrain.tools import status as status_lib
+
+    report = status_lib.status(args.run_dir)
+    plot = args.plot or f"{os.path.basename(str(args.run_dir).rstrip('/')) or 'run'}-status.png"
+    status_lib.plot(report, plot)
+    if args.json:
+        print(json.dumps({**report, "plot": plot}, indent=1))
+    else:
+        print(f"{status_lib.describe(report)}\n  loss curves: {plot}")
+    return 0
+
+
+COMMANDS = {"train": train, "status": status, "ckpt": ckpt, "convert": convert, "logits": logits, "generate": generate,
+            "data": data, "plan": plan, "compile": compile_, "sweep": sweep, "tune": tune}
 
 
 def main(argv: list[str] | None = None) -> int:

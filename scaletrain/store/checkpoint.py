@@ -232,6 +232,11 @@ def _read_only(directory: epath.Path) -> ocp.CheckpointManager:
         absl.setLevel(level)
 
 
+def saved_steps(directory: epath.Path) -> list[int]:
+    """The committed checkpoints' steps in a checkpoints/ folder (none where there is no folder), read only."""
+    return sorted(_read_only(directory).all_steps()) if directory.is_dir() else []
+
+
 def read_metadata(directory: epath.Path, step: int | None = None) -> tuple[int, dict]:
     """(step, metadata) of the newest checkpoint, or of `step`: what `ckpt inspect` prints."""
     return _metadata(_read_only(directory), directory, step)

@@ -1,0 +1,144 @@
+"""`python -m scaletrain status RUN_DIR`: where a run is, read from its run directory alone (docs/health.md).
+
+Reads config.yaml, metrics.jsonl, goodput.json, run.lock and the checkpoints' list - never writes there, so it is
+safe beside a live run, on a finished one and on a gs:// run directory. The loss curves go to a small PNG (in the
+current directory by default) and a text sparkline."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+
+import yaml
+
+from scaletrain.errors import UserError
+from scaletrain.store import checkpoint, storage
+from scaletrain.store.run_lock import FILE_NAME as LOCK_FILE
+from scaletrain.store.run_lock import STALE_AFTER_S
+from scaletrain.train import goodput
+
+_BARS = "▁▂▃▄▅▆▇█"
+# Recent records the ETA's step time is the median of.
+ETA_WINDOW = 20
+
+
+def sparkline(values: list[float], width: int = 40) -> str:
+    """`values` (means of `width` equal slices where there are more) as eighths of a bar, low to high."""
+    if not values:
+        return ""
+    if len(values) > width:
+        edges = [round(i * len(values) / width) for i in range(width + 1)]
+        values = [sum(values[a:b]) / (b - a) for a, b in itertools.pairwise(edges)]
+    low, high = min(values), max(values)
+    scale = (len(_BARS) - 1) / (high - low) if high > low else 0.0
+    return "".join(_BARS[round((v - low) * scale)] for v in values)
+
+
+def _records(run_dir) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    out = []
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line being written, or cut short by a kill
+    return out
+
+
+def _holder(run_dir) -> dict | None:
+    """The run lock's holder record, with whether it is alive: its heartbeat recent (a bucket's lock beats every
+    15 s; a local one is written once, and held while the process lives)."""
+    path = run_dir / LOCK_FILE
+    try:
+        holder = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if storage.is_remote(str(run_dir)):
+        holder["alive"] = time.time() - holder.get("heartbeat", 0) < STALE_AFTER_S
+    else:
+        import fcntl
+
+        with open(path) as f:  # a shared lock taken (and dropped) only if nobody holds the exclusive one
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(f, fcntl.LOCK_UN)
+                holder["alive"] = False
+            except BlockingIOError:
+                holder["alive"] = True
+    return holder
+
+
+def status(location: str) -> dict:
+    """Everything `status` prints, as a dict (--json)."""
+    run_dir = storage.path(location)
+    if not (run_dir / "config.yaml").exists():
+        raise UserError(f"'{location}' is not a run directory (no config.yaml); expected the run_dir of a run that "
+                        f"has started")
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    total_steps = int(cfg["steps"])
+    tokens_per_step = int(cfg["train"]["global_batch"]) * int(cfg["data"]["seq_len"])
+    records = _records(run_dir)
+    step = records[-1]["step"] if records else 0
+    times = sorted(r["step_time_s"] for r in records[-ETA_WINDOW:] if "step_time_s" in r)
+    holder = _holder(run_dir)
+    attempts = goodput.read(location)
+    ended = attempts[-1].get("ended") if attempts else None
+    checkpoints = checkpoint.saved_steps(run_dir / "checkpoints")
+    return {
+        "run_dir": str(run_dir),
+        "state": "running" if holder and holder["alive"] else ended or ("stopped" if records else "not started"),
+        "step": step, "steps": total_steps, "tokens": step * tokens_per_step,
+        "eta_s": (total_steps - step) * times[len(times) // 2] if times and step < total_steps else 0.0,
+        "loss": records[-1].get("loss") if records else None,
+        "eval_loss": [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r],
+        "newest_checkpoint": checkpoints[-1] if checkpoints else None,
+        "lock": holder,
+        "last_record_age_s": time.time() - attempts[-1]["updated"] if attempts else None,
+        "goodput": goodput.totals(attempts) if attempts else None,
+        "losses": [(r["step"], r["loss"]) for r in records if "loss" in r],
+    }
+
+
+def plot(report: dict, path: str | os.PathLike) -> None:
+    """The loss and eval-loss curves, a small PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3), dpi=100)
+    if report["losses"]:
+        ax.plot(*zip(*report["losses"]), label="loss", linewidth=1)
+    if report["eval_loss"]:
+        ax.plot(*zip(*report["eval_loss"]), "o-", label="eval loss", markersize=3)
+    ax.set_xlabel("step")
+    ax.set_title(os.path.basename(report["run_dir"].rstrip("/")), fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def describe(report: dict) -> str:
+    """The text report."""
+    r, lines = report, []
+    lines.append(f"{r['run_dir']}: {r['state']}, step {r['step']:,} of {r['steps']:,} ({r['tokens']:,} tokens)"
+                 + (f", ETA {r['eta_s'] / 60:.1f} min" if r["eta_s"] else ""))
+    lock = r["lock"]
+    if lock:
+        lines.append(f"  lock: process {lock.get('pid')} on {lock.get('host')} since {lock.get('started')}"
+                     + ("" if lock["alive"] else " (not held: the run is gone)"))
+    if r["last_record_age_s"] is not None:
+        lines.append(f"  last record {r['last_record_age_s']:.0f} s ago")
+    lines.append(f"  newest checkpoint: step {r['newest_checkpoint']}" if r["newest_checkpoint"] is not None else
+                 "  newest checkpoint: none")
+    if r["losses"]:
+        lines.append(f"  loss {r['loss']:.4f}  {sparkline([v for _, v in r['losses']])}")
+    if r["eval_loss"]:
+        lines.append(f"  eval loss {r['eval_loss'][-1][1]:.4f}  {sparkline([v for _, v in r['eval_loss']])}")
+    if r["goodput"]:
+        total = r["goodput"]
+        lines.append(f"  {goodput.describe(total)}; {total['attempts']} start(s), {total['redone_steps']} steps redone")
+    return "\n".join(lines)

@@ -1,0 +1,125 @@
+"""Goodput (scaletrain/train/goodput.py): a run's wall time by cause across the starts of its run directory - a
+run SIGKILLed twice and resumed shows the steps it redid and its restarts as badput, and the causes add up to the
+wall time; `status` reports such a run without touching it."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from scaletrain.tools import status
+from scaletrain.train import goodput
+from tests.conftest import run_cli, run_main
+from tests.test_resume import _command, _resumed_step, _run_with_fault, _start, _wait_for_step
+
+
+def _attempt(started, updated, first, last, productive, **badput):
+    return {"started": started, "updated": updated, "first_step": first, "last_step": last, "productive": productive,
+            "badput": {**dict.fromkeys(goodput.CAUSES, 0.0), **badput}, "redone_steps": 0, "ended": None}
+
+
+def test_totals_move_redone_work_to_badput_and_add_up_to_the_wall_time():
+    # 20 s: 2 starting, 10 stepping (steps 1-10), 8 unaccounted (idle). Killed; 5 s later a start that restores
+    # step 6 redoes steps 7-10 (4 of the first attempt's 1 s steps) and runs 30 s: 3 compiling, 25 stepping.
+    first = _attempt(100.0, 120.0, 0, 10, 10.0, startup=2.0)
+    second = _attempt(125.0, 155.0, 6, 30, 25.0, compile=3.0, redone=4.0, restart=5.0)
+    second["redone_steps"] = 4
+    total = goodput.totals([first, second])
+    assert total["wall"] == pytest.approx(55.0)  # 20 + 5 + 30
+    assert total["productive"] == pytest.approx(10 + 25 - 4)
+    assert total["badput"] == pytest.approx({**dict.fromkeys(goodput.CAUSES, 0.0), "startup": 2.0, "compile": 3.0,
+                                             "redone": 4.0, "restart": 5.0, "idle": 8.0 + 2.0})
+    assert total["productive"] + sum(total["badput"].values()) == pytest.approx(total["wall"])
+    assert total["redone_steps"] == 4 and total["goodput"] == pytest.approx(31 / 55)
+    assert goodput.describe(total).startswith("goodput 56.4% of 55 s (badput: idle 18.2%, restart 9.1%, ")
+
+
+def test_a_finished_run_started_again_loses_nothing_between():
+    """A later start that raises `steps` continues a finished run: the days between are no restart."""
+    first = _attempt(0.0, 10.0, 0, 10, 10.0)
+    first["ended"] = "finished"
+    total = goodput.totals([first, _attempt(86400.0, 86410.0, 10, 20, 10.0)])
+    assert total["wall"] == pytest.approx(20.0) and total["badput"]["restart"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def killed_twice(tmp_path_factory):
+    """A run of 18 steps SIGKILLed right after step 10's record and, resumed, after step 17's; then resumed to the
+    end: (its run directory, the resumed steps of the second and third starts, the last start's output, the
+    seconds it all took)."""
+    run_dir, began = tmp_path_factory.mktemp("killed_twice"), time.time()
+    # Saves at 4, 8, 12, 16 (each waits for the one before): a kill at 10 has step 4 committed at least.
+    for step in (10, 17):
+        killed = _run_with_fault("between-steps", step, run_dir)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+    result = run_cli(_command(run_dir))  # a process of its own: a module fixture cannot capture this one's output
+    assert result.returncode == 0, result.stderr
+    return run_dir, (_resumed_step(killed), _resumed_step(result)), result.stdout, time.time() - began
+
+
+def test_two_kills_show_as_redone_steps_and_restarts(killed_twice):
+    run_dir, (second_start, third_start), _, elapsed = killed_twice
+    attempts = goodput.read(run_dir)
+    assert [a["ended"] for a in attempts] == [None, None, "finished"]
+    # Each kill came right after step 10's (17's) record: what the next start restored before it is redone.
+    assert [a["redone_steps"] for a in attempts] == [0, 10 - second_start, 17 - third_start]
+    assert all(a["badput"]["restart"] > 0 and a["badput"]["redone"] > 0 for a in attempts[1:])
+    total = goodput.totals(attempts)
+    assert total["redone_steps"] == sum(a["redone_steps"] for a in attempts) > 0
+    accounted = total["productive"] + sum(total["badput"].values())
+    assert abs(accounted - total["wall"]) <= 0.05 * total["wall"]
+    assert 0 < total["wall"] <= elapsed and 0 < total["goodput"] < 1
+
+
+def test_status_reports_a_finished_run_without_touching_it(killed_twice, tmp_path, capfd):
+    run_dir, _, _, _ = killed_twice
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    plot = tmp_path / "curves.png"
+    result = run_main(["status", str(run_dir), "--json", "--plot", str(plot)], capfd, module=True)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    assert (report["state"], report["step"], report["steps"], report["eta_s"]) == ("finished", 18, 18, 0.0)
+    assert report["newest_checkpoint"] == 18 and report["lock"] is None
+    assert report["tokens"] == 18 * 8 * 32  # global batch 8 x 32 tokens (the tiny overrides)
+    assert report["goodput"] == goodput.totals(goodput.read(run_dir))
+    assert [s for s, _ in report["losses"]] == list(range(1, 19))
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = run_main(["status", str(run_dir), "--plot", str(plot)], capfd, module=True).stdout
+    assert f"{run_dir}: finished, step 18 of 18" in text
+    assert f"3 start(s), {report['goodput']['redone_steps']} steps redone" in text
+    assert status.sparkline([1.0, 8.0, 2.0]) == "▁█▂" and len(status.sparkline(list(range(100)))) == 40
+
+
+def test_status_of_a_directory_that_is_no_run_is_an_error(tmp_path, capfd):
+    result = run_main(["status", str(tmp_path)], capfd, module=True)
+    assert result.returncode == 2 and "is not a run directory (no config.yaml)" in result.stderr
+
+
+def test_status_of_a_live_run_names_its_holder_and_an_eta(tmp_path, capfd):
+    proc = _start(tmp_path)  # 18 steps; status while it runs
+    try:
+        _wait_for_step(proc, tmp_path, 5)
+        result = run_main(["status", str(tmp_path), "--json", "--plot", str(tmp_path / "curves.png")], capfd,
+                          module=True)
+        assert result.returncode == 0, result.stderr
+        report = json.loads(result.stdout)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert report["state"] == "running" and report["lock"]["pid"] == proc.pid and report["lock"]["alive"]
+    assert 5 <= report["step"] < 18 and report["eta_s"] > 0
+    assert report["newest_checkpoint"] >= 4
+
+
+def test_status_reads_a_bucket_run_directory(bucket, capfd):
+    run_dir = f"{bucket}/status"
+    trained = run_main(_command(run_dir, steps=4))
+    assert trained.returncode == 0, trained.stderr
+    result = run_main(["status", run_dir, "--json", "--plot", os.devnull], capfd, module=True)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert (report["state"], report["step"], report["newest_checkpoint"]) == ("finished", 4, 4)
+    assert report["goodput"]["attempts"] == 1 and report["run_dir"] == run_dir
