@@ -109,6 +109,7 @@ def defaults() -> ml_collections.ConfigDict:
                 "profile_steps": 0,
                 "eval_every_steps": 0,
                 "eval_batches": 4,
+                "hang": {"factor": 20.0, "seconds": 600.0, "exit": False},
             },
             "optim": {
                 "learning_rate": 3e-3,
@@ -175,7 +176,7 @@ _POSITIVE = (
     "model.rope_original_max_position", "pipeline.repeats", "model.experts_per_token", "model.moe_every",
     "model.rope_theta", "model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
 )
-_NON_NEGATIVE = ("seed", "pipeline.microbatches",
+_NON_NEGATIVE = ("seed", "pipeline.microbatches", "train.hang.factor", "train.hang.seconds",
                  "train.profile_start", "train.profile_steps", "train.eval_every_steps", "data.workers",
                  "checkpoint.every_minutes", "model.attention_block", "model.logits_block", "optim.learning_rate",
                  "optim.warmup_steps", "optim.schedule_steps", "optim.weight_decay", "optim.eps",

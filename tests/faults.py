@@ -7,11 +7,13 @@ is made from inside, at a named point:
   mid-save       SIGKILL when the save of step STEP has written every file but not yet committed (local or gs://)
   sigterm        SIGTERM to this process right after step STEP's metrics record is written (as a preemption)
   sigterm-early  SIGTERM to this process while it builds the model, before anything is compiled (STEP unused)
+  stall          STALL_S seconds asleep while making the batch of step STEP + 1 (a data source that hangs)
 """
 
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -64,6 +66,25 @@ def _mid_save(step: int) -> None:
         kind.finalize = kill_before_commit
 
 
+STALL_S = 10.0
+
+
+def _stall(step: int) -> None:
+    from scaletrain.train import trainer
+
+    put_batch = trainer.Setup.put_batch
+    calls = 0
+
+    def put_batch_stalling(self, local):
+        nonlocal calls
+        calls += 1
+        if calls == step + 1:  # a fresh run: call k makes step k's batch
+            time.sleep(STALL_S)
+        return put_batch(self, local)
+
+    trainer.Setup.put_batch = put_batch_stalling
+
+
 def _sigterm_early() -> None:
     from scaletrain.train import trainer
 
@@ -88,6 +109,8 @@ def main() -> int:
         _mid_step(step)
     elif point == "mid-save":
         _mid_save(step)
+    elif point == "stall":
+        _stall(step)
     else:
         raise SystemExit(f"unknown point {point}")
     from scaletrain.__main__ import main as scaletrain_main

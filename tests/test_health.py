@@ -11,6 +11,7 @@ import pytest
 
 from scaletrain.tools import status
 from scaletrain.train import goodput
+from scaletrain.train.watchdog import Watchdog
 from tests.conftest import run_cli, run_main
 from tests.test_resume import _command, _resumed_step, _run_with_fault, _start, _wait_for_step
 
@@ -123,3 +124,14 @@ def test_status_reads_a_bucket_run_directory(bucket, capfd):
     report = json.loads(result.stdout)
     assert (report["state"], report["step"], report["newest_checkpoint"]) == ("finished", 4, 4)
     assert report["goodput"]["attempts"] == 1 and report["run_dir"] == run_dir
+
+
+def test_the_watchdog_waits_for_the_larger_of_its_floor_and_its_factor_of_the_median_step(tmp_path):
+    dog = Watchdog(str(tmp_path), 0, factor=10.0, seconds=2.0, exit_on_hang=False)
+    try:
+        assert dog.threshold() == 2.0  # no step yet
+        for seconds in (0.1, 0.5, 0.3):
+            dog.step_time(seconds)
+        assert dog.threshold() == pytest.approx(3.0)  # 10 x the median 0.3
+    finally:
+        dog.close()

@@ -70,11 +70,17 @@ def one_process(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
+    """Two processes of 4 devices, process 1's data source stalling 10 s as it makes step 6's batch
+    (tests/faults.py), watched with a 3 s threshold: (run directory, its run, each process's stderr). The stall
+    changes no number; test_a_stalled_process_is_dumped_and_names_itself reads what the watchdog made of it."""
     run_dir = tmp_path_factory.mktemp("two")
-    stdout = _run_two(run_dir)
+    procs = _start_two(run_dir, faults=(None, ("stall", 5)), **{"train.hang.seconds": 3, "train.hang.factor": 1})
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    stdout = [out for out, _ in outputs]
     assert "8 cpu devices" in stdout[0] and "scaletrain:" not in stdout[1]  # only process 0 reports
     assert len(_losses(run_dir)) == STEPS
-    return run_dir, equivalence.from_run_dir(run_dir)
+    return run_dir, equivalence.from_run_dir(run_dir), [err for _, err in outputs]
 
 
 def test_two_processes_equal_one(one_process, two_processes):
@@ -95,9 +101,9 @@ def test_a_pipeline_across_the_two_processes_equals_one(tmp_path, one_process, s
 
 def test_two_process_checkpoint_resumes_in_one_and_back(tmp_path, one_process, two_processes, capfd):
     """Each process count reads exactly the batches the other would have read next."""
-    for (source, want), run_dir, command in (
-            (two_processes, tmp_path / "in_one", lambda d: run_main(_args(d) + ["--cpu-devices", "8"], capfd).stdout),
-            (one_process, tmp_path / "in_two", lambda d: _run_two(d)[0])):
+    in_one = lambda d: run_main(_args(d) + ["--cpu-devices", "8"], capfd).stdout  # noqa: E731
+    for (source, want), run_dir, command in ((two_processes[:2], tmp_path / "in_one", in_one),
+                                             (one_process, tmp_path / "in_two", lambda d: _run_two(d)[0])):
         shutil.copytree(source, run_dir)
         shutil.rmtree(run_dir / "checkpoints" / str(STEPS))  # as if stopped after the step-6 save
         assert _resumed_step(command(run_dir)) == 6
@@ -122,6 +128,20 @@ def test_preempted_then_killed_two_process_run_resumes_bitwise(tmp_path, two_pro
     stdout = _run_two(tmp_path)
     assert _resumed_step(stdout[0]) >= preempted
     assert _losses(tmp_path) == uninterrupted
+
+
+def test_a_stalled_process_is_dumped_and_names_itself(two_processes):
+    """Process 1's data source slept 10 s making step 6's batch. Past the 3 s threshold its watchdog dumped every
+    thread's stack, its own sleeping frame among them, saying `data`; process 0, waiting in the step's collectives
+    for it, says `step`. Neither exited (train.hang.exit is false): the run finished (docs/health.md)."""
+    tmp_path, _, stderr = two_processes
+    stalled = tmp_path / "hangs" / "process-1-step-6-data.txt"
+    assert "warning: process 1 on " in stderr[1] and "has been in data for step 6" in stderr[1]
+    assert str(stalled) in stderr[1]
+    dump = stalled.read_text()
+    assert dump.startswith("process 1 on ") and "in put_batch_stalling" in dump and 'File "' in dump
+    others = [p.name for p in (tmp_path / "hangs").iterdir() if p.name.startswith("process-0-")]
+    assert others and all(name.endswith("-step.txt") for name in others)
 
 
 def test_distributed_flags_go_together(tmp_path, capfd):

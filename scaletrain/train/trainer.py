@@ -38,6 +38,7 @@ from scaletrain.train.metrics import MetricsLog, StepClock, summary
 from scaletrain.train.profiler import Profiler
 from scaletrain.train.runner import Runner
 from scaletrain.train.step import TrainState, make_eval_step, make_train_step
+from scaletrain.train.watchdog import Watchdog
 
 EXIT_DIVERGED = 1
 
@@ -334,6 +335,8 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
         print(f"scaletrain: {hardware.peak_note(jax.devices(), cfg.hardware.peak_flops_per_device, *mix)}", flush=True)
     log = MetricsLog(cfg.run_dir, cfg.steps, start, enabled=main)
     ledger.resumed(start, log.last_logged)
+    hang = cfg.train.hang
+    watchdog = Watchdog(cfg.run_dir, jax.process_index(), hang.factor, hang.seconds, hang.exit)
     clock = StepClock(start)
 
     diverged = None  # the first step whose update was dropped, when train.on_nonfinite is stop
@@ -347,6 +350,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if step % cfg.train.log_every_steps == 0 or last or values["update_skipped"] or timed:
             dt = clock.record(step)
+            watchdog.step_time(dt)
             log.log({"step": step, **values, "tokens_per_sec": tokens_per_step / dt, "step_time_s": dt,
                      "mfu": flops_per_step / dt / peak if peak else None, **(timed or {})})
         if values["update_skipped"]:
@@ -370,6 +374,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
         ledger.loop_started()
         while step < cfg.steps and not stop and diverged is None:
             profiler.before(step + 1)
+            watchdog.enter("step", step + 1)
             clock.dispatching(step + 1)
             state, metrics = step_fn(state, batch)
             step += 1
@@ -386,20 +391,24 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
             data_state = iterator.get_state() if save else None  # after this step's batch, before the next
             if step < cfg.steps and not stop and diverged is None:
                 t0 = time.perf_counter()
+                watchdog.enter("data", step + 1)
                 batch = setup.put_batch(next(iterator))
                 if all(x.is_ready() for x in jax.tree.leaves(metrics)):  # the devices waited for this batch
                     ledger.spend("data", time.perf_counter() - t0)
+                watchdog.enter("step", step)
             if evaluate or save:
                 # The host waits here anyway. It waits for the step first, then evaluates and saves before the
                 # next step is dispatched: each is timed alone, and neither counts in any step's time.
                 clock.wait(step, metrics)
                 timed = {}
                 if evaluate:
+                    watchdog.enter("evaluation", step)
                     t0 = time.perf_counter()
                     metrics = {**metrics, "eval_loss": jax.block_until_ready(evaluator(state.params))}
                     timed["eval_time_s"] = time.perf_counter() - t0
                     ledger.spend("evaluation", timed["eval_time_s"])
                 if save:
+                    watchdog.enter("checkpoint", step)
                     t0 = time.perf_counter()
                     if lock is not None:
                         lock.check()
@@ -413,6 +422,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
                 # This step's record goes out now; with a checkpoint, a resume from it must find it.
                 read(step, metrics, last=stop or step == cfg.steps, timed=timed)
                 clock.paused(step)
+                watchdog.enter("step", step)
                 pending = (step, None, agreed)
                 if save:
                     ledger.write()
@@ -421,9 +431,11 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
                     log.sync()
         if pending is not None and pending[1] is not None:
             read(*pending[:2], last=True)
+        watchdog.enter("checkpoint", step)
         with ledger.timing("checkpoint"):
             ckpt.wait()
     finally:
+        watchdog.close()
         profiler.close()
         log.close()
         ckpt.close()
