@@ -32,20 +32,21 @@ def _at_record(step: int, signum: int) -> None:
     metrics.MetricsLog.log = log_then_signal
 
 
-def _mid_step(step: int) -> None:
+def _at_batch(step: int, action) -> None:
+    """`action()` as the batch of step `step` + 1 is made: while step `step` runs (dispatch is asynchronous)."""
     from scaletrain.train import trainer
 
     put_batch = trainer.Setup.put_batch
     calls = 0
 
-    def put_batch_or_kill(self, local):
+    def put_batch_interrupted(self, local):  # the name a hang dump shows
         nonlocal calls
         calls += 1
         if calls == step + 1:  # a fresh run: call k makes step k's batch, after step k - 1 was dispatched
-            os.kill(os.getpid(), signal.SIGKILL)
+            action()
         return put_batch(self, local)
 
-    trainer.Setup.put_batch = put_batch_or_kill
+    trainer.Setup.put_batch = put_batch_interrupted
 
 
 def _mid_save(step: int) -> None:
@@ -69,22 +70,6 @@ def _mid_save(step: int) -> None:
 STALL_S = 10.0
 
 
-def _stall(step: int) -> None:
-    from scaletrain.train import trainer
-
-    put_batch = trainer.Setup.put_batch
-    calls = 0
-
-    def put_batch_stalling(self, local):
-        nonlocal calls
-        calls += 1
-        if calls == step + 1:  # a fresh run: call k makes step k's batch
-            time.sleep(STALL_S)
-        return put_batch(self, local)
-
-    trainer.Setup.put_batch = put_batch_stalling
-
-
 def _sigterm_early() -> None:
     from scaletrain.train import trainer
 
@@ -106,11 +91,11 @@ def main() -> int:
     elif point == "sigterm-early":
         _sigterm_early()
     elif point == "mid-step":
-        _mid_step(step)
+        _at_batch(step, lambda: os.kill(os.getpid(), signal.SIGKILL))
     elif point == "mid-save":
         _mid_save(step)
     elif point == "stall":
-        _stall(step)
+        _at_batch(step, lambda: time.sleep(STALL_S))
     else:
         raise SystemExit(f"unknown point {point}")
     from scaletrain.__main__ import main as scaletrain_main

@@ -139,9 +139,10 @@ def test_a_stalled_process_is_dumped_and_names_itself(two_processes):
     assert "warning: process 1 on " in stderr[1] and "has been in data for step 6" in stderr[1]
     assert str(stalled) in stderr[1]
     dump = stalled.read_text()
-    assert dump.startswith("process 1 on ") and "in put_batch_stalling" in dump and 'File "' in dump
+    assert dump.startswith("process 1 on ") and "in put_batch_interrupted" in dump and 'File "' in dump
+    # Process 0 waited for it in step 6 (a save slowed by the machine's load may have crossed 3 s too).
     others = [p.name for p in (tmp_path / "hangs").iterdir() if p.name.startswith("process-0-")]
-    assert others and all(name.endswith("-step.txt") for name in others)
+    assert "process-0-step-6-step.txt" in others and not [name for name in others if name.endswith("-data.txt")]
 
 
 def test_distributed_flags_go_together(tmp_path, capfd):
