@@ -2,9 +2,12 @@
 run SIGKILLed twice and resumed shows the steps it redid and its restarts as badput, and the causes add up to the
 wall time; `status` reports such a run without touching it."""
 
+import itertools
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -12,8 +15,8 @@ import pytest
 from scaletrain.tools import status
 from scaletrain.train import goodput
 from scaletrain.train.watchdog import Watchdog
-from tests.conftest import run_cli, run_main
-from tests.test_resume import _command, _resumed_step, _run_with_fault, _start, _wait_for_step
+from tests.conftest import ROOT, run_cli, run_main
+from tests.test_resume import _command, _resumed_step, _run_with_fault, _wait_for_step
 
 
 def _attempt(started, updated, first, last, productive, **badput):
@@ -66,7 +69,15 @@ def test_two_kills_show_as_redone_steps_and_restarts(killed_twice):
     assert [a["ended"] for a in attempts] == [None, None, "finished"]
     # Each kill came right after step 10's (17's) record: what the next start restored before it is redone.
     assert [a["redone_steps"] for a in attempts] == [0, 10 - second_start, 17 - third_start]
-    assert all(a["badput"]["restart"] > 0 and a["badput"]["redone"] > 0 for a in attempts[1:])
+    # Redone time: the steps redone that the attempt before had recorded in its ledger, at its own pace - never
+    # more than it spent stepping. Those it finished after its last record (a record is written every 2 s) are
+    # counted in redone_steps, their time in the restart: from its last record to the next start.
+    for before, after in itertools.pairwise(attempts):
+        recorded = max(0, before["last_step"] - after["first_step"])
+        pace = before["productive"] / (before["last_step"] - before["first_step"])
+        assert after["badput"]["redone"] == pytest.approx(recorded * pace)
+        assert after["badput"]["redone"] <= before["productive"]
+        assert 0 < after["badput"]["restart"] == pytest.approx(after["started"] - before["updated"])
     total = goodput.totals(attempts)
     assert total["redone_steps"] == sum(a["redone_steps"] for a in attempts) > 0
     accounted = total["productive"] + sum(total["badput"].values())
@@ -100,7 +111,10 @@ def test_status_of_a_directory_that_is_no_run_is_an_error(tmp_path, capfd):
 
 
 def test_status_of_a_live_run_names_its_holder_and_an_eta(tmp_path, capfd):
-    proc = _start(tmp_path)  # 18 steps; status while it runs
+    # 18 steps, the batch of step 6 taking 10 s to make (tests/faults.py): status while the run waits for it.
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "faults.py"), "stall", "5", *_command(tmp_path)],
+                            cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_step(proc, tmp_path, 5)
         result = run_main(["status", str(tmp_path), "--json", "--plot", str(tmp_path / "curves.png")], capfd,

@@ -20,6 +20,8 @@ from etils import epath
 from scaletrain.errors import first_line
 
 REMOTE_PREFIX = "gs://"
+# Seconds between uploads of a gs:// run directory's growing files (metrics, goodput).
+SYNC_EVERY_S = 60
 
 
 def is_remote(location: str | os.PathLike) -> bool:

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
+import socket
 import time
+from pathlib import Path
 
 import yaml
 
@@ -25,7 +28,9 @@ ETA_WINDOW = 20
 
 
 def sparkline(values: list[float], width: int = 40) -> str:
-    """`values` (means of `width` equal slices where there are more) as eighths of a bar, low to high."""
+    """`values` (means of `width` equal slices where there are more) as eighths of a bar, low to high; non-finite
+    values (a dropped update's loss) left out."""
+    values = [v for v in values if math.isfinite(v)]
     if not values:
         return ""
     if len(values) > width:
@@ -58,16 +63,33 @@ def _holder(run_dir) -> dict | None:
     if storage.is_remote(str(run_dir)):
         holder["alive"] = time.time() - holder.get("heartbeat", 0) < STALE_AFTER_S
     else:
-        import fcntl
-
-        with open(path) as f:  # a shared lock taken (and dropped) only if nobody holds the exclusive one
-            try:
-                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                fcntl.flock(f, fcntl.LOCK_UN)
-                holder["alive"] = False
-            except BlockingIOError:
-                holder["alive"] = True
+        holder["alive"] = _flocked(path)
     return holder
+
+
+def _flocked(path) -> bool:
+    """Whether some process holds a flock on `path`, read from the kernel's table (/proc/locks) rather than by
+    trying to take one, which could make a run starting at that moment find its directory in use. Without the
+    table: whether the holder's pid lives, where it is of this host."""
+    try:
+        inode = os.stat(path).st_ino
+        with open("/proc/locks") as f:
+            table = f.read().splitlines()
+    except OSError:
+        holder = json.loads(Path(path).read_text())
+        return holder.get("host") != socket.gethostname() or _pid_lives(holder.get("pid"))
+    return any(len(fields) > 5 and fields[1] == "FLOCK" and fields[5].endswith(f":{inode}")
+               for fields in (line.split() for line in table))
+
+
+def _pid_lives(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, TypeError, ValueError):
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def status(location: str) -> dict:
@@ -135,7 +157,7 @@ def describe(report: dict) -> str:
     lines.append(f"  newest checkpoint: step {r['newest_checkpoint']}" if r["newest_checkpoint"] is not None else
                  "  newest checkpoint: none")
     if r["losses"]:
-        lines.append(f"  loss {r['loss']:.4f}  {sparkline([v for _, v in r['losses']])}")
+        lines.append(f"  loss {r['loss']:.4f}  {sparkline([v for _, v in r['losses']])}")  # nan, inf print as such
     if r["eval_loss"]:
         lines.append(f"  eval loss {r['eval_loss'][-1][1]:.4f}  {sparkline([v for _, v in r['eval_loss']])}")
     if r["goodput"]:

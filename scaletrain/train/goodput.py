@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -88,12 +89,18 @@ class Ledger:
         self.name = file_name(process)
         self.mirror.fetch(self.name)
         path = self.mirror.local / self.name
-        self.previous = json.loads(path.read_text())["attempts"] if path.exists() else []
+        try:
+            self.previous = json.loads(path.read_text())["attempts"] if path.exists() else []
+        except (ValueError, KeyError, TypeError):  # accounting must never stop a run: start it afresh
+            print(f"warning: {self.name} in the run directory is unreadable; goodput is counted from this start",
+                  file=sys.stderr, flush=True)
+            self.previous = []
+        self._warned = False
         self._clock = began
         self.attempt = {"started": time.time() - (time.perf_counter() - began), "updated": time.time(),
                         "first_step": 0, "last_step": 0, "productive": 0.0,
                         "badput": dict.fromkeys(CAUSES, 0.0), "redone_steps": 0, "ended": None}
-        self._written = float("-inf")
+        self._written = self._synced = float("-inf")
         self._loop_began = None  # perf_counter when the training loop started
         self._in_loop = 0.0
 
@@ -116,19 +123,32 @@ class Ledger:
         self.spend(cause, now - self._clock)
         self._clock = now
 
-    def resumed(self, step: int, last_logged: int = 0) -> None:
-        """This attempt starts at `step`: the previous attempt's steps after it are redone (up to its last step
-        recorded here or, where later, in the metrics log: `last_logged`), and unless it finished, the time
-        between its last record and this attempt's start was lost to the restart."""
+    def _interrupted(self) -> dict | None:
+        """The previous attempt, where it was cut short (killed or preempted: it did not finish, nor stop for a
+        person to look at a non-finite loss)."""
+        if not self.previous or self.previous[-1].get("ended") in ("finished", "stopped"):
+            return None
+        return self.previous[-1]
+
+    def resumed(self, step: int) -> None:
+        """This attempt starts at `step`: the previous attempt's steps after it that it had recorded are redone
+        (their time moves from its productive time), and the time between its last record and this attempt's start
+        was lost to the restart."""
         self.attempt["first_step"] = self.attempt["last_step"] = step
-        if not self.previous or self.previous[-1].get("ended") == "finished":
+        last = self._interrupted()
+        if last is None:
             return
-        last = self.previous[-1]
-        done = last["last_step"] - last["first_step"]
-        redone = max(0, max(last["last_step"], last_logged) - step)
+        done, redone = last["last_step"] - last["first_step"], max(0, last["last_step"] - step)
         self.attempt["redone_steps"] = redone
         self.attempt["badput"]["redone"] = redone * last["productive"] / done if done > 0 else 0.0
         self.attempt["badput"]["restart"] = max(0.0, self.attempt["started"] - last["updated"])
+
+    def logged(self, last_logged: int) -> None:
+        """The metrics log's newest record before this start: steps of the previous attempt past its last record
+        here, also redone (their time is in `restart`, where the ledger did not see them)."""
+        if self._interrupted() is not None:
+            self.attempt["redone_steps"] = max(self.attempt["redone_steps"],
+                                               last_logged - self.attempt["first_step"])
 
     def loop_started(self) -> None:
         self._loop_began = time.perf_counter()
@@ -142,6 +162,9 @@ class Ledger:
         if now - self._written > WRITE_EVERY_S:
             self.write()
             self._written = now
+        if now - self._synced > storage.SYNC_EVERY_S:  # a gs:// run directory's copy, with the metrics'
+            self.sync()
+            self._synced = now
 
     def write(self) -> None:
         """This attempt's record, written beside the earlier ones (atomically: a kill leaves the old file or the
@@ -149,8 +172,14 @@ class Ledger:
         self.attempt["updated"] = time.time()
         path = self.mirror.local / self.name
         temporary = path.with_suffix(".json.tmp")
-        temporary.write_text(json.dumps({"attempts": [*self.previous, self.attempt]}, indent=1))
-        Path(temporary).replace(path)
+        try:
+            temporary.write_text(json.dumps({"attempts": [*self.previous, self.attempt]}, indent=1))
+            Path(temporary).replace(path)
+        except OSError as e:  # a full or vanished disk: say so once, and train on
+            if not self._warned:
+                print(f"warning: cannot write {path} ({e.strerror}); goodput is not recorded meanwhile",
+                      file=sys.stderr, flush=True)
+                self._warned = True
 
     def sync(self) -> None:
         """Uploaded to a gs:// run directory (a local one has it already)."""

@@ -17,8 +17,7 @@ import jax
 from scaletrain.store import storage
 from scaletrain.train import goodput
 
-# Seconds between uploads of a gs:// run directory's metrics files.
-SYNC_EVERY_S = 60
+SYNC_EVERY_S = storage.SYNC_EVERY_S
 
 
 class StepClock:

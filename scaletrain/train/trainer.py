@@ -298,6 +298,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
         iterator.set_state(data_state)
         origin = f"resumed at step {start}"
     ledger.started("restore" if restored is not None else "startup")
+    ledger.resumed(start)
     # The run proceeds: only now is anything in the run directory changed.
     ckpt.set_aside_damaged()
     if main:
@@ -334,7 +335,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     if main:  # which peak MFU divides by: measured now, or cached and when
         print(f"scaletrain: {hardware.peak_note(jax.devices(), cfg.hardware.peak_flops_per_device, *mix)}", flush=True)
     log = MetricsLog(cfg.run_dir, cfg.steps, start, enabled=main)
-    ledger.resumed(start, log.last_logged)
+    ledger.logged(log.last_logged)
     hang = cfg.train.hang
     watchdog = Watchdog(cfg.run_dir, jax.process_index(), hang.factor, hang.seconds, hang.exit)
     clock = StepClock(start)
@@ -368,9 +369,9 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     step, pending, stop = start, None, False
     profiler = Profiler(cfg)
     try:
+        ledger.started("startup")
         with ledger.timing("data"):
             batch = setup.put_batch(next(iterator))
-        ledger.started("startup")
         ledger.loop_started()
         while step < cfg.steps and not stop and diverged is None:
             profiler.before(step + 1)

@@ -44,9 +44,14 @@ class Watchdog:
             self._dumped = False
 
     def step_time(self, seconds: float) -> None:
-        self._times.append(seconds)
+        with self._lock:
+            self._times.append(seconds)
 
     def threshold(self) -> float:
+        with self._lock:
+            return self._threshold()
+
+    def _threshold(self) -> float:
         times = sorted(self._times)
         return max(self.seconds, self.factor * times[len(times) // 2]) if times else self.seconds
 
@@ -56,7 +61,7 @@ class Watchdog:
                 if self._phase is None or self._dumped:
                     continue
                 phase, step, since = self._phase
-                waited, limit = time.monotonic() - since, self.threshold()
+                waited, limit = time.monotonic() - since, self._threshold()
                 if waited <= limit:
                     continue
                 self._dumped = True
