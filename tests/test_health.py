@@ -40,12 +40,20 @@ def test_totals_move_redone_work_to_badput_and_add_up_to_the_wall_time():
     assert goodput.describe(total).startswith("goodput 56.4% of 55 s (badput: idle 18.2%, restart 9.1%, ")
 
 
-def test_a_finished_run_started_again_loses_nothing_between():
-    """A later start that raises `steps` continues a finished run: the days between are no restart."""
-    first = _attempt(0.0, 10.0, 0, 10, 10.0)
-    first["ended"] = "finished"
-    total = goodput.totals([first, _attempt(86400.0, 86410.0, 10, 20, 10.0)])
-    assert total["wall"] == pytest.approx(20.0) and total["badput"]["restart"] == 0.0
+@pytest.mark.parametrize("ended", ["finished", "stopped", None])
+def test_a_finished_run_started_again_loses_nothing_between(tmp_path, ended):
+    """A later start that raises `steps` continues a finished run (or one stopped on a non-finite loss): the days
+    between are no restart, and nothing is redone; after a killed one (ended null) they are a restart."""
+    first = _attempt(time.time() - 86400.0, time.time() - 86390.0, 0, 10, 10.0)
+    first["ended"] = ended
+    (tmp_path / "goodput.json").write_text(json.dumps({"attempts": [first]}))
+    ledger = goodput.Ledger(str(tmp_path), 0, time.perf_counter())
+    ledger.resumed(8)
+    restart, redone = ledger.attempt["badput"]["restart"], ledger.attempt["badput"]["redone"]
+    if ended is None:
+        assert restart > 86000 and redone == pytest.approx(2.0) and ledger.attempt["redone_steps"] == 2
+    else:
+        assert restart == redone == 0.0 and ledger.attempt["redone_steps"] == 0
 
 
 @pytest.fixture(scope="module")

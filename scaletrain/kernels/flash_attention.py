@@ -129,10 +129,14 @@ def _make_splash(heads: int, seq_len: int, q_len: int, kernel: Splash, q_order: 
     return splash_kernel(mask, heads, q_len, seq_len, kernel, shards)
 
 
+def heads_first(x_bthd: jax.Array) -> jax.Array:
+    """[b, t, heads, d] <-> [b, heads, t, d]: splash takes [heads, seq, head_dim] per row."""
+    return x_bthd.transpose(0, 2, 1, 3)
+
+
 def _run_splash(splash, q_btnh, k_bskh, v_bskh, q_segments_bt, k_segments_bs) -> jax.Array:
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-    heads_first = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731 - splash takes [heads, seq, head_dim]
     out_bnth = jax.vmap(lambda q, k, v, q_seg, k_seg: splash(q, k, v, sa.SegmentIds(q_seg, k_seg)))(
         heads_first(q_btnh), heads_first(k_bskh), heads_first(v_bskh), q_segments_bt, k_segments_bs)
     return heads_first(out_bnth)

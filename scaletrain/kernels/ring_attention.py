@@ -187,9 +187,10 @@ class XlaBlocks:
         return self._scan(tile, None, (queries, stats))[1]
 
     def finish(self, shared, stats):
+        (q_tiles, *_), _ = shared
         out, top, total = (_untile(x) for x in stats)
         lse = top + jnp.log(total)  # every query sees at least itself: total > 0
-        return (out / total[..., None]).astype(shared[0][0].dtype), lse
+        return (out / total[..., None]).astype(q_tiles.dtype), lse
 
     def start_backward(self, q, q_seg, kv, out, lse, d_out):
         k, v, k_seg = kv

@@ -105,7 +105,8 @@ class SplashBlocks:
         return (q, q_seg), None, kv
 
     def merge(self, shared, stats, kv, step):
-        out_b, (lse_b,) = self._forward(step, *shared[:1], *kv[:2], shared[1], kv[2])
+        (q, q_seg), (k, v, k_seg) = shared, kv
+        out_b, (lse_b,) = self._forward(step, q, k, v, q_seg, k_seg)
         seen = lse_b > _UNSEEN
         lse_b = jnp.where(seen, lse_b, -jnp.inf)
         out_b = jnp.where(seen[..., None], out_b.astype(jnp.float32), 0.0)  # unseen rows: 0 / 0
@@ -135,8 +136,8 @@ class SplashBlocks:
                                                      res=residuals, do=d_out, **opts)
             return grads[3:6]
 
-        q, q_seg, out, lse, d_out = shared
-        dq_b, dk_b, dv_b = jax.vmap(one)(q, *kv[:2], q_seg, kv[2], out, lse, d_out)
+        (q, q_seg, out, lse, d_out), (k, v, k_seg) = shared, kv
+        dq_b, dk_b, dv_b = jax.vmap(one)(q, k, v, q_seg, k_seg, out, lse, d_out)
         f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
         return dq + f32(dq_b), (dkv[0] + f32(dk_b), dkv[1] + f32(dv_b))
 
@@ -147,7 +148,7 @@ class SplashBlocks:
 def ring_splash_attention(kernels: list, q_btnh, k_btkh, v_btkh, segments_bt, axes: tuple[str, ...]):
     """One device's share of ring attention through splash (inside shard_map over the sequence's mesh `axes`):
     its queries [b, t, n, h] (already scaled), keys and values [b, t, kv, h] and segment ids [b, t]."""
-    heads_first = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731 - splash takes [heads, seq, head_dim]
+    heads_first = flash_attention.heads_first
     segments_bt = segments_bt.astype(jnp.int32)
     out = ring(SplashBlocks(kernels), heads_first(q_btnh), heads_first(k_btkh), heads_first(v_btkh), segments_bt,
                segments_bt, len(kernels), axes)

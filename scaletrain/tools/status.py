@@ -12,7 +12,6 @@ import math
 import os
 import socket
 import time
-from pathlib import Path
 
 import yaml
 
@@ -63,11 +62,11 @@ def _holder(run_dir) -> dict | None:
     if storage.is_remote(str(run_dir)):
         holder["alive"] = time.time() - holder.get("heartbeat", 0) < STALE_AFTER_S
     else:
-        holder["alive"] = _flocked(path)
+        holder["alive"] = _flocked(path, holder)
     return holder
 
 
-def _flocked(path) -> bool:
+def _flocked(path, holder: dict) -> bool:
     """Whether some process holds a flock on `path`, read from the kernel's table (/proc/locks) rather than by
     trying to take one, which could make a run starting at that moment find its directory in use. Without the
     table: whether the holder's pid lives, where it is of this host."""
@@ -76,7 +75,6 @@ def _flocked(path) -> bool:
         with open("/proc/locks") as f:
             table = f.read().splitlines()
     except OSError:
-        holder = json.loads(Path(path).read_text())
         return holder.get("host") != socket.gethostname() or _pid_lives(holder.get("pid"))
     return any(len(fields) > 5 and fields[1] == "FLOCK" and fields[5].endswith(f":{inode}")
                for fields in (line.split() for line in table))

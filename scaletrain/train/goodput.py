@@ -5,16 +5,17 @@ stepping (productive), and badput by cause - start-up (building the model, the d
 restore (or initialisation), data (the host making a batch while the devices had finished their step and waited:
 an upper bound), evaluation, checkpoint (the blocking part of a save, and the wait for the last one), and idle
 (the rest: shutting down, writing the summary). It is written, whole and atomically, to RUN_DIR/goodput.json (process
-0; process p > 0 to goodput.p.json) at every metrics record, and uploaded to a gs:// run directory with the
-metrics.
+0; process p > 0 to goodput.p.json) every WRITE_EVERY_S of stepping, at each checkpoint and at the end, and
+uploaded to a gs:// run directory every minute and at each checkpoint.
 
 An attempt that resumes a killed one finds what the kill cost: the steps the killed attempt finished after the
-checkpoint this one restores are done again (`redone`: that many steps at the killed attempt's mean step time,
-taken from its productive time), and the time from the killed attempt's last record to this attempt's start
-(`restart`: the scheduler's delay, the process start, and whatever the killed attempt did after its last record)
-is lost - unless that attempt finished (a later start that raises `steps` continues a finished run: the time
-between is nobody's). Over all attempts the causes and the productive time add up to the wall time: each attempt's
-from its start to its last record, and the restarts between them."""
+checkpoint this one restores are done again (`redone`: those it had recorded, at its mean step time, taken from
+its productive time; `redone_steps` counts also those after its last record, from metrics.jsonl), and the time
+from the killed attempt's last record to this attempt's start (`restart`: the scheduler's delay, the process
+start, and whatever the killed attempt did after its last record) is lost - unless that attempt finished or
+stopped on a non-finite loss (a later start that raises `steps` continues a finished run: the time between is
+nobody's). Over all attempts the causes and the productive time add up to the wall time: each attempt's from its
+start to its last record, and the restarts between them."""
 
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ def read(run_dir: str | os.PathLike, process: int = 0) -> list[dict]:
 
 
 def totals(attempts: list[dict]) -> dict:
-    """Wall time from the first attempt's start to the last record, the productive seconds, badput by cause (each
-    attempt's idle: its wall time less everything else), the steps redone and the share that was productive."""
+    """Wall time (each attempt's, from its start to its last record, and the restarts between them), the productive
+    seconds, badput by cause (each attempt's idle: its wall time less everything else), the steps redone and the
+    share that was productive."""
     badput = dict.fromkeys(CAUSES, 0.0)
     productive, redone_steps, wall_total = 0.0, 0, 0.0
     for attempt in attempts:
@@ -61,9 +63,8 @@ def totals(attempts: list[dict]) -> dict:
         own = attempt["productive"] + sum(s for c, s in attempt["badput"].items() if c not in ("redone", "restart"))
         badput["idle"] += max(0.0, wall - own)
         redone_steps += attempt.get("redone_steps", 0)
-    wall = wall_total
-    return {"wall": wall, "productive": productive, "badput": badput, "redone_steps": redone_steps,
-            "goodput": productive / wall if wall > 0 else 0.0, "attempts": len(attempts)}
+    return {"wall": wall_total, "productive": productive, "badput": badput, "redone_steps": redone_steps,
+            "goodput": productive / wall_total if wall_total > 0 else 0.0, "attempts": len(attempts)}
 
 
 def scalars(total: dict) -> dict[str, float]:
@@ -73,7 +74,7 @@ def scalars(total: dict) -> dict[str, float]:
 
 
 def describe(total: dict) -> str:
-    """'goodput 91.2% of 1h 02m; badput: compile 4.1%, ...' (the largest causes first)."""
+    """'goodput 91.2% of 3720 s (badput: compile 4.1%, ...)' (the three largest causes first)."""
     wall = total["wall"] or 1.0
     causes = sorted(((s, c) for c, s in total["badput"].items() if s > 0), reverse=True)
     lost = ", ".join(f"{c} {s / wall:.1%}" for s, c in causes[:3])
