@@ -59,7 +59,7 @@ def memory(seq_len: int, ring: bool) -> None:
     for context in (1, 2, 4, 8):
         setup = trainer.build(_config(seq_len, context, 1, *extra), jax.devices()[:context])
         start = time.perf_counter()
-        compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
+        compiled = setup.step.lower(*setup.abstract_args()).compile()
         seconds = time.perf_counter() - start
         mem = compiled.memory_analysis()
         temp = mem.temp_size_in_bytes / 2**20

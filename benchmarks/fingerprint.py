@@ -47,13 +47,13 @@ def cpu(args) -> None:
     setup = trainer.build(cfg)
     iterator = data.make_iterator(cfg, setup.batch_sharding)
     state = setup.init(jax.random.PRNGKey(0))
-    step = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
+    step = setup.step.lower(*setup.abstract_args()).compile()
     fingerprint = integrity.make(setup.abstract_state)
     jax.block_until_ready(fingerprint(state))  # compiled
-    holder = [state]
+    holder, no_ceiling = [state], setup.loss_ceiling()
 
     def train_step():
-        holder[0], metrics = step(holder[0], setup.put_batch(next(iterator)))
+        holder[0], metrics = step(holder[0], setup.put_batch(next(iterator)), no_ceiling)
         return metrics
 
     for _ in range(3):

@@ -4,9 +4,11 @@
 
 Trains configs/llama_tiny.yaml (8 simulated CPU devices) for N steps and takes its median step time from
 metrics.jsonl; then times, in a loop of 20,000 steps' worth, exactly the calls the training loop makes each step
-for goodput (the ledger's step record, the check whether the devices waited for a batch) and for the hang
-watchdog (four phase changes, a step time), and one write of goodput.json (made every 2 s). Prints each cost and
-their share of the step. The watchdog's own thread wakes every 0.5 s to compare two numbers: not timed.
+for goodput (the ledger's step record, the check whether the devices waited for a batch), for the hang watchdog
+(four phase changes, a step time), for the loss-spike rule (a step's ceiling from a full window of 100, its
+judgement) and for naming stragglers (a batch time, its mean, the check over 256 processes' times), and one write
+of goodput.json (made every 2 s). Prints each cost and their share of the step. The watchdog's own thread wakes
+every 0.5 s to compare two numbers: not timed.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def per_step_costs(run_dir: Path) -> dict[str, float]:
     import jax.numpy as jnp
 
     from scaletrain.train.goodput import Ledger
+    from scaletrain.train.spike import SpikeRule
+    from scaletrain.train.stragglers import BatchTimes, Stragglers
     from scaletrain.train.watchdog import Watchdog
 
     ledger, dog = Ledger(str(run_dir), 0, time.perf_counter()), Watchdog(str(run_dir), 0, 20.0, 600.0, False)
@@ -59,13 +63,29 @@ def per_step_costs(run_dir: Path) -> dict[str, float]:
                 dog.enter(phase, step)
             dog.step_time(0.03)
         watchdog = (time.perf_counter() - t0) / CALLS
+        rule = SpikeRule("warn", 2.0, 100)
+        for step in range(1, 102):
+            rule.judge(step, 3.0, applied=True)
+        t0 = time.perf_counter()
+        for step in range(103, 103 + CALLS):
+            rule.dispatched(step)
+            rule.judge(step - 1, 3.0, applied=True)
+        spike = (time.perf_counter() - t0) / CALLS
+        times, stragglers, pod = BatchTimes(), Stragglers(0.25), tuple(0.01 * (p % 7) for p in range(256))
+        t0 = time.perf_counter()
+        for step in range(CALLS):
+            times.add(0.01)
+            times.mean()
+            stragglers.check(step, pod, 1.0)
+        straggler = (time.perf_counter() - t0) / CALLS
         t0 = time.perf_counter()
         for _ in range(200):
             ledger.write()
         write = (time.perf_counter() - t0) / 200
     finally:
         dog.close()
-    return {"goodput per step": goodput, "watchdog per step": watchdog, "goodput.json write": write}
+    return {"goodput per step": goodput, "watchdog per step": watchdog, "spike rule per step": spike,
+            "stragglers per step": straggler, "goodput.json write": write}
 
 
 def main() -> None:
@@ -79,7 +99,7 @@ def main() -> None:
     # The write happens once per WRITE_EVERY_S of stepping: its share of a step is its time over those seconds.
     from scaletrain.train.goodput import WRITE_EVERY_S
 
-    per_step = costs["goodput per step"] + costs["watchdog per step"]
+    per_step = sum(seconds for name, seconds in costs.items() if name.endswith("per step"))
     share = per_step / step + costs["goodput.json write"] / WRITE_EVERY_S
     print(f"tiny CPU step (median of the last {args.steps - args.steps // 2}): {step * 1e3:.1f} ms")
     for name, seconds in costs.items():

@@ -87,15 +87,15 @@ def fed_step(cfg, workers: int, steps: int = 40) -> dict:
     from scaletrain.train import trainer
 
     setup = trainer.build(cfg)
-    step = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
+    step = setup.step.lower(*setup.abstract_args()).compile()
     state = setup.init(jax.random.PRNGKey(0))
     it = data.make_iterator(cfg, setup.batch_sharding, workers=workers)
-    waits, times = [], []
+    waits, times, no_ceiling = [], [], setup.loss_ceiling()
     for i in range(steps + 10):
         t0 = time.perf_counter()
         batch = next(it)
         t1 = time.perf_counter()
-        state, metrics = step(state, setup.put_batch(batch))
+        state, metrics = step(state, setup.put_batch(batch), no_ceiling)
         jax.block_until_ready(metrics)
         if i >= 10:  # after the workers' start and the first steps
             waits.append(t1 - t0)

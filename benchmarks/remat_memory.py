@@ -55,7 +55,7 @@ def main() -> int:
             setup = trainer.build(cfg, devices)
             t0 = time.perf_counter()
             try:
-                compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
+                compiled = setup.step.lower(*setup.abstract_args()).compile()
             except Exception as e:  # noqa: BLE001 - an out-of-memory compile is a result too
                 print(f"| {policy} | {offload} | does not compile: {str(e).splitlines()[0][:120]} |||||", flush=True)
                 continue

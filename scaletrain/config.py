@@ -109,7 +109,8 @@ def defaults() -> ml_collections.ConfigDict:
                 "profile_steps": 0,
                 "eval_every_steps": 0,
                 "eval_batches": 4,
-                "hang": {"factor": 20.0, "seconds": 600.0, "exit": False},
+                "hang": {"factor": 20.0, "seconds": 600.0, "exit": False, "straggler": 0.25},
+                "spike": {"action": "warn", "factor": 2.0, "window": 100, "limit": 3},
             },
             "optim": {
                 "learning_rate": 3e-3,
@@ -162,6 +163,7 @@ CHOICES = {
     **{f"remat.custom.{name}": remat.MODES for name in remat.NAMES},
     "data.source": ("stdlib", "synthetic", "files", "prepared"),
     "train.on_nonfinite": ("skip", "stop"),
+    "train.spike.action": ("off", "warn", "skip", "rollback"),
     "sharding.preset": ("fsdp", "dp", "zero1", "zero2"),
     "sharding.context_layout": CONTEXT_LAYOUTS,
     "pipeline.schedule": ("gpipe", "circular", "1f1b"),
@@ -175,8 +177,9 @@ _POSITIVE = (
     "train.log_every_steps", "train.eval_batches", "checkpoint.every_steps", "checkpoint.max_to_keep",
     "model.rope_original_max_position", "pipeline.repeats", "model.experts_per_token", "model.moe_every",
     "model.rope_theta", "model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
+    "train.spike.window", "train.spike.limit",
 )
-_NON_NEGATIVE = ("seed", "pipeline.microbatches", "train.hang.factor", "train.hang.seconds",
+_NON_NEGATIVE = ("seed", "pipeline.microbatches", "train.hang.factor", "train.hang.seconds", "train.hang.straggler",
                  "train.profile_start", "train.profile_steps", "train.eval_every_steps", "data.workers",
                  "checkpoint.every_minutes", "model.attention_block", "model.logits_block", "optim.learning_rate",
                  "optim.warmup_steps", "optim.schedule_steps", "optim.weight_decay", "optim.eps",
@@ -343,6 +346,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     for key in _UNIT_INTERVAL:
         if not 0 <= get(cfg, key) <= 1:
             raise ConfigError(f"{key} must be in [0, 1], got {get(cfg, key)}")
+    if cfg.train.spike.factor <= 1:
+        raise ConfigError(f"train.spike.factor must be > 1 (a loss this many times the running median is a spike), "
+                          f"got {cfg.train.spike.factor}")
     for key in flat_keys(cfg.mesh):
         degree = cfg.mesh[key]
         if degree == 0 or degree < -1:

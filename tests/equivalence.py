@@ -115,7 +115,7 @@ def run(batches: Sequence[dict], *overrides: str, devices: Sequence[jax.Device] 
     step = compiled_step(setup)
     metrics = []
     for batch in batches:
-        state, step_metrics = step(state, setup.put_batch(batch))
+        state, step_metrics = step(state, setup.put_batch(batch), setup.loss_ceiling())
         metrics.append(_metrics_on_host(step_metrics))
     state = setup.to_disk(state)
     host = jax.device_get(state)
@@ -133,14 +133,15 @@ def from_run_dir(run_dir: str | os.PathLike) -> Run:
 
     run_dir = Path(run_dir)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    metrics = [{k: v for k, v in json.loads(line).items() if isinstance(v, (int, float))} for line in lines]
+    metrics = [{k: v for k, v in record.items() if isinstance(v, (int, float))}
+               for record in map(json.loads, lines) if "event" not in record]  # a straggler named is no step
     one_device = [f"mesh.{dcn}{a}=1" for dcn in ("", "dcn_") for a in MESH_AXES] + [
         "pipeline.schedule=gpipe", "pipeline.microbatches=0", "pipeline.repeats=1"]
     cfg = config.load(run_dir / "config.yaml", one_device)
     setup = trainer.build(cfg, jax.devices()[:1])
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.max_to_keep, async_save=False)
     try:
-        step, state, _ = ckpt.restore_latest(setup.abstract_state)
+        step, state, _, _ = ckpt.restore_latest(setup.abstract_state)
     finally:
         ckpt.close()
     assert step == metrics[-1]["step"], f"{run_dir}: newest checkpoint at step {step}, metrics to {metrics[-1]}"
@@ -153,7 +154,7 @@ def compiled_step(setup) -> Any:
     COMPILER_OPTIONS - for tests that drive a step themselves, and for those that read the compiled program's HLO
     or memory analysis, which LLVM's level leaves unchanged (checked on jax 0.12: identical text and
     memory_analysis at the default level and at 0 for fsdp x tensor, a remat'd pipeline and optimizer offload)."""
-    return setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile(COMPILER_OPTIONS)
+    return setup.step.lower(*setup.abstract_args()).compile(COMPILER_OPTIONS)
 
 
 def start(setup, *overrides: str) -> Any:

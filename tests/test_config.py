@@ -51,6 +51,9 @@ def test_unknown_key_names_the_closest_valid_key(tmp_path):
     ("train.global_batch=1073741824", "train.global_batch x data.seq_len = 1073741824 x 256 = 274877906944 tokens "
                                       "a step, over 2\\*\\*31 - 1"),
     ("optim.learning_rate=1e39", "optim.learning_rate must be <= 3.403e\\+38 \\(the largest float32"),
+    ("train.spike.factor=1", "train.spike.factor must be > 1"),
+    ("train.spike.action=restart", "train.spike.action must be one of off, warn, skip, rollback"),
+    ("train.spike.window=0", "train.spike.window must be > 0"),
 ])
 def test_bad_values_are_config_errors(override, message):
     with pytest.raises(ConfigError, match=message):

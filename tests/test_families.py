@@ -112,10 +112,10 @@ def test_a_family_registered_from_outside_trains_and_evaluates(toy):
     # the compile time).
     key, options = jax.random.PRNGKey(0), equivalence.COMPILER_OPTIONS
     state = setup.init.lower(key).compile(options)(key)
-    step = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile(options)
+    step = setup.step.lower(*setup.abstract_args()).compile(options)
     losses = []
     for batch in batches[:STEPS]:
-        state, metrics = step(state, batch)
+        state, metrics = step(state, batch, setup.loss_ceiling())
         losses.append(float(metrics["loss"]))
     assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]
     eval_step = setup.eval_step.lower(setup.abstract_state.params, setup.abstract_batch()).compile(options)

@@ -105,7 +105,7 @@ def test_remat_policies_see_the_kernels_residuals(policy, forward_kernels):
         "model.attention=flash", "model.dtype=bfloat16", "mesh.fsdp=4", f"remat.policy={policy}",
         "remat.custom.attention_out=device"])
     setup = trainer.build(cfg, aot.topology_devices("v5p:2x2x1"))
-    text = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile().as_text()
+    text = setup.step.lower(*setup.abstract_args()).compile().as_text()
     kernels = [line for line in text.splitlines() if "custom-call(" in line and "tpu_custom_call" in line]
     assert len(kernels) == forward_kernels + 2  # and dq, dkv
     assert sum("splash_mha_fwd" in line for line in kernels) == forward_kernels

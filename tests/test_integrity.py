@@ -33,7 +33,7 @@ def saved(tmp_path_factory, batches):
     ckpt = Checkpointer(directory, max_to_keep=5, async_save=False)
     arrays = {}
     for step, batch in enumerate(batches, start=1):
-        state, _ = train_step(state, setup.put_batch(batch))
+        state, _ = train_step(state, setup.put_batch(batch), setup.loss_ceiling())
         arrays[step] = jax.device_get(state)
         ckpt.save(step, state, {"next_sample": 8 * step}, trainer.checkpoint_metadata(setup))
     ckpt.wait()
@@ -91,7 +91,7 @@ def test_garbled_bytes_in_any_file_are_caught_or_harmless(saved, tmp_path, capsy
             shutil.copytree(directory, copy)
             _garble(copy / "2" / name, offset, rng)
             ckpt = Checkpointer(copy, max_to_keep=5, async_save=False)
-            step, state, data = ckpt.restore_latest(setup.abstract_state)
+            step, state, data, _ = ckpt.restore_latest(setup.abstract_state)
             ckpt.set_aside_damaged()
             ckpt.close()
             warning = capsys.readouterr().err
@@ -123,7 +123,7 @@ def test_a_step_resumed_from_is_kept_and_damaged_ones_are_never_deleted(saved, t
     _edit_meta(tmp_path / "checkpoints" / "2", lambda m: m["integrity"]["state"].update(
         {".params['embed']['table']": "0" * 16}))
     ckpt = Checkpointer(tmp_path / "checkpoints", max_to_keep=2, async_save=False)
-    step, state, _ = ckpt.restore_latest(setup.abstract_state)
+    step, state, _, _ = ckpt.restore_latest(setup.abstract_state)
     assert step == 1 and "step 2 is damaged: 1 array differs from its fingerprint" in capsys.readouterr().err
     ckpt.set_aside_damaged()
     for later in range(3, 7):
@@ -151,7 +151,7 @@ def test_a_checkpoint_without_fingerprints_is_restored_with_a_warning(saved, tmp
     shutil.copytree(directory, tmp_path / "checkpoints")
     _edit_meta(tmp_path / "checkpoints" / "2", lambda m: m.pop("integrity"))
     ckpt = Checkpointer(tmp_path / "checkpoints", max_to_keep=5, async_save=False)
-    step, state, _ = ckpt.restore_latest(setup.abstract_state)
+    step, state, _, _ = ckpt.restore_latest(setup.abstract_state)
     ckpt.close()
     assert step == 2 and "restored unverified" in capsys.readouterr().err
     _assert_equal(state, arrays[2])

@@ -141,11 +141,11 @@ def test_fused_loss_trains_like_the_plain_path_on_8_devices(monkeypatch):
         monkeypatch.setattr("scaletrain.train.loss.FUSED_LOSS", fused)
         setup = trainer.build(cfg, jax.devices())
         state = setup.init(jax.random.PRNGKey(0))
-        lowered = setup.step.lower(setup.abstract_state, setup.abstract_batch())
+        lowered = setup.step.lower(*setup.abstract_args())
         hlo, step = lowered.as_text(), lowered.compile(equivalence.COMPILER_OPTIONS)  # as tests/equivalence.py
         losses = []
         for batch in batches:
-            state, metrics = step(state, setup.put_batch(batch))
+            state, metrics = step(state, setup.put_batch(batch), setup.loss_ceiling())
             losses.append(float(metrics["loss"]))
         return losses, jax.device_get(state.params), hlo
 

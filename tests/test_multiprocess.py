@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from scaletrain.tools import status
 from tests import equivalence
 from tests.conftest import ROOT, run_main, tiny_overrides
 
@@ -25,7 +26,8 @@ def _args(run_dir, **extra):
 
 
 def _losses(run_dir):
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "event" not in r]  # a straggler named is an event among the steps
 
 
 def _free_port():
@@ -133,7 +135,8 @@ def test_preempted_then_killed_two_process_run_resumes_bitwise(tmp_path, two_pro
 def test_a_stalled_process_is_dumped_and_names_itself(two_processes):
     """Process 1's data source slept 10 s making step 6's batch. Past the 3 s threshold its watchdog dumped every
     thread's stack, its own sleeping frame among them, saying `data`; process 0, waiting in the step's collectives
-    for it, says `step`. Neither exited (train.hang.exit is false): the run finished (docs/health.md)."""
+    for it, says `step`. Neither exited (train.hang.exit is false): the run finished (docs/health.md). Process 1 is
+    named the straggler."""
     tmp_path, _, stderr = two_processes
     stalled = tmp_path / "hangs" / "process-1-step-6-data.txt"
     assert "warning: process 1 on " in stderr[1] and "has been in data for step 6" in stderr[1]
@@ -143,6 +146,15 @@ def test_a_stalled_process_is_dumped_and_names_itself(two_processes):
     # Process 0 waited for it in step 6 (a save slowed by the machine's load may have crossed 3 s too).
     others = [p.name for p in (tmp_path / "hangs").iterdir() if p.name.startswith("process-0-")]
     assert "process-0-step-6-step.txt" in others and not [name for name in others if name.endswith("-data.txt")]
+    # Its 10 s batch, a tenth of its mean batch time over ten steps, put it far behind process 0: named a
+    # straggler once, by process 0 and, with its host, by itself, and in metrics.jsonl.
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"event"' in line]
+    assert [(e["event"], e["process"]) for e in events] == [("straggler", 1)]
+    assert events[0]["batch_s"] > 0.9 and events[0]["median_batch_s"] < 0.5
+    assert events[0]["batch_s"] - events[0]["median_batch_s"] > 0.25 * events[0]["step_time_s"]  # the default share
+    assert "process 1 is the straggler" in stderr[0] and "this process (1 on " in stderr[1]
+    health = status.status(str(tmp_path))["health"]
+    assert [e["process"] for e in health["stragglers"]] == [1] and stalled.name in health["hangs"]
 
 
 def test_distributed_flags_go_together(tmp_path, capfd):

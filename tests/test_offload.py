@@ -83,7 +83,7 @@ def test_a_nonfinite_step_changes_no_offloaded_state(batches):
     before = jax.device_get((start.params, start.opt_state))
     poisoned = {k: v.copy() for k, v in batches[0].items()}
     poisoned["loss_mask"][3, 5] = np.nan
-    state, metrics = equivalence.compiled_step(setup)(start, setup.put_batch(poisoned))
+    state, metrics = equivalence.compiled_step(setup)(start, setup.put_batch(poisoned), setup.loss_ceiling())
     assert float(metrics["update_skipped"]) == 1.0
     for a, b in zip(jax.tree.leaves(jax.device_get((state.params, state.opt_state))), jax.tree.leaves(before)):
         np.testing.assert_array_equal(a, b)

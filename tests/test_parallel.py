@@ -142,13 +142,13 @@ def test_a_nonfinite_update_is_dropped(batches):
     before = jax.device_get((start.params, start.opt_state))
     poisoned = dict(batches[0], loss_mask=batches[0]["loss_mask"].copy())
     poisoned["loss_mask"][3, 5] = np.nan
-    state, metrics = step(start, setup.put_batch(poisoned))
+    state, metrics = step(start, setup.put_batch(poisoned), setup.loss_ceiling())
     assert np.isnan(metrics["loss"]) and float(metrics["update_skipped"]) == 1.0
     after = jax.device_get((state.params, state.opt_state))
     for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
         np.testing.assert_array_equal(a, b)
     assert int(state.step) == 1
-    state, metrics = step(state, setup.put_batch(batches[1]))
+    state, metrics = step(state, setup.put_batch(batches[1]), setup.loss_ceiling())
     assert np.isfinite(metrics["loss"]) and float(metrics["update_skipped"]) == 0.0
 
 

@@ -92,7 +92,7 @@ def test_a_checkpoint_restores_across_stage_counts(tmp_path):
         ckpt.close()
         setup = _setup(*overrides)
         ckpt = Checkpointer(tmp_path / str(i), max_to_keep=1, async_save=False)
-        _, state, _ = ckpt.restore_latest(setup.abstract_state)
+        _, state, _, _ = ckpt.restore_latest(setup.abstract_state)
         ckpt.close()
         state = setup.from_disk(state)
         w_up = state.params["layers"]["mlp"]["w_up"]

@@ -62,7 +62,7 @@ def test_the_compiled_tpu_step_multiplies_and_gathers_in_low_precision(topology,
     gradients, it does so in bf16 (the dot writes bf16: asked for its float32 accumulator, XLA scattered that)."""
     cfg = config.load("configs/llama_tiny.yaml", [f"model.quantization={mode}", "model.dtype=bfloat16"])
     setup = trainer.build(cfg, aot.devices_for(topology))
-    hlo = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile().as_text()
+    hlo = setup.step.lower(*setup.abstract_args()).compile().as_text()
     dots = _dots(hlo)
     assert sum(n for kinds, n in dots.items() if kinds in low) == 21, dots
     assert sum(n for kinds, n in dots.items() if kinds not in low) >= 4, dots  # attention and the head

@@ -72,7 +72,7 @@ def test_the_cost_estimates_unrolled_step_keeps_its_recomputation(pipelined):
 
     def lowered(unroll_loops):
         setup = trainer.build(cfg, jax.devices()[:2 if pipelined else 1], unroll_loops=unroll_loops)
-        return setup.step.lower(setup.abstract_state, setup.abstract_batch()).as_text()
+        return setup.step.lower(*setup.abstract_args()).as_text()
 
     assert "optimization_barrier" in lowered(True)
     assert "optimization_barrier" not in lowered(False)

@@ -32,11 +32,11 @@ def run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         propose, evaluate, calls = control.Control.propose, evaluation.Evaluator.__call__, []
 
-        def stalled(self):  # called once before the loop, then after each step's dispatch
+        def stalled(self, *args):  # called once before the loop, then after each step's dispatch
             calls.append(None)
             if len(calls) == STALL_AT + 1:
                 time.sleep(STALL_S)
-            return propose(self)
+            return propose(self, *args)
 
         def slow(self, params):
             if not hasattr(self, "slowed"):

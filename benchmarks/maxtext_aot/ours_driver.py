@@ -99,7 +99,7 @@ def main() -> None:
         res["layers"] = cfg.model.num_layers
         setup = trainer.build(cfg, devices, unroll_loops=args.unrolled_layers is not None)
         res["mesh"] = {k: int(v) for k, v in setup.mesh.shape.items() if v > 1}
-        common.compile_into(res, lambda: setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile(
+        common.compile_into(res, lambda: setup.step.lower(*setup.abstract_args()).compile(
             options), args.out)
     except SystemExit:
         pass

@@ -77,7 +77,7 @@ def unrolled_cost(cfg, devices) -> dict[str, float]:
 
     setup = trainer.build(cfg, devices, unroll_loops=True)
     options = _NO_WINDOWED_EINSUM if devices[0].platform == "tpu" else None
-    return _cost(setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile(options))
+    return _cost(setup.step.lower(*setup.abstract_args()).compile(options))
 
 
 def _loop_corrected(cfg, devices, stages: int = 1) -> dict[str, float]:
@@ -115,7 +115,7 @@ def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
     setup = trainer.build(cfg, devices)
     start = time.perf_counter()
     try:
-        compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
+        compiled = setup.step.lower(*setup.abstract_args()).compile()
     except Exception as e:  # noqa: BLE001 - running out of HBM is a result, any other failure is not
         if "RESOURCE_EXHAUSTED" in str(e) or "Ran out of memory" in str(e):
             return _does_not_fit(topology, devices, _out_of_memory(str(e)), time.perf_counter() - start,

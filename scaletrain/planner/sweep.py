@@ -176,14 +176,14 @@ def _run(cfg, sweep: Sweep) -> dict:
     from scaletrain.train import trainer
 
     setup = trainer.build(cfg, jax.devices())
-    compiled = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
+    compiled = setup.step.lower(*setup.abstract_args()).compile()
     state = setup.init(jax.random.PRNGKey(cfg.seed))
     batches = data.make_iterator(cfg, setup.batch_sharding)
-    seconds, losses = [], []
+    seconds, losses, no_ceiling = [], [], setup.loss_ceiling()
     for _ in range(sweep.steps + 1):
         batch = setup.put_batch(next(batches))
         start = time.perf_counter()
-        state, metrics = compiled(state, batch)
+        state, metrics = compiled(state, batch, no_ceiling)
         losses.append(float(metrics["loss"]))  # waits for the step
         seconds.append(time.perf_counter() - start)
     step_time = statistics.median(seconds[1:])

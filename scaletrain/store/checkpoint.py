@@ -134,9 +134,10 @@ class Checkpointer:
                                                         data=ocp.args.JsonSave(data_state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
-    def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
-        """(step, state, data_state) from the newest readable and verified checkpoint, or None if there is none."""
-        steps = sorted(self.manager.all_steps(), reverse=True)
+    def restore_latest(self, abstract_state: Any, before: int | None = None) -> tuple[int, Any, dict, dict] | None:
+        """(step, state, data_state, metadata) from the newest readable and verified checkpoint (from before step
+        `before`, if given), or None if there is none."""
+        steps = sorted((s for s in self.manager.all_steps() if before is None or s < before), reverse=True)
         _silence_abandoned_reads()
         for step in steps:
             try:
@@ -155,7 +156,7 @@ class Checkpointer:
                 self._skip(step, problem, self.damaged)
                 continue
             self.protected.add(step)
-            return step, restored.state, dict(restored.data)
+            return step, restored.state, dict(restored.data), dict(restored.meta)
         if steps:
             raise CheckpointError(f"no readable checkpoint in {self.manager.directory} (tried steps "
                                   f"{', '.join(map(str, steps))}); nothing was changed; move the directory away "

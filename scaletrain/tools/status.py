@@ -1,8 +1,8 @@
 """`python -m scaletrain status RUN_DIR`: where a run is, read from its run directory alone (docs/health.md).
 
-Reads config.yaml, metrics.jsonl, goodput.json, run.lock and the checkpoints' list - never writes there, so it is
-safe beside a live run, on a finished one and on a gs:// run directory. The loss curves go to a small PNG (in the
-current directory by default) and a text sparkline."""
+Reads config.yaml, metrics.jsonl, goodput.json, run.lock, the checkpoints' list and the hang dumps' names - never
+writes there, so it is safe beside a live run, on a finished one and on a gs:// run directory. The loss curves go
+to a small PNG (in the current directory by default) and a text sparkline; health flags from the run's records."""
 
 from __future__ import annotations
 
@@ -100,6 +100,8 @@ def status(location: str) -> dict:
     total_steps = int(cfg["steps"])
     tokens_per_step = int(cfg["train"]["global_batch"]) * int(cfg["data"]["seq_len"])
     records = _records(run_dir)
+    events = [r for r in records if "event" in r]
+    records = [r for r in records if "event" not in r]
     step = records[-1]["step"] if records else 0
     times = sorted(r["step_time_s"] for r in records[-ETA_WINDOW:] if "step_time_s" in r)
     holder = _holder(run_dir)
@@ -118,7 +120,40 @@ def status(location: str) -> dict:
         "last_record_age_s": time.time() - attempts[-1]["updated"] if attempts else None,
         "goodput": goodput.totals(attempts) if attempts else None,
         "losses": [(r["step"], r["loss"]) for r in records if "loss" in r],
+        "health": _health(run_dir, records, events),
     }
+
+
+def _health(run_dir, records: list[dict], events: list[dict]) -> dict:
+    """What went wrong, as the run recorded it: loss spikes and what was done (train.spike.*), non-finite updates
+    dropped, stragglers named, hang dumps written (docs/health.md)."""
+    hangs = run_dir / "hangs"
+    return {
+        "loss_spikes": [e for e in events if e["event"].startswith("loss_spike_")],
+        "nonfinite_steps": [r["step"] for r in records
+                            if r.get("update_skipped") and not math.isfinite(r.get("loss", math.nan))],
+        "stragglers": [e for e in events if e["event"] == "straggler"],
+        "hangs": sorted(p.name for p in hangs.iterdir()) if hangs.exists() else [],
+    }
+
+
+def _health_line(health: dict) -> str:
+    flags = []
+    if health["loss_spikes"]:
+        spikes, newest = health["loss_spikes"], health["loss_spikes"][-1]
+        actions = {e["event"].removeprefix("loss_spike_") for e in spikes}
+        flags.append(f"{len(spikes)} loss spike(s) ({', '.join(sorted(actions))}; newest at step {newest['step']}: "
+                     f"loss {newest['loss']:.4f}, {newest['loss'] / newest['median']:.2f}x the median)")
+    if health["nonfinite_steps"]:
+        steps = health["nonfinite_steps"]
+        flags.append(f"{len(steps)} non-finite update(s) dropped (newest at step {steps[-1]})")
+    if health["stragglers"]:
+        named = health["stragglers"][-1]
+        flags.append(f"straggler: process {named['process']} at step {named['step']} (batches "
+                     f"{named['batch_s']:.2f} s a step, the others {named['median_batch_s']:.2f} s)")
+    if health["hangs"]:
+        flags.append(f"{len(health['hangs'])} hang dump(s) in hangs/ (newest {health['hangs'][-1]})")
+    return "  health: " + ("; ".join(flags) if flags else "ok")
 
 
 def plot(report: dict, path: str | os.PathLike) -> None:
@@ -161,4 +196,5 @@ def describe(report: dict) -> str:
     if r["goodput"]:
         total = r["goodput"]
         lines.append(f"  {goodput.describe(total)}; {total['attempts']} start(s), {total['redone_steps']} steps redone")
+    lines.append(_health_line(r["health"]))
     return "\n".join(lines)

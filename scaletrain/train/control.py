@@ -2,9 +2,10 @@
 
 A SIGTERM may reach one host of a pod before the others, and the hosts' clocks disagree about when
 `checkpoint.every_minutes` has passed. If hosts acted on their own view, one would save or leave while the
-others wait in a collective forever. So after each step every process proposes its flags, one tiny
-max-reduction over all devices agrees on them, and the loop reads the agreed flags one step later, as it
-reads the metrics: the reduction has finished by then, so agreement never stalls the device.
+others wait in a collective forever. So after each step every process proposes its flags, one tiny gather over
+all devices agrees on them, and the loop reads the agreed flags one step later, as it reads the metrics: the
+gather has finished by then, so agreement never stalls the device. The same gather tells every process how long
+each one takes to make its batches, so a straggler is named (stragglers.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import signal
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -39,6 +39,7 @@ class Preemption:
 class Decision:
     stop: bool  # some process was asked to stop: save this step, then leave
     save: bool  # the save timer of process 0 has run out
+    batch_s: tuple[float, ...] = ()  # each process's seconds making a batch (its recent mean), by process index
 
 
 class Control:
@@ -47,26 +48,30 @@ class Control:
         self._interval_s = every_minutes * 60 if every_minutes else None
         self._timer_start = time.monotonic()
         self._main = jax.process_index() == 0
-        # One [1, 2] row per device; the max over rows is each flag OR-ed over all processes.
+        # One [1, 3] row per device - the two flags and its process's batch time -, gathered whole on every device:
+        # the max over rows is each flag OR-ed over all processes, and each process's time is in its rows.
         self._sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
         self._local_devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-        self._reduce = jax.jit(lambda rows: jnp.max(rows, axis=0), out_shardings=replicated(mesh))
-        self._shape = (mesh.devices.size, 2)
+        self._process_of_row = np.array([d.process_index for d in mesh.devices.flat])
+        self._gather = jax.jit(lambda rows: rows, out_shardings=replicated(mesh))
+        self._shape = (mesh.devices.size, 3)
 
-    def propose(self) -> jax.Array:
-        """Dispatch this process's flags for agreement; `decide` reads the result."""
+    def propose(self, batch_s: float = 0.0) -> jax.Array:
+        """Dispatch this process's flags and batch time for agreement; `decide` reads the result."""
         save = False
         if self._main and self._interval_s is not None and time.monotonic() - self._timer_start >= self._interval_s:
             save, self._timer_start = True, time.monotonic()
-        row = np.array([[self._preemption.requested, save]], np.int32)
+        row = np.array([[self._preemption.requested, save, batch_s]], np.float32)
         rows = jax.make_array_from_single_device_arrays(
             self._shape, self._sharding, [jax.device_put(row, d) for d in self._local_devices])
-        return self._reduce(rows)
+        return self._gather(rows)
 
-    @staticmethod
-    def decide(agreed: jax.Array) -> Decision:
-        stop, save = np.asarray(jax.device_get(agreed)).tolist()
-        return Decision(stop=bool(stop), save=bool(save))
+    def decide(self, agreed: jax.Array) -> Decision:
+        rows = np.asarray(jax.device_get(agreed))
+        stop, save = (rows[:, :2].max(axis=0) > 0).tolist()
+        batch_s = np.zeros(self._process_of_row.max() + 1)
+        np.maximum.at(batch_s, self._process_of_row, rows[:, 2])
+        return Decision(stop=bool(stop), save=bool(save), batch_s=tuple(batch_s.tolist()))
 
     def saved(self) -> None:
         """A checkpoint was just saved: the save timer starts again."""

@@ -3,7 +3,8 @@
 Each start of `train.py` on a run directory is an attempt. A process keeps a ledger of its attempt: seconds spent
 stepping (productive), and badput by cause - start-up (building the model, the data and the devices), compile,
 restore (or initialisation), data (the host making a batch while the devices had finished their step and waited:
-an upper bound), evaluation, checkpoint (the blocking part of a save, and the wait for the last one), and idle
+an upper bound), evaluation, checkpoint (the blocking part of a save, and the wait for the last one), rollback
+(a loss spike's: the steps done in vain and the restore), and idle
 (the rest: shutting down, writing the summary). It is written, whole and atomically, to RUN_DIR/goodput.json (process
 0; process p > 0 to goodput.p.json) every WRITE_EVERY_S of stepping, at each checkpoint and at the end, and
 uploaded to a gs:// run directory every minute and at each checkpoint.
@@ -29,9 +30,10 @@ from pathlib import Path
 from scaletrain.store import storage
 
 # Badput by cause, in the order they are reported.
-CAUSES = ("startup", "compile", "restore", "data", "evaluation", "checkpoint", "redone", "restart", "idle")
+CAUSES = ("startup", "compile", "restore", "data", "evaluation", "checkpoint", "rollback", "redone", "restart",
+          "idle")
 # Causes timed inside the training loop, whose time is taken out of the loop's (productive) time.
-_IN_LOOP = ("data", "evaluation", "checkpoint")
+_IN_LOOP = ("data", "evaluation", "checkpoint", "rollback")
 # Seconds between two writes of the ledger while steps run (a write is a few hundred microseconds).
 WRITE_EVERY_S = 2.0
 
@@ -150,6 +152,14 @@ class Ledger:
         if self._interrupted() is not None:
             self.attempt["redone_steps"] = max(self.attempt["redone_steps"],
                                                last_logged - self.attempt["first_step"])
+
+    def rolled_back(self, step: int, seconds: float) -> None:
+        """The run went back to `step` (a loss spike's rollback, docs/health.md), restoring it in `seconds`: the
+        steps done after it were in vain, at this attempt's mean step time."""
+        done, lost = self.attempt["last_step"] - self.attempt["first_step"], self.attempt["last_step"] - step
+        self.spend("rollback", seconds + (lost * self.attempt["productive"] / done if done > 0 else 0.0))
+        self.attempt["last_step"] = step
+        self.attempt["first_step"] = min(self.attempt["first_step"], step)
 
     def loop_started(self) -> None:
         self._loop_began = time.perf_counter()

@@ -156,13 +156,17 @@ class MetricsLog:
             self.tb = SummaryWriter(str(self.mirror.local / "tb"), flush_secs=10)
 
     def _truncate_after(self, step: int) -> None:
-        """A resumed run redoes the steps after its checkpoint: drop their old records so each step has one."""
+        """A resumed (or rolled-back) run redoes the steps after its checkpoint: drop their old records so each
+        step has one. Events (records with an `event`: a loss spike, a straggler) happened, and stay."""
         if not self.path.exists():
             return
         kept = []
         for line in self.path.read_text().splitlines():
             try:
                 record = json.loads(line)
+                if "event" in record:
+                    kept.append(line)
+                    continue
                 self.last_logged = max(self.last_logged, record["step"])
                 if record["step"] <= step:
                     kept.append(line)
@@ -171,6 +175,22 @@ class MetricsLog:
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut short by a kill
         self.path.write_text("".join(k + "\n" for k in kept))
+
+    def rewind(self, step: int) -> None:
+        """The run rolled back to `step`: the records of the steps after it go (as at a resume)."""
+        if not self.enabled:
+            return
+        self.file.close()
+        self.evals = []
+        self._truncate_after(step)
+        self.file = self.path.open("a")
+        self.start_step, self.start_time = step, time.perf_counter()
+
+    def event(self, record: dict) -> None:
+        """A record of something that happened at a step (`record["event"]` names it), beside the step records."""
+        if self.enabled:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
 
     def log(self, record: dict) -> None:
         if not self.enabled:

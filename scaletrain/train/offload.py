@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from scaletrain.parallel.sharding import constrain_param, is_logical
-from scaletrain.train.optim import Update, keep_finite, scaled
+from scaletrain.train.optim import Update, kept, scaled
 
 
 def roles(logical_params: Any) -> Any:
@@ -87,7 +87,7 @@ def _num_layers(params: Any, param_roles: Any) -> int:
 
 
 def _streamed_update(tx: optax.GradientTransformation, param_roles: Any, opt_state_roles: Any, params_on_host: bool,
-                     grads: Any, grad_scale: jax.Array, finite: jax.Array, opt_state: Any,
+                     grads: Any, grad_scale: jax.Array, keep: jax.Array, opt_state: Any,
                      params: Any) -> tuple[Any, Any]:
     """optim.update's result a part at a time: the layers in a loop, then the whole leaves. Each part's
     moments (and parameters and gradients, when on the host) are copied in, updated, copied back."""
@@ -96,7 +96,7 @@ def _streamed_update(tx: optax.GradientTransformation, param_roles: Any, opt_sta
         p = to_device(_view(params, param_roles, layer))
         s = to_device(_view(opt_state, opt_state_roles, layer))
         updates, new_s = tx.update(g, s, p)
-        new_p, new_s = keep_finite(finite, (optax.apply_updates(p, updates), new_s), (p, s))
+        new_p, new_s = kept(keep, (optax.apply_updates(p, updates), new_s), (p, s))
         # Every part reads the step's starting "keep" leaves (Adam's count); the last part, the whole
         # leaves, writes them.
         return (_put(params, to_host(new_p) if params_on_host else new_p, param_roles, layer, keep=False),

@@ -130,22 +130,23 @@ def scaled(grads: Any, grad_scale: jax.Array) -> Any:
     return jax.tree.map(lambda g: g * grad_scale.astype(g.dtype), grads)
 
 
-def keep_finite(finite: jax.Array, new: Any, old: Any) -> Any:
-    """`new` where the step was finite, else `old`: a NaN/Inf never reaches parameters or moments."""
-    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+def kept(keep: jax.Array, new: Any, old: Any) -> Any:
+    """`new` where the step keeps its update, else `old`: a NaN/Inf (or a loss spike's update, skipped) never
+    reaches parameters or moments."""
+    return jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, old)
 
 
-def update(tx: optax.GradientTransformation, grads: Any, grad_scale: jax.Array, finite: jax.Array, opt_state: Any,
+def update(tx: optax.GradientTransformation, grads: Any, grad_scale: jax.Array, keep: jax.Array, opt_state: Any,
            params: Any) -> tuple[Any, Any]:
     """One optimizer update of the whole state on the device: (params, opt_state)."""
     updates, new_opt_state = tx.update(scaled(grads, grad_scale), opt_state, params)
-    return keep_finite(finite, (optax.apply_updates(params, updates), new_opt_state), (params, opt_state))
+    return kept(keep, (optax.apply_updates(params, updates), new_opt_state), (params, opt_state))
 
 
 @dataclasses.dataclass(frozen=True)
 class Update:
     """How the step updates the state: `on_device`, or offload.streamed when state lives in host memory."""
-    apply: Callable[..., tuple[Any, Any]]  # (grads, grad_scale, finite, opt_state, params) -> (params, opt_state)
+    apply: Callable[..., tuple[Any, Any]]  # (grads, grad_scale, keep, opt_state, params) -> (params, opt_state)
     norm: Callable[[Any], jax.Array] = optax.tree.norm
     # With parameters in host memory: the model's view of them, fetched to the device where used (their
     # gradients land in host memory).

@@ -56,14 +56,15 @@ def make_eval_step(graphdef: nnx.GraphDef, runner: Runner, fetch_params: Callabl
 
 def make_train_step(graphdef: nnx.GraphDef, runner: Runner, update: optim.Update, lr: optax.Schedule,
                     grad_clip_norm: float, grad_accum_steps: int, mesh, rules, grad_shardings: Any) -> Callable:
-    """`rules` is a sharding.Rules; `grad_shardings` places gradients per the preset (ZeRO-2: scattered)."""
+    """(state, batch, loss ceiling) -> (state, metrics). `rules` is a sharding.Rules; `grad_shardings` places
+    gradients per the preset (ZeRO-2: scattered)."""
     fetch_params = update.fetch_params or (lambda p: p)
     grad_fn = jax.value_and_grad(lambda p, b: objective(graphdef, fetch_params(p), b, runner), has_aux=True)
 
     def place(grads):
         return jax.lax.with_sharding_constraint(grads, grad_shardings)
 
-    def step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
+    def step(state: TrainState, batch: dict[str, jax.Array], loss_ceiling: jax.Array) -> tuple[TrainState, dict]:
         with use_rules(mesh, rules):
             if grad_accum_steps == 1:
                 (total, sums), grads = grad_fn(state.params, batch)
@@ -89,11 +90,12 @@ def make_train_step(graphdef: nnx.GraphDef, runner: Runner, update: optim.Update
         loss, grad_norm = sums["loss"] / count, update.norm(grads) / count
         # A NaN/Inf loss or gradient never reaches the parameters or Adam's moments: that update is dropped
         # (the trainer then goes on or stops, per train.on_nonfinite), so every checkpoint holds a good state.
-        finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+        # So is one whose loss is above the ceiling the trainer passes (train.spike.action=skip; else inf).
+        keep = jnp.isfinite(total) & jnp.isfinite(grad_norm) & (loss <= loss_ceiling)
         grad_scale = optim.clip_scale(grad_norm, grad_clip_norm) / count
-        params, opt_state = update.apply(grads, grad_scale, finite, state.opt_state, state.params)
+        params, opt_state = update.apply(grads, grad_scale, keep, state.opt_state, state.params)
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr(state.step),
-                   "update_skipped": (~finite).astype(jnp.float32)}
+                   "update_skipped": (~keep).astype(jnp.float32)}
         metrics |= nnx.merge(graphdef, state.params).aux_metrics(sums["aux"])
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=state.rng), metrics
 

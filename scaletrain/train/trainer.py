@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import functools
 import importlib.metadata
+import math
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -34,9 +35,10 @@ from scaletrain.store.run_lock import RunLock
 from scaletrain.train import goodput, layout, offload, optim
 from scaletrain.train.control import Control, Preemption
 from scaletrain.train.evaluation import Evaluator
-from scaletrain.train.metrics import MetricsLog, StepClock, summary
-from scaletrain.train.profiler import Profiler
+from scaletrain.train.loop import Loop
+from scaletrain.train.metrics import MetricsLog, summary
 from scaletrain.train.runner import Runner
+from scaletrain.train.spike import SpikeRule
 from scaletrain.train.step import TrainState, make_eval_step, make_train_step
 from scaletrain.train.watchdog import Watchdog
 
@@ -58,7 +60,7 @@ class Setup:
     abstract_state: TrainState  # ShapeDtypeStructs carrying their shardings
     batch_sharding: NamedSharding
     init: Callable[[jax.Array], TrainState]
-    step: Callable[[TrainState, dict], tuple[TrainState, dict]]
+    step: Callable[[TrainState, dict, jax.Array], tuple[TrainState, dict]]  # (state, batch, loss ceiling)
     eval_step: Callable[[Any, dict], tuple[jax.Array, jax.Array]]  # (params, batch) -> (loss sum, tokens)
     # The layer order checkpoints keep (canonical) <-> the one in memory (a circular pipeline's), of a state or of
     # its parameters alone, donating the reordered arrays; the identity for every other layout.
@@ -76,6 +78,16 @@ class Setup:
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         shape = (self.cfg.train.global_batch, self.cfg.data.seq_len)
         return {k: jax.ShapeDtypeStruct(shape, dt, sharding=self.batch_sharding) for k, dt in BATCH_KEYS.items()}
+
+    def abstract_args(self) -> tuple:
+        """The train step's arguments, as shapes: what it is lowered (compiled) for."""
+        return (self.abstract_state, self.abstract_batch(),
+                jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding.replicated(self.mesh)))
+
+    def loss_ceiling(self, value: float = math.inf) -> jax.Array:
+        """The train step's third argument: it drops the update of a step whose loss is above it (the loss-spike
+        rule's `skip`); inf, none. The same value on every process."""
+        return jax.make_array_from_callback((), sharding.replicated(self.mesh), lambda _: np.float32(value))
 
 
 def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool = False) -> Setup:
@@ -112,7 +124,7 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
         abstract_state=abstract_state,
         batch_sharding=batch_sharding,
         init=jax.jit(init, out_shardings=state_shardings),
-        step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+        step=jax.jit(step, in_shardings=(state_shardings, batch_sharding, sharding.replicated(mesh)),
                      out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0),
         eval_step=jax.jit(make_eval_step(lay.graphdef, lay.runner, update.fetch_params, mesh, rules),
                           in_shardings=(state_shardings.params, batch_sharding),
@@ -275,7 +287,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     ledger = goodput.Ledger(cfg.run_dir, jax.process_index(), began)  # reads the run's earlier attempts; writes later
     ledger.started("startup")
     t0 = time.perf_counter()
-    step_fn = setup.step.lower(setup.abstract_state, setup.abstract_batch()).compile()
+    step_fn = setup.step.lower(*setup.abstract_args()).compile()
     ledger.started("compile")
     compiled_memory = fit.compiled(step_fn.memory_analysis())
     if main:
@@ -289,13 +301,16 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     except BaseException:
         ckpt.close()
         raise
+    rule = SpikeRule(cfg.train.spike.action, cfg.train.spike.factor, cfg.train.spike.window)
     if restored is None:
         start = 0
         state, origin = _initial_state(cfg, setup)
+        origin_data = iterator.get_state()
     else:
-        start, state, data_state = restored
+        start, state, data_state, saved_meta = restored
         state = setup.from_disk(state)
         iterator.set_state(data_state)
+        rule.restore(saved_meta.get("spike"))
         origin = f"resumed at step {start}"
     ledger.started("restore" if restored is not None else "startup")
     ledger.resumed(start)
@@ -307,24 +322,31 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     if restored is not None:
         _schedule_change(cfg, run_dir, start, main)
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
-    newest = None if restored is None else start  # the newest checkpoint's step
 
-    def ended(outcome: str, evals: list) -> None:
+    def rewind(before: int) -> tuple[int, TrainState, dict, dict | None]:
+        """A loss spike's rollback: the newest checkpoint from before step `before`, or the run's start."""
+        found = ckpt.restore_latest(setup.abstract_state, before=before)
+        if found is None:
+            return 0, _initial_state(cfg, setup)[0], origin_data, None
+        step, state, data_state, saved = found
+        return step, setup.from_disk(state), data_state, saved.get("spike")
+
+    def ended(outcome: str, step: int, newest: int | None, evals: list) -> None:
         total = ledger.close("finished" if outcome in ("finished", "nothing to do") else outcome.split()[0])
         if main:
             print(summary(outcome, start + 1, step, cfg.steps, tokens_per_step, time.perf_counter() - began, evals,
                           None if newest is None else str(run_dir / "checkpoints" / str(newest)), total), flush=True)
 
-    step = start
+    newest = None if restored is None else start  # the newest checkpoint's step
     if start >= cfg.steps:
         ckpt.close()
-        ended("nothing to do", [])
+        ended("nothing to do", start, newest, [])
         return 0
 
     control = Control(setup.mesh, preemption, cfg.checkpoint.every_minutes)
     if control.decide(control.propose()).stop:  # preempted while restoring or compiling: nothing new to save
         ckpt.close()
-        ended("preempted", [])
+        ended("preempted", start, newest, [])
         if main:
             print(f"preempted before step {start + 1}; rerun the same command to resume", flush=True)
         return 0
@@ -338,114 +360,18 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     ledger.logged(log.last_logged)
     hang = cfg.train.hang
     watchdog = Watchdog(cfg.run_dir, jax.process_index(), hang.factor, hang.seconds, hang.exit)
-    clock = StepClock(start)
-
-    diverged = None  # the first step whose update was dropped, when train.on_nonfinite is stop
-
-    def read(step: int, metrics: dict, last: bool, timed: dict | None = None) -> None:
-        """Step `step`'s metrics, logged at a log interval, the last step, a dropped update, and with `timed` (the
-        seconds an evaluation or a save at this step took)."""
-        nonlocal diverged
-        clock.wait(step, metrics)
-        ledger.stepped(step)
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if step % cfg.train.log_every_steps == 0 or last or values["update_skipped"] or timed:
-            dt = clock.record(step)
-            watchdog.step_time(dt)
-            log.log({"step": step, **values, "tokens_per_sec": tokens_per_step / dt, "step_time_s": dt,
-                     "mfu": flops_per_step / dt / peak if peak else None, **(timed or {})})
-        if values["update_skipped"]:
-            if main:
-                print(f"\nwarning: step {step}: loss {values['loss']}, gradient norm {values['grad_norm']}; "
-                      f"update dropped", file=sys.stderr, flush=True)
-            if cfg.train.on_nonfinite == "stop" and diverged is None:
-                diverged = step
-
-    # The previous step's metrics and agreed flags are read after this step is dispatched, so the host never
-    # waits for the device it is feeding. Everything that decides the loop's course is read from replicated
-    # arrays, so every process takes the same course.
-    # The next step's batch is made while this step runs, at every step alike - also before an evaluation or a
-    # save, whose step's time then holds the same host work as any other's.
-    step, pending, stop = start, None, False
-    profiler = Profiler(cfg)
     try:
-        ledger.started("startup")
-        with ledger.timing("data"):
-            batch = setup.put_batch(next(iterator))
-        ledger.loop_started()
-        while step < cfg.steps and not stop and diverged is None:
-            profiler.before(step + 1)
-            watchdog.enter("step", step + 1)
-            clock.dispatching(step + 1)
-            state, metrics = step_fn(state, batch)
-            step += 1
-            profiler.after(step, state)
-            evaluate = evaluator is not None and (step % cfg.train.eval_every_steps == 0 or step == cfg.steps)
-            agreed = control.propose()
-            save = step % cfg.checkpoint.every_steps == 0 or step == cfg.steps
-            if pending is not None:
-                if pending[1] is not None:
-                    read(*pending[:2], last=False)
-                decision = control.decide(pending[2])
-                stop, save = decision.stop, save or decision.save or decision.stop
-            pending = (step, metrics, agreed)
-            data_state = iterator.get_state() if save else None  # after this step's batch, before the next
-            if step < cfg.steps and not stop and diverged is None:
-                t0 = time.perf_counter()
-                watchdog.enter("data", step + 1)
-                batch = setup.put_batch(next(iterator))
-                if all(x.is_ready() for x in jax.tree.leaves(metrics)):  # the devices waited for this batch
-                    ledger.spend("data", time.perf_counter() - t0)
-                watchdog.enter("step", step)
-            if evaluate or save:
-                # The host waits here anyway. It waits for the step first, then evaluates and saves before the
-                # next step is dispatched: each is timed alone, and neither counts in any step's time.
-                clock.wait(step, metrics)
-                timed = {}
-                if evaluate:
-                    watchdog.enter("evaluation", step)
-                    t0 = time.perf_counter()
-                    metrics = {**metrics, "eval_loss": jax.block_until_ready(evaluator(state.params))}
-                    timed["eval_time_s"] = time.perf_counter() - t0
-                    ledger.spend("evaluation", timed["eval_time_s"])
-                if save:
-                    watchdog.enter("checkpoint", step)
-                    t0 = time.perf_counter()
-                    if lock is not None:
-                        lock.check()
-                    on_disk = setup.to_disk(state)
-                    ckpt.save(step, on_disk, data_state, meta)
-                    state = jax.block_until_ready(setup.from_disk(on_disk))
-                    timed["checkpoint_time_s"] = time.perf_counter() - t0
-                    ledger.spend("checkpoint", timed["checkpoint_time_s"])
-                    newest = step
-                    control.saved()
-                # This step's record goes out now; with a checkpoint, a resume from it must find it.
-                read(step, metrics, last=stop or step == cfg.steps, timed=timed)
-                clock.paused(step)
-                watchdog.enter("step", step)
-                pending = (step, None, agreed)
-                if save:
-                    ledger.write()
-                    ledger.sync()
-                    log.scalars(goodput.scalars(ledger.totals()), step)
-                    log.sync()
-        if pending is not None and pending[1] is not None:
-            read(*pending[:2], last=True)
-        watchdog.enter("checkpoint", step)
-        with ledger.timing("checkpoint"):
-            ckpt.wait()
+        outcome = Loop(cfg, setup, step_fn, state, start, newest, iterator, evaluator, ckpt, lock, meta, ledger,
+                       control, log, watchdog, rule, rewind, flops_per_step, peak).run()
     finally:
         watchdog.close()
-        profiler.close()
         log.close()
         ckpt.close()
-    ended("stopped (non-finite loss)" if diverged is not None else "preempted" if stop else "finished", log.evals)
-    if diverged is not None:
+    ended(outcome.ended, outcome.step, outcome.newest, log.evals)
+    if outcome.error is not None:
         if main:
-            print(f"error: step {diverged}: non-finite loss or gradient norm (train.on_nonfinite=stop); "
-                  f"the checkpoints hold only good updates", file=sys.stderr, flush=True)
+            print(f"error: {outcome.error}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
-    if main and stop:
-        print(f"preempted: checkpointed at step {step}; rerun the same command to resume", flush=True)
+    if main and outcome.ended == "preempted":
+        print(f"preempted: checkpointed at step {outcome.step}; rerun the same command to resume", flush=True)
     return 0
