@@ -84,6 +84,7 @@ def accuracy(folder: Path, steps: int, seed: int) -> None:
                         f"seed={seed}"],
                        check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        records = [r for r in records if "event" not in r]  # a loss spike warned of is no step
         losses = [r["loss"] for r in records if "loss" in r]
         assert all(map(lambda x: x == x and abs(x) != float("inf"), losses)), f"{mode}: a non-finite loss"
         final, evaluation = losses[-1], [r["eval_loss"] for r in records if "eval_loss" in r][-1]

