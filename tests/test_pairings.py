@@ -28,6 +28,8 @@ SCHEDULES = {
     "gpipe": ["mesh.pipeline=2", "pipeline.microbatches=4"],
     "circular": ["mesh.pipeline=2", "pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.microbatches=4"],
     "1f1b": ["mesh.pipeline=2", "pipeline.schedule=1f1b", "pipeline.microbatches=4"],
+    "interleaved_1f1b": ["mesh.pipeline=2", "pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2",
+                         "pipeline.microbatches=4"],
 }
 # (the feature's overrides, the rest of the 8-device mesh beside the 2 pipeline stages: 2 ways of the batch - a
 # microbatch of the 8 rows is 2 - and 2 of tensor)

@@ -57,16 +57,15 @@ def test_pipeline_equals_one_device(batches, reference, case):
     assert_like_one_device(batches, reference, CASES[case])
 
 
-def assert_bubbles_reach_nothing(batches, reference, monkeypatch, schedule):
+def assert_bubbles_reach_nothing(batches, reference, monkeypatch, *schedule):
     """The shift buffers (and 1F1B's kept stage inputs) start full of NaN: stages idle in the bubble would compute
     on it, and its NaN would reach every weight's gradient through them (0 x NaN) were their inputs not masked."""
     monkeypatch.setattr(pipeline, "BUBBLE_FILL", float("nan"))
-    assert_like_one_device(batches, reference, ["mesh.pipeline=2", f"pipeline.schedule={schedule}",
-                                                "pipeline.microbatches=4"])
+    assert_like_one_device(batches, reference, ["mesh.pipeline=2", *schedule, "pipeline.microbatches=4"])
 
 
 def test_nothing_in_a_bubble_reaches_the_loss_or_a_gradient(batches, reference, monkeypatch):
-    assert_bubbles_reach_nothing(batches, reference, monkeypatch, "gpipe")
+    assert_bubbles_reach_nothing(batches, reference, monkeypatch, "pipeline.schedule=gpipe")
 
 
 def _setup(*overrides):
@@ -78,14 +77,18 @@ def _setup(*overrides):
 def test_a_checkpoint_restores_across_stage_counts(tmp_path):
     """One layout on disk, [layers, ...] in canonical order, whatever the stage count or schedule: saved with 4
     stages, restored with 1, saved again, restored with 2, then into a circular schedule of 2 stages x 2 repeats
-    (each stage's devices holding layers 0 and 2, or 1 and 3: pipeline.memory_order), and back with 4 - as the
+    (each stage's devices holding layers 0 and 2, or 1 and 3: pipeline.memory_order), into interleaved 1F1B's
+    (the same order), and back with 4 - as the
     trainer saves and restores (Setup.to_disk, from_disk)."""
     setup = _setup("mesh.pipeline=4")
     on_disk = setup.init(jax.random.PRNGKey(0))
     want = jax.device_get(on_disk)
     circular = ["mesh.pipeline=2", "mesh.fsdp=2", "pipeline.schedule=circular", "pipeline.repeats=2",
                 "pipeline.microbatches=2"]
-    for i, overrides in enumerate(([], ["mesh.pipeline=2", "mesh.fsdp=2"], circular, ["mesh.pipeline=4"])):
+    interleaved = ["mesh.pipeline=2", "pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2",
+                   "pipeline.microbatches=2"]
+    for i, overrides in enumerate(([], ["mesh.pipeline=2", "mesh.fsdp=2"], circular, interleaved,
+                                   ["mesh.pipeline=4"])):
         ckpt = Checkpointer(tmp_path / str(i), max_to_keep=1, async_save=False)
         ckpt.save(1, on_disk, {"next_sample": 8}, trainer.checkpoint_metadata(setup))
         ckpt.wait()
@@ -98,7 +101,7 @@ def test_a_checkpoint_restores_across_stage_counts(tmp_path):
         w_up = state.params["layers"]["mlp"]["w_up"]
         stages = setup.mesh.shape["pipeline"]
         assert w_up.sharding.shard_shape(w_up.shape)[0] == 4 // stages
-        if overrides is circular:  # stage 0's devices hold canonical layers 0 and 2
+        if overrides in (circular, interleaved):  # stage 0's devices hold canonical layers 0 and 2
             shard = w_up.addressable_shards[0]
             np.testing.assert_array_equal(np.asarray(shard.data),
                                           want.params["layers"]["mlp"]["w_up"][[0, 2]][(slice(None), *shard.index[1:])])

@@ -51,16 +51,21 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
     if m.num_layers % stages:
         out.append(f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline={stages}")
     if stages > 1:
-        if repeats > 1 and schedule != "circular":
-            out.append(f"pipeline.repeats={repeats} needs pipeline.schedule=circular (got {schedule})")
-        if schedule == "circular" and m.num_layers % (stages * repeats):
+        if repeats > 1 and schedule not in ("circular", "interleaved_1f1b"):
+            out.append(f"pipeline.repeats={repeats} needs pipeline.schedule=circular or interleaved_1f1b (got "
+                       f"{schedule})")
+        if schedule in ("circular", "interleaved_1f1b") and m.num_layers % (stages * repeats):
             out.append(f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline x pipeline.repeats = "
-                       f"{stages * repeats}, the circular schedule's blocks of layers")
+                       f"{stages * repeats}, the {schedule} schedule's blocks of layers")
+        if schedule == "interleaved_1f1b" and repeats > 1 and microbatches(cfg, axis_sizes) % stages:
+            out.append(f"pipeline.microbatches={microbatches(cfg, axis_sizes)} is not a multiple of mesh.pipeline="
+                       f"{stages}: interleaved 1F1B sends microbatches round the stages in groups of {stages}")
         if schedule == "circular" and repeats > 1 and microbatches(cfg, axis_sizes) < stages:
             out.append(f"pipeline.microbatches={microbatches(cfg, axis_sizes)} is fewer than mesh.pipeline={stages}: "
                        f"a circular schedule sends a microbatch round again only after the last stage has done it")
-        if cfg.pipeline.gather_weights == "once" and schedule != "1f1b":
-            out.append(f"pipeline.gather_weights=once needs pipeline.schedule=1f1b (got {schedule}), whose loop "
+        if cfg.pipeline.gather_weights == "once" and schedule not in ("1f1b", "interleaved_1f1b"):
+            out.append(f"pipeline.gather_weights=once needs pipeline.schedule=1f1b or interleaved_1f1b (got "
+                       f"{schedule}), whose loop "
                        f"runs per device and can sum the gradients before reducing them")
         if cfg.train.grad_accum_steps > 1:
             out.append("with mesh.pipeline > 1 the pipeline's microbatches replace gradient accumulation: set "

@@ -20,6 +20,13 @@ slot and the P - 1 after the last forward one run only the slot that has work an
 (M + P - 1) (forward + backward) - GPipe's bubble, (P - 1) / (M + P - 1). Slots without a microbatch compute on
 zeros, so nothing in them reaches the loss or a gradient.
 
+Interleaved (`repeats` R > 1, docs/pipeline.md): each stage holds R blocks of layers (pipeline.memory_order) and
+a slot runs one block. Forward, a stage's slots take the microbatches in groups of P, every block in turn for the
+group (`work`): a microbatch leaving the last stage meets stage 0 at the next tick for its next block, the send
+wrapping round; backward, the blocks in reverse, the cotangent wrapping the other way. The last stage's first
+backward slot comes R P - 1 ticks in, with its forward slot that reaches the head; a stage keeps up to 2 R P - 1
+block inputs, and the step takes (M + (P - 1) / R) (forward + backward): the bubble (P - 1) / (R M + P - 1).
+
 The whole computation is a custom VJP of the summed loss: its forward pass runs the schedule and keeps the
 gradients it formed; its backward pass scales them by the loss's cotangent. Without differentiation (an eval
 step) only the forward slots and the head's loss run.
@@ -34,36 +41,71 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from scaletrain.parallel.pipeline import BUBBLE_FILL, add_where
+from scaletrain.parallel.pipeline import BUBBLE_FILL
 from scaletrain.parallel.sharding import active_axes, active_mesh, replica_axes
 
-
-def depth(stages: int, microbatches: int) -> int:
-    """Microbatches whose stage input a stage keeps at once (the first stage's count; the last keeps one)."""
-    return min(microbatches, 2 * stages - 1)
+# The schedules this module runs: 1F1B, and interleaved 1F1B (pipeline.repeats blocks of layers per stage).
+SCHEDULES = ("1f1b", "interleaved_1f1b")
 
 
-def forward_microbatch(tick, stage):
+def depth(stages: int, microbatches: int, repeats: int = 1) -> int:
+    """Stage inputs (microbatches x blocks) a stage keeps at once (the first stage's count; the last keeps one)."""
+    return min(repeats * microbatches, 2 * repeats * stages - 1)
+
+
+def forward_index(tick, stage):
+    """The position of tick `tick`'s forward slot at stage `stage` in the stage's own order of forward work."""
     return tick - stage
 
 
-def backward_microbatch(tick, stage, stages: int):
-    return tick - (2 * stages - 2 - stage)
+def backward_index(tick, stage, stages: int, repeats: int = 1):
+    # The last stage starts its first backward slot (the last block's) with the forward slot that reaches the head.
+    return tick - (repeats * stages - 1 + stages - 1 - stage)
 
 
-def timeline(stages: int, microbatches: int) -> list[list[str]]:
-    """The step as ticks x stages: `F3` the forward slot of microbatch 3, `B3` a backward slot, `F3+B1` a tick that
-    runs both, `.` the bubble."""
+def work(index, stages: int, repeats: int, backward: bool = False):
+    """(block, microbatch) of a stage's `index`-th forward (or backward) slot. Microbatches go in groups of P
+    (stages): forward, every block in turn for the group - so a microbatch leaving the last stage meets stage 0
+    at the very next tick, for its next block -, backward the blocks in reverse. One block: the microbatches in
+    order."""
+    group, k = index // (repeats * stages), index % (repeats * stages)
+    block = k // stages
+    return (repeats - 1 - block if backward else block), group * stages + k % stages
+
+
+def kept_slot(block, microbatch, stages: int, repeats: int, keep: int):
+    """Where a stage keeps the input of (block, microbatch) from its forward slot to its backward one."""
+    return ((microbatch // stages) * repeats * stages + block * stages + microbatch % stages) % keep
+
+
+def ticks(stages: int, microbatches: int, repeats: int = 1) -> tuple[int, int, int]:
+    """The ticks of the warm-up (forward slots only), the steady state (both) and the cool-down (backward only)."""
+    warmup = repeats * stages - 1
+    steady = repeats * microbatches + stages - 1 - warmup
+    return warmup, steady, warmup
+
+
+def timeline(stages: int, microbatches: int, repeats: int = 1) -> list[list[str]]:
+    """The step as ticks x stages: `F3` the forward slot of microbatch 3 (`F3.1` in its second block of layers,
+    interleaved), `B3` a backward slot, `F3+B1` a tick that runs both, `.` the bubble."""
+    n = repeats * microbatches
+
+    def label(kind: str, index: int, backward: bool) -> list[str]:
+        if not 0 <= index < n:
+            return []
+        block, m = work(index, stages, repeats, backward)
+        return [f"{kind}{m}" + (f".{block}" if repeats > 1 else "")]
+
     def cell(t: int, s: int) -> str:
-        f, b = forward_microbatch(t, s), backward_microbatch(t, s, stages)
-        work = [f"F{f}"] * (0 <= f < microbatches) + [f"B{b}"] * (0 <= b < microbatches)
-        return "+".join(work) or "."
+        slots = (label("F", forward_index(t, s), False)
+                 + label("B", backward_index(t, s, stages, repeats), True))
+        return "+".join(slots) or "."
 
-    return [[cell(t, s) for s in range(stages)] for t in range(microbatches + 2 * stages - 2)]
+    return [[cell(t, s) for s in range(stages)] for t in range(sum(ticks(stages, microbatches, repeats)))]
 
 
-def loss(stage: Callable, head: Callable, stages: int, microbatches: int, gather_once: bool, unroll: bool,
-         x: jax.Array, stacked: Any, head_params: Any, extras: tuple, rows: tuple,
+def loss(stage: Callable, head: Callable, stages: int, microbatches: int, repeats: int, gather_once: bool,
+         unroll: bool, x: jax.Array, stacked: Any, head_params: Any, extras: tuple, rows: tuple,
          aux_weights: Any) -> tuple[jax.Array, Any]:
     """(The summed loss of a batch through the layer stack as a 1F1B pipeline and the head, the stack's auxiliary
     sums [layers, ...] summed over the microbatches).
@@ -84,25 +126,25 @@ def loss(stage: Callable, head: Callable, stages: int, microbatches: int, gather
     reduced once on the way out, at the memory of a whole stage's weights and gradients on every device;
     otherwise FSDP gathers each weight where a slot uses it, as everywhere else. `unroll` unrolls the ticks (for
     XLA's cost estimate only, as model.unroll_loops)."""
-    return _loss(stage, head, stages, microbatches, gather_once, unroll, x, stacked, head_params, extras, rows,
-                 aux_weights)
+    return _loss(stage, head, stages, microbatches, repeats, gather_once, unroll, x, stacked, head_params, extras,
+                 rows, aux_weights)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
-def _loss(stage, head, stages, microbatches, gather_once, unroll, x, stacked, head_params, extras, rows,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
+def _loss(stage, head, stages, microbatches, repeats, gather_once, unroll, x, stacked, head_params, extras, rows,
           aux_weights):
-    return _program(stage, head, stages, microbatches, gather_once, unroll, False, x, stacked, head_params, extras,
-                    rows, aux_weights)
+    return _program(stage, head, stages, microbatches, repeats, gather_once, unroll, False, x, stacked, head_params,
+                    extras, rows, aux_weights)
 
 
-def _loss_forward(stage, head, stages, microbatches, gather_once, unroll, x, stacked, head_params, extras, rows,
-                  aux_weights):
-    (total, aux), grads = _program(stage, head, stages, microbatches, gather_once, unroll, True, x, stacked,
-                                   head_params, extras, rows, aux_weights)
+def _loss_forward(stage, head, stages, microbatches, repeats, gather_once, unroll, x, stacked, head_params, extras,
+                  rows, aux_weights):
+    (total, aux), grads = _program(stage, head, stages, microbatches, repeats, gather_once, unroll, True, x,
+                                   stacked, head_params, extras, rows, aux_weights)
     return (total, aux), (grads, aux_weights)
 
 
-def _loss_backward(stage, head, stages, microbatches, gather_once, unroll, residuals, g):
+def _loss_backward(stage, head, stages, microbatches, repeats, gather_once, unroll, residuals, g):
     (grads, aux_weights), (g_total, _) = residuals, g
     dx, dstacked, dhead = jax.tree.map(lambda a: (g_total * a).astype(a.dtype), grads)
     return dx, dstacked, dhead, None, None, jax.tree.map(jnp.zeros_like, aux_weights)
@@ -117,15 +159,29 @@ def _zeros(a: jax.Array) -> jax.Array:
     return jnp.zeros(a.shape, a.dtype)
 
 
-def _program(stage, head, stages, microbatches, gather_once, unroll, with_grads, x, stacked, head_params, extras,
-             rows, aux_weights):
+def _program(stage, head, stages, microbatches, repeats, gather_once, unroll, with_grads, x, stacked, head_params,
+             extras, rows, aux_weights):
     axis = active_axes("stage")
     own = active_axes("batch") if gather_once else replica_axes()  # batch axes along which each device sums
     everywhere = axis + own
-    m = microbatches
-    keep = depth(stages, m)
-    send_on = [(i, i + 1) for i in range(stages - 1)]
-    send_back = [(i + 1, i) for i in range(stages - 1)]
+    m, v = microbatches, repeats
+    keep = depth(stages, m, v)
+    # Interleaved, the last stage's output goes round to stage 0 for the next block (and its cotangent back).
+    wrap = v > 1
+    send_on = [(i, (i + 1) % stages) for i in range(stages - (0 if wrap else 1))]
+    send_back = [((i + 1) % stages, i) for i in range(stages - (0 if wrap else 1))]
+
+    def block_of(tree, b):  # block b's layers of a stage's [layers, ...] (in pipeline.memory_order)
+        if v == 1:
+            return tree
+        return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, b * (a.shape[0] // v), a.shape[0] // v),
+                            tree)
+
+    def add_to_block(tree, b, part):
+        if v == 1:
+            return jax.tree.map(jnp.add, tree, part)
+        return jax.tree.map(lambda a, d: jax.lax.dynamic_update_slice_in_dim(
+            a, jax.lax.dynamic_slice_in_dim(a, b * d.shape[0], d.shape[0]) + d, b * d.shape[0], 0), tree, part)
 
     def per_stage(x, stacked, head_params, extras, rows, aux_weights):
         s = jax.lax.axis_index(axis)
@@ -153,32 +209,36 @@ def _program(stage, head, stages, microbatches, gather_once, unroll, with_grads,
             return jax.lax.cond(last & (0 <= i) & (i < m), go, nothing, y)
 
         def forward_slot(c, t):
-            f = forward_microbatch(t, s)
-            valid = (0 <= f) & (f < m)
-            inputs = jnp.where(valid, jnp.where(first, at(xs, f), c["from_before"]), 0)
-            out, aux = stage(stacked, inputs, at(extras_m, f))
-            c = dict(c, aux=add_where(valid, c["aux"], aux))
-            slot = jnp.mod(f, keep)
+            i = forward_index(t, s)
+            valid = (0 <= i) & (i < v * m)
+            block, f = work(i, stages, v)
+            inputs = jnp.where(valid, jnp.where(first & (block == 0), at(xs, f), c["from_before"]), 0)
+            out, aux = stage(block_of(stacked, block), inputs, at(extras_m, f))
+            c = dict(c, aux=add_to_block(c["aux"], block, jax.tree.map(lambda a: jnp.where(valid, a, 0), aux)))
+            slot = kept_slot(block, f, stages, v, keep)
             kept = c["kept"]
             c = dict(c, kept=jax.lax.dynamic_update_index_in_dim(
                 kept, jnp.where(valid, inputs, jax.lax.dynamic_index_in_dim(kept, slot, keepdims=False)), slot, 0))
-            return c, inputs, out, f
+            return c, inputs, out, jnp.where(valid & (block == v - 1), f, -1)
 
         def backward_slot(c, t, fresh, dy):
             """`fresh`: this tick's forward input, which the last stage pulls its cotangent through at once."""
-            b = backward_microbatch(t, s, stages)
-            valid = (0 <= b) & (b < m)
-            kept = jax.lax.dynamic_index_in_dim(c["kept"], jnp.mod(b, keep), keepdims=False)
-            inputs = jnp.where(valid, jnp.where(last, fresh, kept), 0)
-            cotangent = jnp.where(valid, jnp.where(last, dy, c["from_after"]), 0)
-            _, pull = jax.vjp(lambda p, x: stage(p, x, at(extras_m, b)), stacked, inputs)
+            j = backward_index(t, s, stages, v)
+            valid = (0 <= j) & (j < v * m)
+            block, b = work(j, stages, v, backward=True)
+            at_head = last & (block == v - 1)  # its cotangent is the head's, from this tick's forward slot
+            kept = jax.lax.dynamic_index_in_dim(c["kept"], kept_slot(block, b, stages, v, keep), keepdims=False)
+            inputs = jnp.where(valid, jnp.where(at_head, fresh, kept), 0)
+            cotangent = jnp.where(valid, jnp.where(at_head, dy, c["from_after"]), 0)
+            _, pull = jax.vjp(lambda p, x: stage(p, x, at(extras_m, b)), block_of(stacked, block), inputs)
             dstacked, dx = pull((cotangent.astype(inputs.dtype),
-                                 jax.tree.map(lambda w: jnp.where(valid, w, 0), aux_weights)))
+                                 jax.tree.map(lambda w: jnp.where(valid, w, 0), block_of(aux_weights, block))))
             i = jnp.clip(b, 0, m - 1)
             dxs = c["dxs"]
+            to_embedding = first & (block == 0) & valid
             dxs = jax.lax.dynamic_update_index_in_dim(
-                dxs, jnp.where(first & valid, dx, jax.lax.dynamic_index_in_dim(dxs, i, 1, False)), i, 1)
-            return dict(c, dxs=dxs, dstacked=jax.tree.map(jnp.add, c["dstacked"], dstacked)), dx
+                dxs, jnp.where(to_embedding, dx, jax.lax.dynamic_index_in_dim(dxs, i, 1, False)), i, 1)
+            return dict(c, dxs=dxs, dstacked=add_to_block(c["dstacked"], block, dstacked)), dx
 
         def warmup(c, t):  # no stage has a backward slot yet
             c, _, out, _ = forward_slot(c, t)
@@ -197,8 +257,8 @@ def _program(stage, head, stages, microbatches, gather_once, unroll, with_grads,
             return dict(c, from_after=jax.lax.ppermute(dx, axis, send_back)), None
 
         def forward_only(c, t):
-            c, _, out, f = forward_slot(c, t)
-            total = jax.lax.cond(last & (0 <= f) & (f < m), lambda y: run_head(y, f)[0],
+            c, _, out, f = forward_slot(c, t)  # f: the microbatch reaching the head, or -1
+            total = jax.lax.cond(last & (0 <= f), lambda y: run_head(y, f)[0],
                                  lambda y: jnp.zeros((), jnp.float32), out)
             return dict(c, total=c["total"] + total, from_before=jax.lax.ppermute(out, axis, send_on)), None
 
@@ -211,13 +271,14 @@ def _program(stage, head, stages, microbatches, gather_once, unroll, with_grads,
             return jax.lax.psum(c["total"], everywhere), jax.lax.psum(c["aux"], own) if own else c["aux"]
 
         if not with_grads:
-            c, _ = jax.lax.scan(forward_only, c, jnp.arange(m + stages - 1), unroll=unroll)
+            c, _ = jax.lax.scan(forward_only, c, jnp.arange(v * m + stages - 1), unroll=unroll)
             return sums(c)
         c |= {"from_after": fill, "dxs": _zeros(xs), "dstacked": jax.tree.map(_zeros, stacked),
               "dhead": jax.tree.map(_zeros, head_params)}
-        c, _ = jax.lax.scan(warmup, c, jnp.arange(stages - 1), unroll=unroll)
-        c, _ = jax.lax.scan(steady, c, jnp.arange(stages - 1, m + stages - 1), unroll=unroll)
-        c, _ = jax.lax.scan(cooldown, c, jnp.arange(m + stages - 1, m + 2 * stages - 2), unroll=unroll)
+        up, steady_ticks, down = ticks(stages, m, v)
+        c, _ = jax.lax.scan(warmup, c, jnp.arange(up), unroll=unroll)
+        c, _ = jax.lax.scan(steady, c, jnp.arange(up, up + steady_ticks), unroll=unroll)
+        c, _ = jax.lax.scan(cooldown, c, jnp.arange(up + steady_ticks, up + steady_ticks + down), unroll=unroll)
         dx = jax.lax.psum(c["dxs"].reshape(x.shape), axis)
         dstacked = jax.lax.psum(c["dstacked"], own) if own else c["dstacked"]
         return sums(c), (dx, dstacked, jax.lax.psum(c["dhead"], everywhere))

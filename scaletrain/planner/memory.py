@@ -305,11 +305,11 @@ def gathered_kv(elements: Mapping[str, float], axes: Mapping[str, int]) -> float
 def held_microbatches(runner: Runner) -> int:
     """Microbatches whose activations one device holds at the peak under the trainer's stack runner: one
     without pipelining; with it, every one under GPipe (a stage keeps each until its backward pass) - once per
-    repeat under a circular schedule -, at most 2 P - 1 under 1F1B (pipeline_1f1b.depth)."""
+    repeat under a circular schedule -, at most 2 P - 1 under 1F1B, 2 R P - 1 interleaved (pipeline_1f1b.depth)."""
     if runner.stages == 1:
         return 1
-    if runner.schedule == "1f1b":
-        return pipeline_1f1b.depth(runner.stages, runner.microbatches)
+    if runner.schedule in pipeline_1f1b.SCHEDULES:
+        return pipeline_1f1b.depth(runner.stages, runner.microbatches, runner.repeats)
     return runner.microbatches * runner.repeats
 
 
@@ -346,7 +346,9 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     pipelined = runner.stages > 1
     sums = cfg.train.grad_accum_steps > 1 or pipelined  # gradients summed over microbatches
     grads = s.gradients * (2 if sums else 1) + unscattered_gradients(cfg, s)
-    one_f_one_b = runner.schedule == "1f1b"
+    one_f_one_b = runner.schedule in pipeline_1f1b.SCHEDULES
+    # What a 1F1B backward slot recomputes: a stage's layers, or one block of them interleaved.
+    recomputed_layers = stage_layers / runner.repeats if one_f_one_b else stage_layers
     micro = replica_tokens(cfg, axes)  # one microbatch: what one layer (or iteration) recomputes
     tokens = micro * held_microbatches(runner)
     elements = tensor_elements(m, s.layout.rules.activations, axes, expert_rows(cfg, axes, ragged)[1])
@@ -357,7 +359,8 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     routed = routed_layer(cfg, axes, ab, ragged) if moe else 0.0
     if policy == "none":
         every = (_saved_layer(cfg, s.layout.model_cfg, t, ring) + moe * routed) * stage_layers
-        saved, working, offloaded = (stage_inputs, every * micro, 0.0) if one_f_one_b else (every * tokens, 0.0, 0.0)
+        saved, working, offloaded = ((stage_inputs, every * micro * recomputed_layers / stage_layers, 0.0)
+                                     if one_f_one_b else (every * tokens, 0.0, 0.0))
         working += _attention_block_working(cfg, micro if one_f_one_b else tokens, t, ab, sharding.seq_ways(axes))
     else:
         where = kept(policy, cfg.remat.custom)
@@ -366,9 +369,9 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
         per_layer = (elements["decoder_layer_input"] + named) * ab * stage_layers
         working = ((_rematerialised_layer(cfg, s.layout.model_cfg, elements, t, ab, ring) + routed) * micro
                    + _attention_block_working(cfg, micro, t, ab, sharding.seq_ways(axes)))
-        if one_f_one_b:  # the stage inputs; a recomputed stage's per-layer tensors for one microbatch
-            saved, offloaded = stage_inputs, host * ab * micro * stage_layers
-            working += per_layer * micro
+        if one_f_one_b:  # the stage inputs; a recomputed stage's (block's) per-layer tensors for one microbatch
+            saved, offloaded = stage_inputs, host * ab * micro * recomputed_layers
+            working += per_layer * micro * recomputed_layers / stage_layers
         else:
             # The plain scan's saved layer inputs - the carries jax stacks for the backward pass - are held whole
             # along the sequence, sequence parallelism or not: XLA gathers them once in the forward pass, as the

@@ -22,7 +22,7 @@ from scaletrain.facts import flops
 from scaletrain.facts import hardware as hw
 from scaletrain.kernels import flash_attention
 from scaletrain.models.family import Matmul
-from scaletrain.parallel import checks, sharding
+from scaletrain.parallel import checks, pipeline_1f1b, sharding
 from scaletrain.parallel import mesh as mesh_lib
 from scaletrain.parallel.checks import microbatches
 from scaletrain.planner import comms, estimate, memory, precision, schedule
@@ -232,7 +232,7 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
         return (moves(rules.params, p, "all-gather", "weights, once a step", 1)
                 + moves(rules.grads, batch, "all-reduce", "gradients, once a step", 1)
                 + moves(rules.params, o - p, "all-gather", "updated weights", 1))
-    if runner.schedule == "1f1b":
+    if runner.schedule in pipeline_1f1b.SCHEDULES:
         return (moves(rules.params, p, "all-gather", "weights, forward", microbatches, dtypes=operands)
                 + moves(rules.params, p, "all-gather", "weights, backward", microbatches, dtypes=operands)
                 + moves(rules.grads, g, "reduce-scatter", "gradients", microbatches, dtypes=cotangents)

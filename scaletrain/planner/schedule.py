@@ -13,8 +13,8 @@ def timeline(runner: Runner, bubble: float) -> dict | None:
     stages, n, repeats = runner.stages, runner.microbatches, runner.repeats
     if stages == 1:
         return None
-    if runner.schedule == "1f1b":
-        ticks = pipeline_1f1b.timeline(stages, n)
+    if runner.schedule in pipeline_1f1b.SCHEDULES:
+        ticks = pipeline_1f1b.timeline(stages, n, repeats)
     else:
         ticks = pipeline_lib.timeline(stages, n, repeats)
     return {"schedule": runner.schedule, "stages": stages, "microbatches": n, "repeats": repeats,

@@ -1,6 +1,7 @@
 """The stack runner: how embed -> layer stack -> head -> loss runs for a config on a mesh - a plain scan over the
-layers, or a pipeline over the `pipeline` mesh axis with one of the schedules (GPipe, circular, 1F1B) - chosen once,
-here (`choose`, which layout.of keeps beside the state it lays out), from the config and the mesh.
+layers, or a pipeline over the `pipeline` mesh axis with one of the schedules (GPipe, circular, 1F1B, interleaved
+1F1B) - chosen once, here (`choose`, which layout.of keeps beside the state it lays out), from the config and the
+mesh.
 
 The model only gives its pieces: Llama.stack_inputs (the embedded stream, one layer's body, the stacked layer
 weights in their canonical `[layers, ...]` layout, the per-row arrays every layer reads), final_stream and
@@ -32,11 +33,11 @@ SCAN = "scan"
 
 @dataclasses.dataclass(frozen=True)
 class Runner:
-    schedule: str = SCAN  # scan, or a pipeline.schedule: gpipe | circular | 1f1b
+    schedule: str = SCAN  # scan, or a pipeline.schedule: gpipe | circular | 1f1b | interleaved_1f1b
     stages: int = 1
     microbatches: int = 1  # the pipeline's (gradient accumulation's are the step's)
-    repeats: int = 1  # circular: blocks of layers per stage, the weights kept in pipeline.memory_order
-    gather_once: bool = False  # 1f1b: pipeline.gather_weights=once
+    repeats: int = 1  # circular, interleaved: blocks of layers per stage, the weights in pipeline.memory_order
+    gather_once: bool = False  # 1f1b, interleaved: pipeline.gather_weights=once
 
     @property
     def fetches_layers(self) -> bool:
@@ -65,7 +66,7 @@ class Runner:
         unroll = model.cfg.unroll_loops
         x_btd, body, stacked, extras = model.stack_inputs(batch["tokens"], batch["positions"], batch["segment_ids"])
         rows = (batch["targets"], batch["loss_mask"])
-        if self.schedule == "1f1b":
+        if self.schedule in pipeline_1f1b.SCHEDULES:
             return self._one_f_one_b(graphdef, params, x_btd, body, stacked, extras, rows, penalty, unroll)
         if self.stages > 1:
             x_btd, aux = pipeline.gpipe(body, x_btd, stacked, extras, self.stages, self.microbatches, unroll,
@@ -75,8 +76,8 @@ class Runner:
         return head_loss(graphdef, params, model.final_stream(x_btd), *rows), aux
 
     def _one_f_one_b(self, graphdef, params, x_btd, body, stacked, extras, rows, penalty, unroll):
-        """The layer stack as a 1F1B pipeline, which runs the head on each microbatch as it leaves the last
-        stage."""
+        """The layer stack as a 1F1B pipeline (interleaved: `repeats` blocks of layers per stage), which runs the
+        head on each microbatch as it leaves the last stage."""
         def stage(stacked, x_btd, extras):
             return pipeline.scan(body, x_btd, stacked, extras, unroll)
 
@@ -88,10 +89,11 @@ class Runner:
         rows_per_microbatch = x_btd.shape[0] // self.microbatches
         aux_shape = jax.eval_shape(lambda: stage(stacked, x_btd[:rows_per_microbatch],
                                                  tuple(e[:rows_per_microbatch] for e in extras))[1])
+        # (A block's sums are a slice of these: the penalty's gradient is the same per layer.)
         aux_weights = jax.grad(penalty)(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape))
         head_params = {k: v for k, v in params.items() if k != "layers"}
-        return pipeline_1f1b.loss(stage, head, self.stages, self.microbatches, self.gather_once, unroll, x_btd,
-                                  stacked, head_params, extras, rows, aux_weights)
+        return pipeline_1f1b.loss(stage, head, self.stages, self.microbatches, self.repeats, self.gather_once,
+                                  unroll, x_btd, stacked, head_params, extras, rows, aux_weights)
 
 
 def choose(cfg, axis_sizes: Mapping[str, int]) -> Runner:
@@ -102,5 +104,5 @@ def choose(cfg, axis_sizes: Mapping[str, int]) -> Runner:
         return Runner()
     schedule = cfg.pipeline.schedule
     return Runner(schedule=schedule, stages=stages, microbatches=microbatches(cfg, axis_sizes),
-                  repeats=cfg.pipeline.repeats if schedule == "circular" else 1,
-                  gather_once=schedule == "1f1b" and cfg.pipeline.gather_weights == "once")
+                  repeats=cfg.pipeline.repeats if schedule in ("circular", "interleaved_1f1b") else 1,
+                  gather_once=schedule in pipeline_1f1b.SCHEDULES and cfg.pipeline.gather_weights == "once")
