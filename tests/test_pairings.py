@@ -73,6 +73,15 @@ def test_parameter_offload_composes_with_gradient_accumulation(batches):
 
 @pytest.mark.parametrize("overrides, reason", [
     (["train.grad_accum_steps=2", "mesh.pipeline=2"], "the pipeline's microbatches replace gradient accumulation"),
+    (["mesh.pipeline=2", "pipeline.schedule=1f1b", "pipeline.repeats=2"],
+     "pipeline.repeats=2 needs pipeline.schedule=circular or interleaved_1f1b \\(got 1f1b\\)"),
+    (["mesh.pipeline=2", "pipeline.schedule=gpipe", "pipeline.gather_weights=once"],
+     "pipeline.gather_weights=once needs pipeline.schedule=1f1b or interleaved_1f1b \\(got gpipe\\)"),
+    (["mesh.pipeline=2", "pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2", "pipeline.microbatches=3"],
+     "pipeline.microbatches=3 is not a multiple of mesh.pipeline=2: interleaved 1F1B sends microbatches round the "
+     "stages in groups of 2"),
+    (["mesh.pipeline=2", "pipeline.schedule=interleaved_1f1b", "pipeline.repeats=4"],
+     "model.num_layers=4 is not divisible by mesh.pipeline x pipeline.repeats = 8, the interleaved_1f1b schedule's"),
 ])
 def test_refused_pairings_say_why(overrides, reason):
     cfg = config.load(None, tiny_overrides("unused") + MODEL + overrides)
