@@ -55,6 +55,7 @@ class Control:
         self._sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
         self._local_devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
         self._process_of_row = np.array([d.process_index for d in mesh.devices.flat])
+        self._processes, self._a_row_of_0 = self._process_of_row.max() + 1, int(np.argmax(self._process_of_row == 0))
         self._gather = jax.jit(lambda rows: rows, out_shardings=replicated(mesh))
         self._shape = (mesh.devices.size, 4)
         self._save_proposed = False  # and not yet saved
@@ -72,9 +73,9 @@ class Control:
     def decide(self, agreed: jax.Array) -> Decision:
         rows = np.asarray(jax.device_get(agreed))
         stop, save = (rows[:, :2].max(axis=0) > 0).tolist()
-        batch_s = np.zeros(self._process_of_row.max() + 1)
+        batch_s = np.zeros(self._processes)
         np.maximum.at(batch_s, self._process_of_row, rows[:, 2])
-        step_s = float(rows[np.argmax(self._process_of_row == 0), 3])
+        step_s = float(rows[self._a_row_of_0, 3])
         return Decision(stop=bool(stop), save=bool(save), batch_s=tuple(batch_s.tolist()), step_s=step_s)
 
     def saved(self) -> None:

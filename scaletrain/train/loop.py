@@ -24,6 +24,7 @@ from scaletrain.train.watchdog import Watchdog
 # rewind(step) -> (the newest checkpoint's step from before `step`, or 0, its state, data position and the spike
 # rule's window): where a rollback goes.
 Rewind = Callable[[int], tuple[int, Any, dict, dict | None]]
+STOPPED_ON_SPIKES = "stopped (loss spikes)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Loop:
         self.drops: dict[int, int] = {}  # step -> batches left out before its own (a rollback's)
         self.rollbacks = self.skipped_in_a_row = 0
         self.spike: Spike | None = None  # a spike to roll back from
-        self.halted: tuple[int, str, str] | None = None  # (step, outcome, error line): the run stops
+        self.halted: tuple[str, str] | None = None  # (how the run ended, its error line): the run stops
         self.batch_times, self.stragglers = BatchTimes(), Stragglers(cfg.train.hang.straggler)
         self.step_s: float | None = None  # the newest record's step time
 
@@ -77,7 +78,7 @@ class Loop:
         if values["update_skipped"] and not (spike is not None and self.rule.action == "skip"):
             self._warn(f"step {step}: loss {values['loss']}, gradient norm {values['grad_norm']}; update dropped")
             if self.cfg.train.on_nonfinite == "stop" and self.halted is None:
-                self.halted = (step, "stopped (non-finite loss)",
+                self.halted = ("stopped (non-finite loss)",
                                f"step {step}: non-finite loss or gradient norm (train.on_nonfinite=stop); the "
                                f"checkpoints hold only good updates")
         elif spike is None:
@@ -96,13 +97,13 @@ class Loop:
             self._warn(f"loss spike at {spike.describe()}; update dropped (train.spike.action=skip)")
             self.log.event(spike.record("skip", in_a_row=self.skipped_in_a_row))
             if self.skipped_in_a_row > limit:
-                self.halted = (spike.step, "stopped (loss spikes)",
+                self.halted = (STOPPED_ON_SPIKES,
                                f"step {spike.step}: {self.skipped_in_a_row} loss spikes in a row, each update "
                                f"dropped (train.spike.limit={limit}): the loss has left its running median for "
                                f"good; the checkpoints hold only good updates")
         elif self.rollbacks >= limit:
             self.log.event(spike.record("stop", rollbacks=self.rollbacks))
-            self.halted = (spike.step, "stopped (loss spikes)",
+            self.halted = (STOPPED_ON_SPIKES,
                            f"loss spike at {spike.describe()} after {self.rollbacks} rollbacks "
                            f"(train.spike.limit={limit}); the checkpoints hold the state from before it")
         else:
@@ -197,9 +198,10 @@ class Loop:
                         t0 = time.perf_counter()
                         watchdog.enter("data", step + 1)
                         batch = self._batch_for(step + 1)
-                        self.batch_times.add(time.perf_counter() - t0)
+                        seconds = time.perf_counter() - t0
+                        self.batch_times.add(seconds)
                         if all(x.is_ready() for x in jax.tree.leaves(metrics)):  # the devices waited for it
-                            ledger.spend("data", time.perf_counter() - t0)
+                            ledger.spend("data", seconds)
                         watchdog.enter("step", step)
                     if evaluate or save:
                         # The host waits here anyway. It waits for the step first - judged before anything is
@@ -209,7 +211,7 @@ class Loop:
                         if self.spike is not None:
                             batch, pending = self._roll_back(), None
                             continue
-                        if self.halted is not None and self.halted[1] == "stopped (loss spikes)":
+                        if self.halted is not None and self.halted[0] == STOPPED_ON_SPIKES:
                             self._record(step, values, last=True)
                             pending = None
                             break  # its state may hold a spike's update: not saved
@@ -229,7 +231,7 @@ class Loop:
         finally:
             profiler.close()
         if self.halted is not None:
-            return Outcome(self.step, self.newest, self.halted[1], self.halted[2])
+            return Outcome(self.step, self.newest, *self.halted)
         return Outcome(self.step, self.newest, "preempted" if stop else "finished")
 
     def _evaluate_and_save(self, step: int, evaluate: bool, save: bool, values: dict, data_state: dict | None,
