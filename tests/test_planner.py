@@ -275,13 +275,34 @@ def test_pipeline_sends_and_bubble():
     assert comms.bubble(4, 12) == pytest.approx(0.2)
     assert comms.bubble(4, 12, repeats=2) == pytest.approx(3 / 27)
     assert comms.bubble(1, 12) == 0
-    # Per microbatch one send forward and one back, each V / W_oneway (one link, one way) - on the slowest level.
+    # A send each way every iteration, each V / W_oneway (one link, one way) - on the slowest level; those the step
+    # waits for are its exposed time.
     ici = comms.Link("pipeline", 4, (4,), (True,), 9.0e10, 1.8e11, switch=False)
     dcn = comms.Link("dcn_pipeline", 2, (2,), (False,), 6.25e9, 6.25e9, switch=True, hop_latency=0.0)
-    (sends,) = comms.pipeline(1e6, 12, [ici, comms.Link("dcn_pipeline", 1, (1,), (False,), 6.25e9, 6.25e9, True)])
-    assert (sends.count, sends.bytes_per_device, sends.seconds) == (24, 24e6, pytest.approx(24 * 1e6 / 9e10))
-    (sends,) = comms.pipeline(1e6, 12, [ici, dcn])
-    assert (sends.axis, sends.seconds) == ("dcn_pipeline", pytest.approx(24 * 1e6 / 6.25e9))
+    (sends,) = comms.pipeline(1e6, 30, 18, [ici, comms.Link("dcn_pipeline", 1, (1,), (False,), 6.25e9, 6.25e9,
+                                                            True)])
+    assert (sends.count, sends.bytes_per_device, sends.seconds) == (30, 30e6, pytest.approx(30 * 1e6 / 9e10))
+    assert sends.exposed == pytest.approx(18 * 1e6 / 9e10)
+    (sends,) = comms.pipeline(1e6, 30, 18, [ici, dcn])
+    assert (sends.axis, sends.seconds) == ("dcn_pipeline", pytest.approx(30 * 1e6 / 6.25e9))
+
+
+@pytest.mark.parametrize("schedule,stages,microbatches,repeats", [
+    ("gpipe", 4, 12, 1), ("circular", 2, 4, 2), ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1),
+    ("interleaved_1f1b", 2, 4, 2), ("interleaved_1f1b", 4, 8, 2)])
+def test_the_plans_sends_are_the_schedules(schedule, stages, microbatches, repeats):
+    """The sends the plan counts are those of the trainer's own timeline: one on from every tick with a forward
+    slot, one back from every tick with a backward slot; waited for unless the tick has a backward slot after
+    its send on (1F1B's steady state)."""
+    from scaletrain.planner import schedule as schedule_lib
+    from scaletrain.train.runner import Runner
+
+    runner = Runner(schedule=schedule, stages=stages, microbatches=microbatches, repeats=repeats)
+    ticks = list(zip(*schedule_lib.timeline(runner, 0.0)["timeline"]))
+    forward = [any(c.startswith("F") or "+F" in c for c in tick) for tick in ticks]
+    backward = [any("B" in c for c in tick) for tick in ticks]
+    overlapped = sum(f and b for f, b in zip(forward, backward))
+    assert runner.sends() == (sum(forward) + sum(backward), sum(forward) + sum(backward) - overlapped)
 
 
 def test_the_ring_hides_its_sends_under_attention_or_counts_what_it_does_not():

@@ -60,6 +60,14 @@ def work_at(iteration, stage, microbatches: int, repeats: int = 1):
     return k % microbatches, k // microbatches, (0 <= k) & (k < repeats * microbatches)
 
 
+def sends(stages: int, microbatches: int, repeats: int = 1) -> tuple[int, int]:
+    """(Stage-to-stage sends per step, those the step waits for): one every iteration forward (R M + P - 1, the
+    bubble's included) and as many backward. Each is its iteration's last work and the next iteration's first
+    input, so none overlaps compute."""
+    n = 2 * (repeats * microbatches + stages - 1)
+    return n, n
+
+
 def timeline(stages: int, microbatches: int, repeats: int = 1) -> list[list[str]]:
     """The whole step as ticks x stages: `F3` the forward pass of microbatch 3 (`F3.1` on its second repeat of
     a circular schedule), `B3` its backward pass, `.` the bubble - the forward iterations, then the backward

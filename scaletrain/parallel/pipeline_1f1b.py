@@ -85,6 +85,14 @@ def ticks(stages: int, microbatches: int, repeats: int = 1) -> tuple[int, int, i
     return warmup, steady, warmup
 
 
+def sends(stages: int, microbatches: int, repeats: int = 1) -> tuple[int, int]:
+    """(Stage-to-stage sends per step, those the step waits for): one on from every tick with a forward slot and
+    one back from every tick with a backward slot, R M + P - 1 of each. A tick's send on can overlap its backward
+    slot, which does not need it; the warm-up's have no backward slot, and a send back is its tick's last work."""
+    n = repeats * microbatches + stages - 1
+    return 2 * n, ticks(stages, microbatches, repeats)[0] + n
+
+
 def timeline(stages: int, microbatches: int, repeats: int = 1) -> list[list[str]]:
     """The step as ticks x stages: `F3` the forward slot of microbatch 3 (`F3.1` in its second block of layers,
     interleaved), `B3` a backward slot, `F3+B1` a tick that runs both, `.` the bubble."""

@@ -187,11 +187,12 @@ def _hops(what: str, full_bytes: float, count: int, levels: Sequence[Link]) -> l
     return collective("send", what, full_bytes, count, [min(spanned, key=lambda link: link.oneway)])
 
 
-def pipeline(activation_bytes: float, microbatches: int, levels: Sequence[Link]) -> list[Transfer]:
-    """Pipeline stages per microbatch: the activations sent to the next stage forward and their gradient back
-    (2BD bytes each in bf16: scaling.md), every send timed on the slowest level the pipeline axis spans (DCN
-    when mesh.dcn_pipeline > 1)."""
-    return _hops("stage activations and their gradients", activation_bytes, 2 * microbatches, levels)
+def pipeline(activation_bytes: float, sends: int, exposed: int, levels: Sequence[Link]) -> list[Transfer]:
+    """A pipeline's stage-to-stage sends (runner.Runner.sends: the schedule's count, `exposed` of them waited
+    for): the activations to the next stage and their gradient back (2BD bytes each in bf16: scaling.md), every
+    send timed on the slowest level the pipeline axis spans (DCN when mesh.dcn_pipeline > 1)."""
+    out = _hops("stage activations and their gradients", activation_bytes, sends, levels)
+    return [replace(t, exposed=t.seconds * exposed / sends) for t in out]
 
 
 def expert(routed_bytes: float, counts_bytes: float, moe_layers: int, microbatches: int, recomputed: bool,

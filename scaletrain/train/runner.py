@@ -55,6 +55,14 @@ class Runner:
         canonical one (trainer.Setup.to_disk, from_disk)."""
         return pipeline.memory_order(layers, self.stages, self.repeats) if self.repeats > 1 else None
 
+    def sends(self) -> tuple[int, int]:
+        """(Stage-to-stage sends per step, those the step waits for): the schedule's own count (pipeline.sends,
+        pipeline_1f1b.sends); none without stages."""
+        if self.stages == 1:
+            return 0, 0
+        of = pipeline_1f1b.sends if self.schedule in pipeline_1f1b.SCHEDULES else pipeline.sends
+        return of(self.stages, self.microbatches, self.repeats)
+
     def loss(self, graphdef: nnx.GraphDef, params: Any, batch: Mapping[str, jax.Array],
              penalty: Callable[[dict], jax.Array]) -> tuple[jax.Array, dict]:
         """(The summed cross-entropy of `batch`, the layer stack's auxiliary sums [layers, ...]).
