@@ -152,3 +152,17 @@ def test_a_mixture_of_experts_gathers_its_experts_again_for_the_backward_pass(ca
 
     experts = 8 * 3 * 128 * 4096 * 2
     assert (hbm(6) - hbm(2)) / 4 < 2 * experts
+
+
+@pytest.mark.parametrize("schedule, repeats, unit", [("gpipe", 1, 2), ("circular", 2, 4), ("1f1b", 1, 2),
+                                                     ("interleaved_1f1b", 3, 6)])
+def test_the_loop_corrections_unit_is_a_layer_of_every_block(schedule, repeats, unit):
+    """The correction's small compiles need every stage's every block to hold a layer: 2 stages x the repeats of
+    a circular or interleaved schedule (a compile of 2 x 2 layers with 3 blocks a stage would be refused)."""
+    from scaletrain.planner import aot
+    from scaletrain.train.runner import choose
+
+    cfg = config.load("configs/llama_tiny.yaml", ["model.num_layers=12", "mesh.pipeline=2", "mesh.data=-1",
+                                                  f"pipeline.schedule={schedule}", f"pipeline.repeats={repeats}",
+                                                  "pipeline.microbatches=2"])
+    assert aot.loop_unit(cfg, choose(cfg, {"pipeline": 2})) == unit

@@ -22,6 +22,7 @@ import time
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.facts import fit, hardware
 from scaletrain.planner import hlo
+from scaletrain.train.runner import Runner, choose
 
 # Compiler options of the cost-estimate compiles: no loops around sharded matmuls.
 _NO_WINDOWED_EINSUM = {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
@@ -80,15 +81,21 @@ def unrolled_cost(cfg, devices) -> dict[str, float]:
     return _cost(setup.step.lower(*setup.abstract_args()).compile(options))
 
 
-def _loop_corrected(cfg, devices, stages: int = 1) -> dict[str, float]:
+def loop_unit(cfg, runner: Runner) -> int:
+    """The layers of the smallest model the loop correction may compile for `cfg` run by `runner`: a layer of
+    each block of each stage (stages x repeats: a circular or interleaved schedule's blocks), each a group of
+    model.moe_every layers for a mixture of experts."""
+    return runner.stages * runner.repeats * (cfg.model.moe_every if cfg.model.num_experts else 1)
+
+
+def _loop_corrected(cfg, devices, runner: Runner = Runner()) -> dict[str, float]:
     """The step's costs as XLA counts the unrolled program (unrolled_cost), from two smaller compiles of 2U and 3U
-    layers, U = `stages` pipeline stages x the layers of a group (model.moe_every of a mixture of experts, else
-    1): per unit = c(3U) - c(2U), the step = c(2U) + (L/U - 2) per unit. Not from U and 2U: in XLA's counts the first
-    unit costs less than the ones after it (the tiny model's first layer 105 MB accessed, the next ones 116 MB),
-    so c(2U) - c(U) undercounts a unit (docs/benchmarks.md). With at most 5U layers the whole program is
-    compiled unrolled instead: no more compile time than the two."""
+    layers, U = loop_unit: per unit = c(3U) - c(2U), the step = c(2U) + (L/U - 2) per unit. Not from U and 2U:
+    in XLA's counts the first unit costs less than the ones after it (the tiny model's first layer 105 MB accessed,
+    the next ones 116 MB), so c(2U) - c(U) undercounts a unit (docs/benchmarks.md). With at most 5U layers the
+    whole program is compiled unrolled instead: no more compile time than the two."""
     accum = cfg.train.grad_accum_steps
-    unit = stages * (cfg.model.moe_every if cfg.model.num_experts else 1)
+    unit = loop_unit(cfg, runner)
     units = cfg.model.num_layers // unit
 
     def cost(layers: int) -> dict[str, float]:
@@ -124,7 +131,7 @@ def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
     compile_seconds = time.perf_counter() - start
     mem = fit.compiled(compiled.memory_analysis())
     raw = _cost(compiled)
-    corrected = _loop_corrected(cfg, devices, setup.mesh.shape["pipeline"]) if loop_correction else None
+    corrected = _loop_corrected(cfg, devices, choose(cfg, setup.mesh.shape)) if loop_correction else None
     best = corrected or raw
     estimate = best["optimal_seconds"]
     if estimate <= 0 or raw["optimal_seconds"] <= 0:
