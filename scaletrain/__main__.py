@@ -114,6 +114,10 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--mfu", type=float, default=None, metavar="M",
                       help="with --tokens: the model FLOPs utilisation to assume (0 < M <= 1); default: the "
                            "predicted step time's")
+    plan.add_argument("--across-slices", action="store_true",
+                      help="with SLICESxCHIP:DIMS: data parallelism, FSDP and every pipeline schedule across the "
+                           "slices planned side by side, the winner, and the DCN bandwidth and slice counts where "
+                           "it changes (docs/pipeline.md)")
     comp = sub.add_parser("compile", help="compile the train step ahead of time for a TPU topology")
     _add_config_args(comp)
     comp.add_argument("--topology", required=True, help="a TPU topology, e.g. v5e:4x4, v5p:4x4x4, v6e:8x8")
@@ -214,9 +218,19 @@ def plan(args: argparse.Namespace) -> int:
                         f"15e12 --mfu {args.mfu:g}")
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise UserError(f"--mfu must be in (0, 1], a fraction of the chips' peak (e.g. 0.4 for 40%); got {args.mfu:g}")
+    if args.across_slices and args.tokens is not None:
+        raise UserError("--across-slices compares layouts for one step; --tokens prices one layout's run: use "
+                        "them in separate calls")
     cfg = config.load(args.config, args.set)
     runtime.configure(None)  # `cpu:N` measures this machine's CPU
     from scaletrain.planner import budget, roofline
+
+    if args.across_slices:
+        from scaletrain.planner import slices
+
+        verdict = slices.verdict(args.config, tuple(args.set), args.hardware)
+        print(json.dumps(verdict, indent=1) if args.json else slices.format_table(verdict))
+        return 0
 
     result = roofline.plan(cfg, args.hardware)
     training = chips = None

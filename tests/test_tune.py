@@ -157,3 +157,28 @@ def test_the_context_degree_is_searched_where_the_config_splits_its_sequences():
     for choices in tune.space(long, 8, 1):
         attentions.setdefault(choices["mesh.context"] > 1, set()).add(choices["model.context_attention"])
     assert attentions == {True: {"allgather", "ring"}, False: {"allgather"}}
+
+
+def test_across_slices_the_search_has_every_axis_and_both_1f1b_schedules():
+    """On two slices the search puts data, fsdp or the pipeline across them - the pipeline with 1F1B and
+    interleaved 1F1B where the layers divide into 2 blocks a stage - and tune.md names the best of each."""
+    cfg = config.load(BASE, [*TINY, "model.num_layers=4"])
+    schedules = {(c.get("pipeline.schedule"), c.get("pipeline.repeats")) for c in tune.space(cfg, 4, 2)
+                 if c["mesh.dcn_pipeline"] > 1}
+    assert schedules == {("1f1b", None), ("interleaved_1f1b", 2)}
+    assert {c.get("pipeline.schedule") for c in tune.space(config.load(BASE, list(TINY)), 4, 2)
+            if c["mesh.dcn_pipeline"] > 1} == {"1f1b"}  # 2 layers: one block a stage
+    assert {a for a in ("data", "fsdp", "pipeline") for c in tune.space(cfg, 4, 2) if c[f"mesh.dcn_{a}"] == 2} == {
+        "data", "fsdp", "pipeline"}
+
+    def record(name, across, seconds, status="fits"):
+        return {"name": name, "status": status, "choices": {f"mesh.dcn_{across}": 2},
+                "plan": {"step_time_s": seconds, "memory_per_device_bytes": 2**30}}
+
+    ranked = [record("a", "fsdp", 1.0, "does not fit"), record("b", "data", 2.0), record("c", "data", 2.1),
+              record("d", "pipeline", 2.5)]
+    lines = tune.across_slices(ranked)
+    assert lines[1] == "## Across the slices: the best of each by the plan"
+    assert [line.split(" | ")[:3] for line in lines[5:]] == [["| data", "2", "b"], ["| pipeline", "4", "d"]]
+    assert "+25.0%" in lines[6]
+    assert tune.across_slices(ranked[:3]) == []  # one axis only: nothing to compare

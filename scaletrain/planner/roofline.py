@@ -13,7 +13,7 @@ modelled.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from scaletrain import models
@@ -307,12 +307,15 @@ def _warnings(cfg, axes: Mapping[str, int], mem: memory.Prediction, topo: hw.Top
     return out + ([rental] if rental else [])
 
 
-def plan(cfg, hardware: str) -> dict:
+def plan(cfg, hardware: str, dcn_bandwidth: float | None = None) -> dict:
     """The analytic prediction for config `cfg` (scaletrain.config.load) on `hardware` (`[Sx]CHIP:DIMS`, e.g.
     v5p:4x4x4): the `plan` command's keys, the terms behind them, scaling.md's critical batch sizes and the FSDP x
     tensor split the book recommends. Plain JSON types. Raises ConfigError for an unknown chip, a malformed
-    topology, or mesh degrees that do not multiply to its chips."""
+    topology, or mesh degrees that do not multiply to its chips. `dcn_bandwidth`: bytes/s per chip across the
+    slices in place of the chip's (what-if: planner/slices.py)."""
     topo = hw.topology(hardware)
+    if dcn_bandwidth is not None:
+        topo = replace(topo, chip=replace(topo.chip, dcn_bandwidth=dcn_bandwidth))
     chip, m = topo.chip, cfg.model
     shape = resolve_mesh(cfg.mesh, topo)
     axes = {a: shape.ici[a] * shape.dcn[a] for a in MESH_AXES}

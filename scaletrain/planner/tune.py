@@ -122,11 +122,21 @@ def space(cfg, chips_per_slice: int, slices: int, offload: bool = False) -> Iter
     for mesh in meshes(cfg, chips_per_slice, slices):
         fsdp = mesh["mesh.fsdp"] * mesh["mesh.dcn_fsdp"]
         presets = PRESETS if fsdp > 1 else (cfg.sharding.preset,)
-        pipeline = {"pipeline.schedule": "1f1b"} if mesh["mesh.dcn_pipeline"] > 1 else {}
         split = mesh["mesh.context"] * mesh["mesh.dcn_context"] > 1
         attentions = CONTEXT_ATTENTIONS if split else (cfg.model.context_attention,)
-        for preset, policy, attention in itertools.product(presets, remat_choices(cfg, offload), attentions):
-            yield {**mesh, "sharding.preset": preset, **pipeline, "model.context_attention": attention, **policy}
+        for preset, schedule, policy, attention in itertools.product(
+                presets, schedules(cfg, mesh["mesh.dcn_pipeline"]), remat_choices(cfg, offload), attentions):
+            yield {**mesh, "sharding.preset": preset, **schedule, "model.context_attention": attention, **policy}
+
+
+def schedules(cfg, stages: int) -> list[dict[str, Any]]:
+    """The pipeline schedules searched with stages across the slices: 1F1B, and interleaved 1F1B with 2 blocks a
+    stage where the layers divide (the lesser bubble, for a little more memory; docs/pipeline.md); none without."""
+    if stages == 1:
+        return [{}]
+    interleaved = cfg.model.num_layers % (2 * stages) == 0
+    return [{"pipeline.schedule": "1f1b"}] + [{"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2}
+                                              ] * interleaved
 
 
 # --- search and prune ------------------------------------------------------------------------------------
@@ -138,8 +148,10 @@ def _differing(base, choices: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in choices.items() if get(base, k) != v}
 
 
-def evaluate(path: Path, common: tuple[str, ...], base, choices: dict[str, Any], hardware: str) -> dict:
-    """One candidate planned: its status ('fits', 'does not fit' or 'refused', with the reason) and the plan."""
+def evaluate(path: Path, common: tuple[str, ...], base, choices: dict[str, Any], hardware: str,
+             dcn_bandwidth: float | None = None) -> dict:
+    """One candidate planned (at `dcn_bandwidth` bytes/s per chip across slices, where given: roofline.plan):
+    its status ('fits', 'does not fit' or 'refused', with the reason) and the plan."""
     from scaletrain import config
     from scaletrain.planner import roofline
 
@@ -147,14 +159,18 @@ def evaluate(path: Path, common: tuple[str, ...], base, choices: dict[str, Any],
     record = {"name": sweep_lib.name(choices), "choices": choices}
     try:
         cfg = config.load(path, [*common, *sweep_lib.overrides(choices)])
-        p = roofline.plan(cfg, hardware)
+        p = roofline.plan(cfg, hardware, dcn_bandwidth)
     except ConfigError as e:
         return {**record, "status": "refused", "reason": str(e)}
     if p["refusals"]:
         return {**record, "status": "refused", "reason": p["refusals"][0]}
     memory = p["memory_per_device_bytes"]["total"]
+    sent = p["comm_bytes_per_device"]
     plan = {"step_time_s": p["step_estimate_s"], "bound": p["bound"], "hidden_s": sum(p["time_s"].values()),
-            "memory_per_device_bytes": memory, "hbm_capacity_bytes": p["hbm_capacity_bytes"]}
+            "memory_per_device_bytes": memory, "hbm_capacity_bytes": p["hbm_capacity_bytes"],
+            "roofline_s": p["step_time_s"], "bubble": p["pipeline_bubble"],
+            "dcn_bytes": sum(v for a, v in sent.items() if a.startswith("dcn_")),
+            "ici_bytes": sum(v for a, v in sent.items() if not a.startswith("dcn_"))}
     return {**record, "status": "fits" if p["fits"] else "does not fit", "plan": plan}
 
 
@@ -340,6 +356,25 @@ def verdict(record: dict, best: dict | None) -> str:
     return f"{change:+.1%} slower (compiled)"
 
 
+def across_slices(ranked: list[dict]) -> list[str]:
+    """tune.md's lines on a multi-slice topology: the best candidate that fits with each axis across the slices,
+    by the plan (`plan --across-slices` adds every pipeline schedule and where the answer flips)."""
+    best: dict[str, tuple[int, dict]] = {}
+    for k, r in enumerate(ranked, 1):
+        across = next((a for a in ("data", "fsdp", "pipeline") if r["choices"].get(f"mesh.dcn_{a}", 1) > 1), None)
+        if r["status"] == "fits" and across and across not in best:
+            best[across] = (k, r)
+    if len(best) < 2:
+        return []
+    first = min(r["plan"]["step_time_s"] for _, r in best.values())
+    return ["", "## Across the slices: the best of each by the plan", "",
+            "| across | plan rank | candidate | predicted s | vs the best | predicted GiB |",
+            "|---|---|---|---|---|---|",
+            *[f"| {a} | {k} | {r['name']} | {_s(r['plan']['step_time_s'])} | "
+              f"{r['plan']['step_time_s'] / first - 1:+.1%} | {_gib(r['plan']['memory_per_device_bytes'])} |"
+              for a, (k, r) in sorted(best.items(), key=lambda kv: kv[1][0])]]
+
+
 def report(ranked: list[dict], compiled: list[dict], best: dict | None, spec: sweep_lib.Sweep, budget: int) -> str:
     """tune.md: the compiled candidates ranked by the compiled estimate, then the best of the rest by the plan,
     and what the search refused and why."""
@@ -372,6 +407,7 @@ def report(ranked: list[dict], compiled: list[dict], best: dict | None, spec: sw
                else f"predicted slower than the {len(compiled)} compiled")
         lines.append(f"| {k} | {r['name']} | {_s(r['plan']['step_time_s'])} | {r['plan']['bound']} | "
                      f"{_gib(r['plan']['memory_per_device_bytes'])} | {why} |")
+    lines += across_slices(ranked)
     misfits = sorted((r for r in ranked if r["status"] == "does not fit"),
                      key=lambda r: r["plan"]["memory_per_device_bytes"])
     if misfits:

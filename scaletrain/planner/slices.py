@@ -1,0 +1,204 @@
+"""`python -m scaletrain plan --config C --hardware SxCHIP:DIMS --across-slices`: data parallelism, FSDP or a pipeline
+across the slices - which wins, by how much, and where the answer flips (docs/pipeline.md, "When pipelining pays").
+
+Every layout keeps the config's own mesh inside each slice and puts one mesh axis across the slices:
+- data: each slice a replica, the gradients reduced over DCN once a step;
+- fsdp: the state split over every chip, FSDP's gathers and reductions crossing DCN at every layer;
+- pipeline: a stage of the layer stack on each slice, only stage activations crossing DCN, at the price of a
+  bubble - every schedule the trainer runs (GPipe, circular, 1F1B, interleaved 1F1B; 1F1B and interleaved also
+  gathering the FSDP weights once a step), with REPEATS blocks a stage and MICROBATCHES per stage.
+Each layout is planned by roofline.plan - the plan `plan` prints and `tune` ranks, the trainer's own checks
+refusing what it would refuse - and ranked as `tune` ranks (tune.rank_key: fit first, then the plan's estimate of
+the compiled step).
+
+The verdict: the best layout of each family and how far the others are behind it; the DCN bandwidth per chip at
+which the winner would change between a pipeline and not (every layout's step is non-increasing in it: found on a
+grid of factors of two, then by bisection); and the winner at other slice counts, the config's tokens per chip
+kept (the global batch scaled with the slices).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from scaletrain.config import MESH_AXES
+from scaletrain.errors import ConfigError
+from scaletrain.facts import hardware as hw
+from scaletrain.planner import tune
+
+FAMILIES = ("data", "fsdp", "pipeline")
+SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
+MICROBATCHES = (1, 2, 4, 8)  # per stage
+FACTORS = tuple(2.0 ** k for k in range(-12, 7))  # of the chip's DCN bandwidth, where the flip is looked for
+BISECTIONS = 10  # halvings of the bracket, in log space: within 2^(1/1024) of the flip
+SLICE_COUNTS = (2, 4, 8)
+
+
+def layouts(cfg, slices: int) -> list[tuple[str, dict[str, Any]]]:
+    """(family, choices) of every layout across `slices` slices: the config's mesh inside each slice, one axis
+    across them."""
+    def across(axis: str) -> dict[str, Any]:
+        return {f"mesh.dcn_{a}": slices if a == axis else 1 for a in MESH_AXES}
+
+    out = [("data", across("data")), ("fsdp", across("fsdp"))]
+    for schedule, repeats in SCHEDULES:
+        for per_stage in MICROBATCHES:
+            choices = {**across("pipeline"), "pipeline.schedule": schedule, "pipeline.repeats": repeats,
+                       "pipeline.microbatches": per_stage * slices}
+            out.append(("pipeline", choices))
+            if schedule in ("1f1b", "interleaved_1f1b"):
+                out.append(("pipeline", {**choices, "pipeline.gather_weights": "once"}))
+    return out
+
+
+def planned(path: Path, common: tuple[str, ...], hardware: str, dcn_bandwidth: float | None = None,
+            batch: int | None = None, only: list[tuple[str, dict]] | None = None) -> list[dict]:
+    """Every layout for `hardware` (or `only` these (family, layout) pairs) planned (tune.evaluate), with its
+    family and its whole layout (the record's choices are those that differ from the config); `batch` in place of
+    the config's train.global_batch."""
+    from scaletrain import config
+
+    common = (*common, *([f"train.global_batch={batch}"] if batch else ()))
+    base = config.load(path, list(common))
+    topo = hw.topology(hardware)
+    return [{**tune.evaluate(path, common, base, choices, hardware, dcn_bandwidth), "family": family,
+             "layout": choices} for family, choices in (only or layouts(base, topo.slices))]
+
+
+def best(records: list[dict], families=FAMILIES) -> dict | None:
+    """The best record of these families, as tune ranks (fit first, then the predicted step); None if all are
+    refused."""
+    allowed = [r for r in records if r["family"] in families and r["status"] != "refused"]
+    return min(allowed, key=tune.rank_key) if allowed else None
+
+
+def _pipeline_wins(records: list[dict]) -> bool | None:
+    winner = best(records)
+    return None if winner is None else winner["family"] == "pipeline"
+
+
+def flip(path: Path, common: tuple[str, ...], hardware: str, records: list[dict], bandwidth: float) -> float | None:
+    """The DCN bandwidth per chip (bytes/s) nearest to `bandwidth` across which a pipeline starts or stops
+    winning, or None when it does not within FACTORS of it; `records`: the layouts planned at `bandwidth`."""
+    wins = _pipeline_wins(records)
+    # What is refused, and what fits, does not depend on the bandwidth: those that fit are all that can win
+    # (or, where none does, all that are not refused).
+    allowed = [r for r in records if r["status"] != "refused"]
+    contenders = [(r["family"], r["layout"]) for r in [r for r in allowed if r["status"] == "fits"] or allowed]
+
+    def pipeline_wins(factor: float) -> bool | None:
+        return _pipeline_wins(planned(path, common, hardware, bandwidth * factor, only=contenders))
+
+    # A pipeline moves the fewest bytes over DCN: a slower DCN can only help it, a faster one only hurt it.
+    outward = sorted((f for f in FACTORS if (f > 1) == wins), key=lambda f: abs(f - 1) if f > 1 else 1 / f)
+    inside = 1.0  # the factor nearest the flip where the answer is still `wins`
+    for factor in outward:
+        if pipeline_wins(factor) != wins:
+            for _ in range(BISECTIONS):
+                mid = (inside * factor) ** 0.5
+                if pipeline_wins(mid) == wins:
+                    inside = mid
+                else:
+                    factor = mid
+            return bandwidth * (inside * factor) ** 0.5
+        inside = factor
+    return None
+
+
+def verdict(path: str | Path, common: tuple[str, ...], hardware: str) -> dict:
+    """The comparison the module docstring describes, as plain JSON types. Raises ConfigError for a single-slice
+    topology or a config whose layers cannot be split across the slices."""
+    path, topo = Path(path).resolve(), hw.topology(hardware)
+    if topo.slices == 1:
+        raise ConfigError(f"--across-slices compares layouts across slices; --hardware {hardware} is one slice. "
+                          f"Expected SLICESxCHIP:DIMS, e.g. 2x{hardware}")
+    records = planned(path, common, hardware)
+    winner = best(records)
+    if winner is None:
+        raise ConfigError(f"every layout across {topo.slices} slices is refused; the first: {records[0]['reason']}")
+    bests = {f: best(records, (f,)) for f in FAMILIES}
+    schedules = {}
+    for r in records:
+        if r["family"] == "pipeline" and r["status"] != "refused":
+            key = f"{r['layout']['pipeline.schedule']} x{r['layout']['pipeline.repeats']}"
+            if key not in schedules or tune.rank_key(r) < tune.rank_key(schedules[key]):
+                schedules[key] = r
+    wins = winner["family"] == "pipeline"
+    bandwidth = topo.chip.dcn_bandwidth
+    at = flip(path, common, hardware, records, bandwidth)
+    batch = _global_batch(path, common)
+    by_slices = {}
+    for n in SLICE_COUNTS:
+        other = f"{n}x{topo.chip.name}:{'x'.join(map(str, topo.dims))}"
+        there = planned(path, common, other, batch=batch * n // topo.slices) if n != topo.slices else records
+        by_slices[n] = {f: best(there, (f,)) for f in FAMILIES}
+        by_slices[n]["winner"] = best(there)
+    return {"hardware": str(topo), "slices": topo.slices, "dcn_bandwidth": bandwidth, "winner": winner,
+            "best": bests, "schedules": schedules, "pipeline_wins": wins, "flip_dcn_bandwidth": at,
+            "by_slices": by_slices,
+            "refused": sum(r["status"] == "refused" for r in records), "planned": len(records)}
+
+
+def _global_batch(path: Path, common: tuple[str, ...]) -> int:
+    from scaletrain import config
+
+    return config.load(path, list(common)).train.global_batch
+
+
+def _describe(r: dict) -> str:
+    c = r["layout"]
+    if r["family"] != "pipeline":
+        return f"{r['family']} across the slices"
+    once = ", gathering once" if c.get("pipeline.gather_weights") == "once" else ""
+    repeats = f" x{c['pipeline.repeats']}" if c["pipeline.repeats"] > 1 else ""
+    return f"pipeline: {c['pipeline.schedule']}{repeats}, {c['pipeline.microbatches']} microbatches{once}"
+
+
+def _row(r: dict) -> str:
+    p = r["plan"]
+    fits = "" if r["status"] == "fits" else " (does not fit)"
+    return (f"| {_describe(r)} | {p['step_time_s']:.2f} s | {p['roofline_s']:.2f} s, {p['bound']} | "
+            f"{100 * p['bubble']:.0f}% | {p['memory_per_device_bytes'] / 2**30:.1f} GiB{fits} | "
+            f"{p['dcn_bytes'] / 1e9:.2f} GB | {p['ici_bytes'] / 1e9:.0f} GB |")
+
+
+def _behind(r: dict | None, winner: dict) -> str:
+    if r is None:
+        return "refused"
+    if r["status"] != "fits":
+        return f"does not fit ({r['plan']['memory_per_device_bytes'] / 2**30:.1f} GiB)"
+    return f"{r['plan']['step_time_s'] / winner['plan']['step_time_s'] - 1:+.1%}"
+
+
+def format_table(v: dict) -> str:
+    winner, wins = v["winner"], v["pipeline_wins"]
+    lines = [f"Across {v['slices']} slices ({v['hardware']}, DCN {v['dcn_bandwidth'] / 1e9:.2f} GB/s a chip): "
+             f"{v['planned']} layouts planned, {v['refused']} refused by the trainer's checks; the best of each.",
+             "", "| across the slices | step (plan's estimate) | roofline, bound | bubble | HBM a chip | "
+                 "DCN a chip a step | ICI a chip a step |", "|---|---|---|---|---|---|---|"]
+    shown = [v["best"]["data"], v["best"]["fsdp"], *sorted(
+        v["schedules"].values(), key=tune.rank_key)]
+    lines += [_row(r) for r in shown if r is not None]
+    others = [f"{f}: {_behind(v['best'][f], winner)}" for f in FAMILIES if f != winner["family"]]
+    lines += ["", f"Verdict: {_describe(winner)} ({winner['plan']['step_time_s']:.2f} s a step"
+                  f"{'' if winner['status'] == 'fits' else ', but nothing fits'}); the best of the others: "
+                  f"{', '.join(others)}."]
+    at = v["flip_dcn_bandwidth"]
+    if at is None:
+        lines.append(f"No flip between {min(FACTORS):g}x and {max(FACTORS):g}x this DCN bandwidth: "
+                     f"{'a pipeline' if wins else 'no pipeline'} wins throughout.")
+    else:
+        lines.append(f"Flip: {'no pipeline' if wins else 'a pipeline'} would win "
+                     f"{'above' if wins else 'below'} {at / 1e9:.3g} GB/s of DCN a chip "
+                     f"({at / v['dcn_bandwidth']:.3g}x this chip's).")
+    counts = []
+    for n, b in v["by_slices"].items():
+        w = b["winner"]
+        if w is None:
+            counts.append(f"{n}: every layout refused")
+            continue
+        rest = ", ".join(f"{f} {_behind(b[f], w)}" for f in FAMILIES if f != w["family"])
+        counts.append(f"{n}: {_describe(w)}" + (f" ({rest})" if rest else ""))
+    lines += ["", "By slice count, the tokens per chip kept:", *[f"- {c}" for c in counts]]
+    return "\n".join(lines)

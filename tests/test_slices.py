@@ -1,0 +1,85 @@
+"""`plan --across-slices` (planner/slices.py): data parallelism, FSDP and every pipeline schedule across the slices
+of a multi-slice topology planned side by side, the winner, and the DCN bandwidth where it flips."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from scaletrain.planner import slices, tune
+from tests.conftest import run_main
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "llama3_70b.yaml"
+# Llama-2-70B's shapes at 2 x 4096 tokens a chip over two v5p-64 slices: docs/pipeline.md's comparison.
+COMMON = ("model.vocab_size=32000", "model.rope_scaling=none", "model.rope_theta=10000", "data.seq_len=4096",
+          "train.global_batch=128", "model.attention=xla", "remat.policy=full", "train.grad_accum_steps=1",
+          "mesh.fsdp=32")
+HARDWARE = "2xv5p:4x4x2"
+
+
+@pytest.fixture(scope="module")
+def verdict():
+    with pytest.MonkeyPatch.context() as mp:  # a coarser search than the command's: the same answers, fewer plans
+        mp.setattr(slices, "FACTORS", (1 / 64, 1 / 16, 1 / 4, 4.0))
+        mp.setattr(slices, "BISECTIONS", 5)
+        mp.setattr(slices, "SLICE_COUNTS", (2, 4))
+        yield slices.verdict(CONFIG, COMMON, HARDWARE)
+
+
+def _pipeline_wins(bandwidth: float) -> bool:
+    return slices.best(slices.planned(CONFIG, COMMON, HARDWARE, bandwidth))["family"] == "pipeline"
+
+
+def test_every_schedule_is_planned_and_the_winner_is_the_best(verdict):
+    """Every family and every schedule has a layout the trainer accepts; the winner ranks first of all of them,
+    each family's best first of its own (tune's ranking); a pipeline sends the fewest bytes over DCN and pays
+    a bubble for it, and more microbatches or blocks a stage shrink the bubble."""
+    records = slices.planned(CONFIG, COMMON, HARDWARE)
+    allowed = [r for r in records if r["status"] != "refused"]
+    assert {r["family"] for r in allowed} == set(slices.FAMILIES)
+    assert set(verdict["schedules"]) == {"gpipe x1", "circular x2", "1f1b x1", "interleaved_1f1b x2",
+                                         "interleaved_1f1b x4"}
+    key = tune.rank_key
+    assert key(verdict["winner"]) == min(key(r) for r in allowed)
+    for family, b in verdict["best"].items():
+        assert key(b) == min(key(r) for r in allowed if r["family"] == family)
+    pipe, data = verdict["best"]["pipeline"]["plan"], verdict["best"]["data"]["plan"]
+    assert pipe["dcn_bytes"] < data["dcn_bytes"] < verdict["best"]["fsdp"]["plan"]["dcn_bytes"]
+    assert pipe["bubble"] > 0 == data["bubble"]
+    bubbles = {k: r["plan"]["bubble"] for k, r in verdict["schedules"].items()}
+    assert bubbles["interleaved_1f1b x4"] < bubbles["interleaved_1f1b x2"] < bubbles["1f1b x1"]
+
+
+def test_the_flip_is_where_the_winner_changes(verdict):
+    """At v5p's DCN no pipeline wins this step; just below the bandwidth the verdict names one does, just above
+    none does - and searching from the other side finds the same bandwidth."""
+    at, bandwidth = verdict["flip_dcn_bandwidth"], verdict["dcn_bandwidth"]
+    assert not verdict["pipeline_wins"] and at < bandwidth
+    assert _pipeline_wins(0.97 * at) and not _pipeline_wins(1.03 * at)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(slices, "FACTORS", (1 / 4, 4.0, 16.0))
+        mp.setattr(slices, "BISECTIONS", 5)
+        below = slices.planned(CONFIG, COMMON, HARDWARE, at / 3)
+        assert slices.flip(CONFIG, COMMON, HARDWARE, below, at / 3) == pytest.approx(at, rel=0.03)
+
+
+def test_slice_counts_keep_the_tokens_per_chip(verdict):
+    """Four slices plan the batch doubled: the same tokens a chip; the pipeline's bubble grows with its stages."""
+    two, four = verdict["by_slices"][2], verdict["by_slices"][4]
+    assert two["winner"] is verdict["winner"]
+    assert four["data"]["plan"]["memory_per_device_bytes"] == pytest.approx(
+        two["data"]["plan"]["memory_per_device_bytes"], rel=0.02)
+    assert four["pipeline"]["plan"]["bubble"] > two["pipeline"]["plan"]["bubble"]
+    table = slices.format_table(verdict)
+    assert "Verdict: " in table and "Flip: a pipeline would win below" in table and "- 4: " in table
+
+
+def test_the_command_refuses_one_slice(capfd):
+    result = run_main(["plan", "--config", str(CONFIG), "--hardware", "v5p:4x4x2", "--across-slices"], capfd,
+                      module=True)
+    assert result.returncode == 2 and "error: --across-slices compares layouts across slices" in result.stderr
+    result = run_main(["plan", "--config", str(CONFIG), "--hardware", HARDWARE, "--across-slices", "--tokens",
+                       "1e12"], capfd, module=True)
+    assert result.returncode == 2 and "error: --across-slices compares layouts for one step" in result.stderr
