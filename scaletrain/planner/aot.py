@@ -139,7 +139,8 @@ def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
         estimate = None
     chip = _chip(devices)
     capacity = int(chip.hbm_bytes) if chip else None
-    collectives = hlo.summary(hlo.inventory(compiled.as_text(), setup.mesh))
+    text = compiled.as_text()
+    collectives = hlo.summary(hlo.inventory(text, setup.mesh))
     kernels = _kernels(cfg, setup.mesh, chip)
     return {
         "topology": topology,
@@ -165,6 +166,8 @@ def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
         "xla_with_kernels_seconds": estimate + kernels["seconds"] if kernels and estimate else None,
         "xla_raw": raw,
         "collectives": {kind: {"count": int(v["count"]), "bytes": int(v["bytes"])} for kind, v in collectives.items()},
+        # Across slices: libtpu's host-transfer sends, per chip (the collectives above are ICI's alone).
+        "dcn": {kind: {"count": int(v["count"]), "bytes": int(v["bytes"])} for kind, v in hlo.dcn(text).items()},
         "compile_seconds": compile_seconds,
         "jax_version": jax.__version__,
     }
@@ -203,7 +206,7 @@ def _does_not_fit(topology: str, devices, needed: int | None, seconds: float, me
             "memory": None, "xla_flops": None, "xla_bytes_accessed": None, "xla_optimal_seconds": None,
             "xla_roofline_seconds": None,
             "kernel_flops": None, "kernel_bytes": None, "xla_with_kernels_seconds": None,
-            "loop_corrected": False, "xla_raw": None, "collectives": None, "compile_seconds": seconds,
+            "loop_corrected": False, "xla_raw": None, "collectives": None, "dcn": None, "compile_seconds": seconds,
             "error": message}
 
 
@@ -243,4 +246,8 @@ def describe(result: dict) -> str:
                          f"{_seconds(result['xla_with_kernels_seconds'])}")
     lines += [f"  {kind:<18} {v['count']:>6}  {v['bytes'] / 1e9:10.4g} GB" for kind, v in
               sorted(result["collectives"].items())]
+    if result.get("dcn"):
+        lines += ["over DCN per chip and step (sends, bytes; libtpu's transfers by the collective they serve):"]
+        lines += [f"  {kind:<18} {v['count']:>6}  {v['bytes'] / 1e9:10.4g} GB" for kind, v in
+                  sorted(result["dcn"].items())]
     return "\n".join(lines)

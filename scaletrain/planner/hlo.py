@@ -243,6 +243,27 @@ def _element_sliced(lines: list[str], name: str, index: int, elements: int, comp
     return bool(getters) and all(_only_sliced(lines, g, comps) for g in getters)
 
 
+# Across slices XLA does not print collectives: libtpu's megascale runtime moves the data by host-transfer sends,
+# each tagged with the collective it serves.
+_DCN_SEND = re.compile(r'^\s*(?:ROOT )?%?[\w.\-]+ = \((.+?)\) send\(.*_xla_megascale_transfer_type="(\w+)"')
+
+
+def dcn(hlo_text: str) -> dict[str, dict[str, float]]:
+    """What a multi-slice step sends over DCN, per chip: {transfer type (one_to_one - a pipeline's send -,
+    all_reduce, all_gather, reduce_scatter): {"count": sends per step, "bytes": the bytes they carry}}, each send's
+    array (one chip's) times the trip counts of the loops around it. Empty for one slice."""
+    comps = _computations(hlo_text)
+    loops = _loops(comps)
+    totals: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+    for comp, lines in comps.items():
+        for line in lines:
+            if comp in loops and (m := _DCN_SEND.match(line)):
+                count = math.prod(loops[comp])
+                totals[m.group(2).lower()]["count"] += count
+                totals[m.group(2).lower()]["bytes"] += count * _array_bytes(m.group(1))[0]
+    return dict(totals)
+
+
 def summary(collectives: Iterable[Collective]) -> dict[str, dict[str, float]]:
     """{effective kind: {"count": executions per step, "bytes": full-array bytes per step}}."""
     totals: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0})
