@@ -1191,3 +1191,31 @@ def test_step_estimate_parts():
     residual = sum(residuals.per_token(ModelConfig.from_config(none.model))) * 4 * 8192 * 32  # tokens, layers
     extra = r["full"]["estimate_s"]["memory"] - r["none"]["estimate_s"]["memory"]
     assert extra * chip.hbm_bandwidth * chip.xla_hbm_efficiency == pytest.approx(residual, rel=1e-6)
+
+
+def test_the_dcn_inventory_reads_libtpus_host_transfer_sends():
+    """Across slices libtpu moves the data by host-transfer sends, each tagged with the collective it serves:
+    counted per chip with the trip counts of the loops around them (here 5), done-ops and ICI permutes left out."""
+    from scaletrain.planner import hlo
+
+    attrs = ('is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",'
+             '_xla_megascale_transfer_type="KIND"}')
+    text = "\n".join([
+        "%body (p: (s32[], f32[2,256,128])) -> (s32[], f32[2,256,128]) {",
+        "  %send.1 = (f32[2,256,128]{2,1,0:T(8,128)}, u32[]{:S(2)}, token[]) send(%x, %t), channel_id=2, "
+        + attrs.replace("KIND", "ONE_TO_ONE"),
+        "  %send-done.1 = token[] send-done(%send.1), channel_id=2, is_host_transfer=true",
+        "  %cp = f32[2,256,128]{2,1,0} collective-permute(%x), source_target_pairs={{0,1},{1,0}}",
+        "}",
+        "%cond (p: (s32[], f32[2,256,128])) -> pred[] {",
+        "  %n = s32[] constant(5)",
+        "  ROOT %lt = pred[] compare(%i, %n), direction=LT",
+        "}",
+        "ENTRY %main (a: f32[8]) -> f32[8] {",
+        "  %w = (s32[], f32[2,256,128]) while(%init), condition=%cond, body=%body",
+        "  %send.2 = (bf16[1024]{0}, u32[]{:S(2)}, token[]) send(%g, %t2), channel_id=4, "
+        + attrs.replace("KIND", "ALL_REDUCE"),
+        "}"])
+    assert hlo.dcn(text) == {"one_to_one": {"count": 5, "bytes": 5 * 262144, "sizes": {262144: 5}},
+                             "all_reduce": {"count": 1, "bytes": 2048, "sizes": {2048: 1}}}
+    assert hlo.dcn("ENTRY %main (a: f32[8]) -> f32[8] {\n}") == {}

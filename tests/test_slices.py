@@ -65,6 +65,23 @@ def test_the_flip_is_where_the_winner_changes(verdict):
         assert slices.flip(CONFIG, COMMON, HARDWARE, below, at / 3) == pytest.approx(at, rel=0.03)
 
 
+def test_the_flip_is_searched_both_ways():
+    """The tiny model on two 8-GPU nodes: its stage activations outweigh the gradients data parallelism reduces,
+    so the pipeline wins at the nodes' own bandwidth and loses below the flip - which lies above a slower DCN,
+    not below."""
+    tiny = ROOT / "configs" / "llama_tiny.yaml"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(slices, "FACTORS", (1 / 16, 1 / 4, 4.0))
+        mp.setattr(slices, "BISECTIONS", 5)
+        mp.setattr(slices, "SLICE_COUNTS", (2,))
+        v = slices.verdict(tiny, (), "h100:16")
+    at = v["flip_dcn_bandwidth"]
+    assert v["pipeline_wins"] and at < v["dcn_bandwidth"] and not v["pipeline_wins_below_flip"]
+    wins = [slices.best(slices.planned(tiny, (), "h100:16", f * at))["family"] == "pipeline" for f in (0.97, 1.03)]
+    assert wins == [False, True]
+    assert "Flip: no pipeline wins below" in slices.format_table(v)
+
+
 def test_slice_counts_keep_the_tokens_per_chip(verdict):
     """Four slices plan the batch doubled: the same tokens a chip; the pipeline's bubble grows with its stages."""
     two, four = verdict["by_slices"][2], verdict["by_slices"][4]
@@ -73,7 +90,7 @@ def test_slice_counts_keep_the_tokens_per_chip(verdict):
         two["data"]["plan"]["memory_per_device_bytes"], rel=0.02)
     assert four["pipeline"]["plan"]["bubble"] > two["pipeline"]["plan"]["bubble"]
     table = slices.format_table(verdict)
-    assert "Verdict: " in table and "Flip: a pipeline would win below" in table and "- 4: " in table
+    assert "Verdict: fsdp across the slices" in table and "Flip: a pipeline wins below" in table and "- 4: " in table
 
 
 def test_the_command_refuses_one_slice(capfd):

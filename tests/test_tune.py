@@ -172,8 +172,8 @@ def test_across_slices_the_search_has_every_axis_and_both_1f1b_schedules():
         "data", "fsdp", "pipeline"}
 
     def record(name, across, seconds, status="fits"):
-        return {"name": name, "status": status, "choices": {f"mesh.dcn_{across}": 2},
-                "plan": {"step_time_s": seconds, "memory_per_device_bytes": 2**30}}
+        return {"name": name, "status": status, "choices": {},
+                "plan": {"step_time_s": seconds, "memory_per_device_bytes": 2**30, "across": across}}
 
     ranked = [record("a", "fsdp", 1.0, "does not fit"), record("b", "data", 2.0), record("c", "data", 2.1),
               record("d", "pipeline", 2.5)]
@@ -182,3 +182,7 @@ def test_across_slices_the_search_has_every_axis_and_both_1f1b_schedules():
     assert [line.split(" | ")[:3] for line in lines[5:]] == [["| data", "2", "b"], ["| pipeline", "4", "d"]]
     assert "+25.0%" in lines[6]
     assert tune.across_slices(ranked[:3]) == []  # one axis only: nothing to compare
+    # The axis across the slices is the plan's, whether the candidate sets it or the base config does.
+    base = config.load(BASE, [*TINY, "mesh.dcn_data=2"])
+    planned = tune.evaluate(BASE, (*TINY, "mesh.dcn_data=2"), base, {"mesh.dcn_data": 2}, "2xv5p:2x2x1")
+    assert (planned["choices"], planned["plan"]["across"]) == ({}, "data")

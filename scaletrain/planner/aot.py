@@ -22,7 +22,7 @@ import time
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.facts import fit, hardware
 from scaletrain.planner import hlo
-from scaletrain.train.runner import Runner, choose
+from scaletrain.train.runner import Runner
 
 # Compiler options of the cost-estimate compiles: no loops around sharded matmuls.
 _NO_WINDOWED_EINSUM = {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
@@ -131,7 +131,7 @@ def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
     compile_seconds = time.perf_counter() - start
     mem = fit.compiled(compiled.memory_analysis())
     raw = _cost(compiled)
-    corrected = _loop_corrected(cfg, devices, choose(cfg, setup.mesh.shape)) if loop_correction else None
+    corrected = _loop_corrected(cfg, devices, setup.runner) if loop_correction else None
     best = corrected or raw
     estimate = best["optimal_seconds"]
     if estimate <= 0 or raw["optimal_seconds"] <= 0:
@@ -167,7 +167,9 @@ def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
         "xla_raw": raw,
         "collectives": {kind: {"count": int(v["count"]), "bytes": int(v["bytes"])} for kind, v in collectives.items()},
         # Across slices: libtpu's host-transfer sends, per chip (the collectives above are ICI's alone).
-        "dcn": {kind: {"count": int(v["count"]), "bytes": int(v["bytes"])} for kind, v in hlo.dcn(text).items()},
+        "dcn": {kind: {"count": int(v["count"]), "bytes": int(v["bytes"]),
+                       "sizes": {str(b): int(n) for b, n in sorted(v["sizes"].items())}}
+                for kind, v in hlo.dcn(text).items()},
         "compile_seconds": compile_seconds,
         "jax_version": jax.__version__,
     }

@@ -248,20 +248,23 @@ def _element_sliced(lines: list[str], name: str, index: int, elements: int, comp
 _DCN_SEND = re.compile(r'^\s*(?:ROOT )?%?[\w.\-]+ = \((.+?)\) send\(.*_xla_megascale_transfer_type="(\w+)"')
 
 
-def dcn(hlo_text: str) -> dict[str, dict[str, float]]:
+def dcn(hlo_text: str) -> dict[str, dict]:
     """What a multi-slice step sends over DCN, per chip: {transfer type (one_to_one - a pipeline's send -,
-    all_reduce, all_gather, reduce_scatter): {"count": sends per step, "bytes": the bytes they carry}}, each send's
-    array (one chip's) times the trip counts of the loops around it. Empty for one slice."""
+    all_reduce, all_gather, reduce_scatter): {"count": sends per step, "bytes": the bytes they carry, "sizes":
+    {bytes of one send: sends per step}}}, each send's array (one chip's) times the trip counts of the loops around
+    it. Empty for one slice."""
     comps = _computations(hlo_text)
     loops = _loops(comps)
-    totals: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+    totals: dict[str, dict] = {}
     for comp, lines in comps.items():
         for line in lines:
             if comp in loops and (m := _DCN_SEND.match(line)):
-                count = math.prod(loops[comp])
-                totals[m.group(2).lower()]["count"] += count
-                totals[m.group(2).lower()]["bytes"] += count * _array_bytes(m.group(1))[0]
-    return dict(totals)
+                count, size = math.prod(loops[comp]), _array_bytes(m.group(1))[0]
+                kind = totals.setdefault(m.group(2).lower(), {"count": 0, "bytes": 0, "sizes": {}})
+                kind["count"] += count
+                kind["bytes"] += count * size
+                kind["sizes"][size] = kind["sizes"].get(size, 0) + count
+    return totals
 
 
 def summary(collectives: Iterable[Collective]) -> dict[str, dict[str, float]]:

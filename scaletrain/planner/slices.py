@@ -26,8 +26,9 @@ from scaletrain.config import MESH_AXES
 from scaletrain.errors import ConfigError
 from scaletrain.facts import hardware as hw
 from scaletrain.planner import tune
+from scaletrain.planner.roofline import _seconds
 
-FAMILIES = ("data", "fsdp", "pipeline")
+FAMILIES = tune.ACROSS
 SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
 MICROBATCHES = (1, 2, 4, 8)  # per stage
 FACTORS = tuple(2.0 ** k for k in range(-12, 7))  # of the chip's DCN bandwidth, where the flip is looked for
@@ -41,7 +42,7 @@ def layouts(cfg, slices: int) -> list[tuple[str, dict[str, Any]]]:
     def across(axis: str) -> dict[str, Any]:
         return {f"mesh.dcn_{a}": slices if a == axis else 1 for a in MESH_AXES}
 
-    out = [("data", across("data")), ("fsdp", across("fsdp"))]
+    out = [(family, across(family)) for family in FAMILIES if family != "pipeline"]
     for schedule, repeats in SCHEDULES:
         for per_stage in MICROBATCHES:
             choices = {**across("pipeline"), "pipeline.schedule": schedule, "pipeline.repeats": repeats,
@@ -79,8 +80,10 @@ def _pipeline_wins(records: list[dict]) -> bool | None:
 
 
 def flip(path: Path, common: tuple[str, ...], hardware: str, records: list[dict], bandwidth: float) -> float | None:
-    """The DCN bandwidth per chip (bytes/s) nearest to `bandwidth` across which a pipeline starts or stops
-    winning, or None when it does not within FACTORS of it; `records`: the layouts planned at `bandwidth`."""
+    """The DCN bandwidth per chip (bytes/s) nearest to `bandwidth` (by ratio) across which a pipeline starts or
+    stops winning, or None when the answer is the same at every factor of FACTORS; `records`: the layouts planned
+    at `bandwidth`. Both ways are searched: a pipeline sends the fewest bytes over DCN only where its stage
+    activations are smaller than the gradients data parallelism reduces - a small model's are not."""
     wins = _pipeline_wins(records)
     # What is refused, and what fits, does not depend on the bandwidth: those that fit are all that can win
     # (or, where none does, all that are not refused).
@@ -90,25 +93,25 @@ def flip(path: Path, common: tuple[str, ...], hardware: str, records: list[dict]
     def pipeline_wins(factor: float) -> bool | None:
         return _pipeline_wins(planned(path, common, hardware, bandwidth * factor, only=contenders))
 
-    # A pipeline moves the fewest bytes over DCN: a slower DCN can only help it, a faster one only hurt it.
-    outward = sorted((f for f in FACTORS if (f > 1) == wins), key=lambda f: abs(f - 1) if f > 1 else 1 / f)
-    inside = 1.0  # the factor nearest the flip where the answer is still `wins`
-    for factor in outward:
-        if pipeline_wins(factor) != wins:
-            for _ in range(BISECTIONS):
-                mid = (inside * factor) ** 0.5
-                if pipeline_wins(mid) == wins:
-                    inside = mid
-                else:
-                    factor = mid
-            return bandwidth * (inside * factor) ** 0.5
-        inside = factor
+    inside = {True: 1.0, False: 1.0}  # per side (faster, slower): the factor nearest the flip still at `wins`
+    for factor in sorted((f for f in FACTORS if f != 1), key=lambda f: max(f, 1 / f)):
+        side = factor > 1
+        if pipeline_wins(factor) == wins:
+            inside[side] = factor
+            continue
+        near = inside[side]
+        for _ in range(BISECTIONS):
+            mid = (near * factor) ** 0.5
+            near, factor = (mid, factor) if pipeline_wins(mid) == wins else (near, mid)
+        return bandwidth * (near * factor) ** 0.5
     return None
 
 
 def verdict(path: str | Path, common: tuple[str, ...], hardware: str) -> dict:
     """The comparison the module docstring describes, as plain JSON types. Raises ConfigError for a single-slice
-    topology or a config whose layers cannot be split across the slices."""
+    topology or one where the trainer refuses every layout."""
+    from scaletrain import config
+
     path, topo = Path(path).resolve(), hw.topology(hardware)
     if topo.slices == 1:
         raise ConfigError(f"--across-slices compares layouts across slices; --hardware {hardware} is one slice. "
@@ -117,17 +120,16 @@ def verdict(path: str | Path, common: tuple[str, ...], hardware: str) -> dict:
     winner = best(records)
     if winner is None:
         raise ConfigError(f"every layout across {topo.slices} slices is refused; the first: {records[0]['reason']}")
-    bests = {f: best(records, (f,)) for f in FAMILIES}
-    schedules = {}
+    pipelines: dict[str, list[dict]] = {}
     for r in records:
-        if r["family"] == "pipeline" and r["status"] != "refused":
-            key = f"{r['layout']['pipeline.schedule']} x{r['layout']['pipeline.repeats']}"
-            if key not in schedules or tune.rank_key(r) < tune.rank_key(schedules[key]):
-                schedules[key] = r
-    wins = winner["family"] == "pipeline"
+        if r["family"] == "pipeline":
+            pipelines.setdefault(f"{r['layout']['pipeline.schedule']} x{r['layout']['pipeline.repeats']}", []).append(r)
+    schedules = {key: b for key, group in pipelines.items() if (b := best(group)) is not None}
+    refused = next((r["reason"] for r in records if r["family"] == "pipeline" and r["status"] == "refused"), None)
     bandwidth = topo.chip.dcn_bandwidth
-    at = flip(path, common, hardware, records, bandwidth)
-    batch = _global_batch(path, common)
+    # Without a pipeline the trainer accepts there is nothing to flip to.
+    at = flip(path, common, hardware, records, bandwidth) if schedules else None
+    batch = config.load(path, list(common)).train.global_batch
     by_slices = {}
     for n in SLICE_COUNTS:
         other = f"{n}x{topo.chip.name}:{'x'.join(map(str, topo.dims))}"
@@ -135,15 +137,12 @@ def verdict(path: str | Path, common: tuple[str, ...], hardware: str) -> dict:
         by_slices[n] = {f: best(there, (f,)) for f in FAMILIES}
         by_slices[n]["winner"] = best(there)
     return {"hardware": str(topo), "slices": topo.slices, "dcn_bandwidth": bandwidth, "winner": winner,
-            "best": bests, "schedules": schedules, "pipeline_wins": wins, "flip_dcn_bandwidth": at,
-            "by_slices": by_slices,
-            "refused": sum(r["status"] == "refused" for r in records), "planned": len(records)}
-
-
-def _global_batch(path: Path, common: tuple[str, ...]) -> int:
-    from scaletrain import config
-
-    return config.load(path, list(common)).train.global_batch
+            "best": {f: best(records, (f,)) for f in FAMILIES}, "schedules": schedules,
+            "pipeline_wins": winner["family"] == "pipeline", "pipeline_refused": None if schedules else refused,
+            "flip_dcn_bandwidth": at,
+            "pipeline_wins_below_flip": None if at is None else (at < bandwidth) != (winner["family"] == "pipeline"),
+            "by_slices": by_slices, "refused": sum(r["status"] == "refused" for r in records),
+            "planned": len(records)}
 
 
 def _describe(r: dict) -> str:
@@ -158,9 +157,13 @@ def _describe(r: dict) -> str:
 def _row(r: dict) -> str:
     p = r["plan"]
     fits = "" if r["status"] == "fits" else " (does not fit)"
-    return (f"| {_describe(r)} | {p['step_time_s']:.2f} s | {p['roofline_s']:.2f} s, {p['bound']} | "
-            f"{100 * p['bubble']:.0f}% | {p['memory_per_device_bytes'] / 2**30:.1f} GiB{fits} | "
-            f"{p['dcn_bytes'] / 1e9:.2f} GB | {p['ici_bytes'] / 1e9:.0f} GB |")
+    return (f"| {_describe(r)} | {_seconds(p['step_time_s'])} | {_seconds(p['roofline_s'])}, {p['bound']} | "
+            f"{100 * p['bubble']:.0f}% | {tune._gib(p['memory_per_device_bytes'])} GiB{fits} | "
+            f"{_bytes(p['dcn_bytes'])} | {_bytes(p['ici_bytes'])} |")
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
 
 
 def _behind(r: dict | None, winner: dict) -> str:
@@ -185,12 +188,15 @@ def format_table(v: dict) -> str:
                   f"{'' if winner['status'] == 'fits' else ', but nothing fits'}); the best of the others: "
                   f"{', '.join(others)}."]
     at = v["flip_dcn_bandwidth"]
-    if at is None:
-        lines.append(f"No flip between {min(FACTORS):g}x and {max(FACTORS):g}x this DCN bandwidth: "
-                     f"{'a pipeline' if wins else 'no pipeline'} wins throughout.")
+    if v["pipeline_refused"]:
+        lines.append(f"No pipeline: the trainer refuses every one ({v['pipeline_refused']}).")
+    elif at is None:
+        lines.append(f"No flip from {min(FACTORS):g}x to {max(FACTORS):g}x this DCN bandwidth (the range searched): "
+                     f"{'a pipeline wins' if wins else 'no pipeline wins'} throughout.")
     else:
-        lines.append(f"Flip: {'no pipeline' if wins else 'a pipeline'} would win "
-                     f"{'above' if wins else 'below'} {at / 1e9:.3g} GB/s of DCN a chip "
+        below = "a pipeline" if v["pipeline_wins_below_flip"] else "no pipeline"
+        above = "no pipeline" if v["pipeline_wins_below_flip"] else "a pipeline"
+        lines.append(f"Flip: {below} wins below {at / 1e9:.3g} GB/s of DCN a chip, {above} above it "
                      f"({at / v['dcn_bandwidth']:.3g}x this chip's).")
     counts = []
     for n, b in v["by_slices"].items():

@@ -54,6 +54,7 @@ SHOWN = 20  # candidates listed in tune.md below the compiled ones
 # How far the plan's memory may be from the compile's (docs/tune.md): a candidate planned closer than this to the
 # chip's HBM may not fit.
 MEMORY_TOLERANCE = 0.10
+ACROSS = ("data", "fsdp", "pipeline")  # the mesh axes a search puts across slices (`meshes`)
 COMPILED_TIE = 0.01  # compiled step times this close are a tie, broken by the less memory (`winner`)
 
 
@@ -79,7 +80,7 @@ def meshes(cfg, chips_per_slice: int, slices: int) -> Iterator[dict[str, int]]:
     m = cfg.model
     ici_axes = (("data", "fsdp", "tensor") + (("expert",) if m.num_experts else ())
                 + (("context",) if cfg.mesh.context != 1 else ()))
-    dcn_axes = [None] if slices == 1 else ["data", "fsdp"] + (["pipeline"] if m.num_layers % slices == 0 else [])
+    dcn_axes = [None] if slices == 1 else [a for a in ACROSS if a != "pipeline" or m.num_layers % slices == 0]
     for dcn in dcn_axes:
         for ici in _factorisations(chips_per_slice, ici_axes):
             if ici["tensor"] > MAX_TENSOR or (m.num_experts and m.num_experts % ici["expert"]):
@@ -170,7 +171,9 @@ def evaluate(path: Path, common: tuple[str, ...], base, choices: dict[str, Any],
             "memory_per_device_bytes": memory, "hbm_capacity_bytes": p["hbm_capacity_bytes"],
             "roofline_s": p["step_time_s"], "bubble": p["pipeline_bubble"],
             "dcn_bytes": sum(v for a, v in sent.items() if a.startswith("dcn_")),
-            "ici_bytes": sum(v for a, v in sent.items() if not a.startswith("dcn_"))}
+            "ici_bytes": sum(v for a, v in sent.items() if not a.startswith("dcn_")),
+            # the axis across the slices, whether the candidate or the base config sets it
+            "across": next((a for a, n in p["mesh"]["dcn"].items() if n > 1), None)}
     return {**record, "status": "fits" if p["fits"] else "does not fit", "plan": plan}
 
 
@@ -361,7 +364,7 @@ def across_slices(ranked: list[dict]) -> list[str]:
     by the plan (`plan --across-slices` adds every pipeline schedule and where the answer flips)."""
     best: dict[str, tuple[int, dict]] = {}
     for k, r in enumerate(ranked, 1):
-        across = next((a for a in ("data", "fsdp", "pipeline") if r["choices"].get(f"mesh.dcn_{a}", 1) > 1), None)
+        across = (r.get("plan") or {}).get("across")
         if r["status"] == "fits" and across and across not in best:
             best[across] = (k, r)
     if len(best) < 2:
