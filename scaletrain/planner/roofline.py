@@ -329,7 +329,12 @@ def plan(cfg, hardware: str, dcn_bandwidth: float | None = None) -> dict:
     step_flops = per_token * tokens
     forward = forward_flops(m, cfg.data.seq_len)
     forward["attention"] *= attention_pass(cfg, chip.name)  # as executed
-    recompute_flops = tokens * (m.num_layers * sum(forward[g] for g in recompute)
+    # A pipeline keeps each stage's input, not what its layers save: its backward slot runs the stage's forward
+    # again from it (the schedule's vjp, GPipe's iteration checkpoint), whatever the remat policy - one more
+    # forward of every layer (Llama-2-70B across two v5p slices compiles to 1.57x the FLOPs of data parallelism
+    # there: 5/4 of it, over the 20% bubble).
+    stage_forward = m.num_layers * sum(forward.values()) if axes["pipeline"] > 1 else 0.0
+    recompute_flops = tokens * (m.num_layers * sum(forward[g] for g in recompute) + stage_forward
                                 + recomputed_logits(cfg) * 2 * m.d_model * m.vocab_size)
     extra_flops = tokens * attention_extra_flops(cfg, chip.name)
     bubble = comms.bubble(axes["pipeline"], microbatches(cfg, axes), state.layout.runner.repeats)
@@ -382,7 +387,8 @@ def plan(cfg, hardware: str, dcn_bandwidth: float | None = None) -> dict:
         "quantized_flops": low,
         "attention": m.attention,
         "attention_extra_flops": extra_flops,
-        "recomputed": sorted(recompute | ({"logits"} if recomputed_logits(cfg) else set())),
+        "recomputed": sorted(recompute | ({"logits"} if recomputed_logits(cfg) else set())
+                             | ({"stage"} if axes["pipeline"] > 1 else set())),
         "step_time_s": step_time,
         "bound": bound,
         "time_s": times,
