@@ -184,7 +184,7 @@ def format_table(v: dict) -> str:
         v["schedules"].values(), key=tune.rank_key)]
     lines += [_row(r) for r in shown if r is not None]
     others = [f"{f}: {_behind(v['best'][f], winner)}" for f in FAMILIES if f != winner["family"]]
-    lines += ["", f"Verdict: {_describe(winner)} ({winner['plan']['step_time_s']:.2f} s a step"
+    lines += ["", f"Verdict: {_describe(winner)} ({_seconds(winner['plan']['step_time_s'])} a step"
                   f"{'' if winner['status'] == 'fits' else ', but nothing fits'}); the best of the others: "
                   f"{', '.join(others)}."]
     at = v["flip_dcn_bandwidth"]
