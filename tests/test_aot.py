@@ -107,7 +107,7 @@ def test_a_pipeline_across_two_slices(schedule, corrected, capfd):
     planned = roofline.plan(config.load("configs/llama_tiny.yaml", [
         "mesh.dcn_pipeline=2", "mesh.fsdp=4", "pipeline.microbatches=2", f"pipeline.schedule={schedule}"]),
         "2xv5p:2x2x1")
-    (sends,) = [c for c in planned["collectives"] if c["axis"] == "dcn_pipeline"]
+    (sends,) = [c for c in planned["collectives"] if (c["axis"], c["kind"]) == ("dcn_pipeline", "send")]
     stage_sends = result["dcn"]["one_to_one"]["sizes"][str(int(sends["full_bytes"]))]
     if schedule == "1f1b":
         assert (sends["count"], stage_sends) == (6, 5)

@@ -279,12 +279,19 @@ def test_pipeline_sends_and_bubble():
     # waits for are its exposed time.
     ici = comms.Link("pipeline", 4, (4,), (True,), 9.0e10, 1.8e11, switch=False)
     dcn = comms.Link("dcn_pipeline", 2, (2,), (False,), 6.25e9, 6.25e9, switch=True, hop_latency=0.0)
-    (sends,) = comms.pipeline(1e6, 30, 18, [ici, comms.Link("dcn_pipeline", 1, (1,), (False,), 6.25e9, 6.25e9,
-                                                            True)])
+    sends, gather, scatter = comms.pipeline(1e6, 12, 30, 18, [ici, comms.Link("dcn_pipeline", 1, (1,), (False,),
+                                                                             6.25e9, 6.25e9, True)])
     assert (sends.count, sends.bytes_per_device, sends.seconds) == (30, 30e6, pytest.approx(30 * 1e6 / 9e10))
     assert sends.exposed == pytest.approx(18 * 1e6 / 9e10)
-    (sends,) = comms.pipeline(1e6, 30, 18, [ici, dcn])
+    # The embedded batch (12 microbatches of 1 MB) gathered by the 4 stages, its gradient reduced back: once each.
+    assert [(t.kind, t.count, t.bytes_per_device) for t in (gather, scatter)] == [
+        ("all-gather", 1, 9e6), ("reduce-scatter", 1, 9e6)]
+    sends, *rest = comms.pipeline(1e6, 12, 30, 18, [ici, dcn])
     assert (sends.axis, sends.seconds) == ("dcn_pipeline", pytest.approx(30 * 1e6 / 6.25e9))
+    # Level by level: the DCN level moves a quarter of the batch (the ICI level's share), half of it sent.
+    assert [(t.axis, t.kind, t.bytes_per_device) for t in rest] == [
+        ("pipeline", "all-gather", 9e6), ("dcn_pipeline", "all-gather", 1.5e6),
+        ("pipeline", "reduce-scatter", 9e6), ("dcn_pipeline", "reduce-scatter", 1.5e6)]
 
 
 @pytest.mark.parametrize("schedule,stages,microbatches,repeats", [

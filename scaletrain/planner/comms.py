@@ -187,12 +187,18 @@ def _hops(what: str, full_bytes: float, count: int, levels: Sequence[Link]) -> l
     return collective("send", what, full_bytes, count, [min(spanned, key=lambda link: link.oneway)])
 
 
-def pipeline(activation_bytes: float, sends: int, exposed: int, levels: Sequence[Link]) -> list[Transfer]:
-    """A pipeline's stage-to-stage sends (runner.Runner.sends: the schedule's count, `exposed` of them waited
-    for): the activations to the next stage and their gradient back (2BD bytes each in bf16: scaling.md), every
-    send timed on the slowest level the pipeline axis spans (DCN when mesh.dcn_pipeline > 1)."""
+def pipeline(activation_bytes: float, microbatches: int, sends: int, exposed: int,
+             levels: Sequence[Link]) -> list[Transfer]:
+    """A pipeline's traffic per step: its stage-to-stage sends (runner.Runner.sends: the schedule's count,
+    `exposed` of them waited for), a microbatch's activations to the next stage or their gradient back (2BD bytes
+    each in bf16: scaling.md), every send timed on the slowest level the pipeline axis spans (DCN when
+    mesh.dcn_pipeline > 1); and the embedded batch - `microbatches` of them - gathered by the stages (each
+    device's rows are computed split over them) and its gradient, which the first stage forms, reduced back."""
     out = _hops("stage activations and their gradients", activation_bytes, sends, levels)
-    return [replace(t, exposed=t.seconds * exposed / sends) for t in out]
+    batch = activation_bytes * microbatches
+    return ([replace(t, exposed=t.seconds * exposed / sends) for t in out]
+            + collective("all-gather", "the embedded batch, to every stage", batch, 1, levels)
+            + collective("reduce-scatter", "its gradient, from every stage", batch, 1, levels))
 
 
 def expert(routed_bytes: float, counts_bytes: float, moe_layers: int, microbatches: int, recomputed: bool,

@@ -276,7 +276,8 @@ def step_transfers(cfg, axes: Mapping[str, int], links: Mapping[str, list[comms.
             + comms.tensor(activations, layers, accum, sp, recompute, levels(["tensor"]), moe_layers)
             + comms.context(kv, layers, accum, "attention" in recompute and cfg.remat.policy != "none",
                             levels(["context"]), memory.ring_attention(cfg, axes) and ab, ring_pass)
-            + comms.pipeline(activations / (t if sp else 1), *state.layout.runner.sends(), levels(["pipeline"]))
+            + comms.pipeline(activations / (t if sp else 1), accum, *state.layout.runner.sends(),
+                             levels(["pipeline"]))
             + comms.expert(routed, counts, moe_layers, accum, "expert_down" in recompute, levels(["expert"]),
                            "ragged-all-to-all" if ragged and dropless else "all-to-all"))
 
