@@ -8,7 +8,7 @@ from typing import Mapping
 
 from scaletrain.config import moe_d_ff
 from scaletrain.errors import ConfigError
-from scaletrain.parallel import context
+from scaletrain.parallel import context, pipeline, pipeline_1f1b
 from scaletrain.parallel.sharding import batch_ways
 
 # The flash kernel's query blocks are multiples of the TPU's 128 lanes (kernels/flash_attention.py's _LANES,
@@ -51,10 +51,10 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
     if m.num_layers % stages:
         out.append(f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline={stages}")
     if stages > 1:
-        if repeats > 1 and schedule not in ("circular", "interleaved_1f1b"):
+        if repeats > 1 and schedule not in pipeline.BLOCKED:
             out.append(f"pipeline.repeats={repeats} needs pipeline.schedule=circular or interleaved_1f1b (got "
                        f"{schedule})")
-        if schedule in ("circular", "interleaved_1f1b") and m.num_layers % (stages * repeats):
+        if schedule in pipeline.BLOCKED and m.num_layers % (stages * repeats):
             out.append(f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline x pipeline.repeats = "
                        f"{stages * repeats}, the {schedule} schedule's blocks of layers")
         if schedule == "interleaved_1f1b" and repeats > 1 and microbatches(cfg, axis_sizes) % stages:
@@ -63,7 +63,7 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
         if schedule == "circular" and repeats > 1 and microbatches(cfg, axis_sizes) < stages:
             out.append(f"pipeline.microbatches={microbatches(cfg, axis_sizes)} is fewer than mesh.pipeline={stages}: "
                        f"a circular schedule sends a microbatch round again only after the last stage has done it")
-        if cfg.pipeline.gather_weights == "once" and schedule not in ("1f1b", "interleaved_1f1b"):
+        if cfg.pipeline.gather_weights == "once" and schedule not in pipeline_1f1b.SCHEDULES:
             out.append(f"pipeline.gather_weights=once needs pipeline.schedule=1f1b or interleaved_1f1b (got "
                        f"{schedule}), whose loop "
                        f"runs per device and can sum the gradients before reducing them")

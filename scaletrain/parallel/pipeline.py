@@ -22,6 +22,8 @@ from jax.ad_checkpoint import checkpoint_name
 from scaletrain import remat
 from scaletrain.parallel.sharding import active_axes, constrain
 
+# The schedules whose stages hold pipeline.repeats blocks of layers, the weights in `memory_order`.
+BLOCKED = ("circular", "interleaved_1f1b")
 STAGE_INPUT = "pipeline_stage_input"  # the checkpoint name of an iteration's inputs, kept for its recomputation
 # What the shift buffer holds before a stage's first microbatch arrives. Never read: bubble iterations are masked
 # (tests set it to NaN to prove it).

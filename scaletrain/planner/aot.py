@@ -246,10 +246,12 @@ def describe(result: dict) -> str:
         lines.insert(-1, f"  XLA counts the flash kernels as nothing; their {result['kernel_flops'] / 1e12:.4g} TFLOP "
                          f"and {result['kernel_bytes'] / 1e9:.4g} GB at the chip's roofline make the step "
                          f"{_seconds(result['xla_with_kernels_seconds'])}")
-    lines += [f"  {kind:<18} {v['count']:>6}  {v['bytes'] / 1e9:10.4g} GB" for kind, v in
-              sorted(result["collectives"].items())]
+    lines += _counts(result["collectives"])
     if result.get("dcn"):
         lines += ["over DCN per chip and step (sends, bytes; libtpu's transfers by the collective they serve):"]
-        lines += [f"  {kind:<18} {v['count']:>6}  {v['bytes'] / 1e9:10.4g} GB" for kind, v in
-                  sorted(result["dcn"].items())]
+        lines += _counts(result["dcn"])
     return "\n".join(lines)
+
+
+def _counts(kinds: dict[str, dict]) -> list[str]:
+    return [f"  {kind:<18} {v['count']:>6}  {v['bytes'] / 1e9:10.4g} GB" for kind, v in sorted(kinds.items())]

@@ -6,7 +6,7 @@ Every layout keeps the config's own mesh inside each slice and puts one mesh axi
 - fsdp: the state split over every chip, FSDP's gathers and reductions crossing DCN at every layer;
 - pipeline: a stage of the layer stack on each slice, only stage activations crossing DCN, at the price of a
   bubble - every schedule the trainer runs (GPipe, circular, 1F1B, interleaved 1F1B; 1F1B and interleaved also
-  gathering the FSDP weights once a step), with REPEATS blocks a stage and MICROBATCHES per stage.
+  gathering the FSDP weights once a step), with the blocks a stage of SCHEDULES and MICROBATCHES per stage.
 Each layout is planned by roofline.plan - the plan `plan` prints and `tune` ranks, the trainer's own checks
 refusing what it would refuse - and ranked as `tune` ranks (tune.rank_key: fit first, then the plan's estimate of
 the compiled step).
@@ -25,8 +25,9 @@ from typing import Any
 from scaletrain.config import MESH_AXES
 from scaletrain.errors import ConfigError
 from scaletrain.facts import hardware as hw
+from scaletrain.parallel import pipeline_1f1b
 from scaletrain.planner import tune
-from scaletrain.planner.roofline import _seconds
+from scaletrain.planner.roofline import _seconds, _si
 
 FAMILIES = tune.ACROSS
 SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
@@ -48,7 +49,7 @@ def layouts(cfg, slices: int) -> list[tuple[str, dict[str, Any]]]:
             choices = {**across("pipeline"), "pipeline.schedule": schedule, "pipeline.repeats": repeats,
                        "pipeline.microbatches": per_stage * slices}
             out.append(("pipeline", choices))
-            if schedule in ("1f1b", "interleaved_1f1b"):
+            if schedule in pipeline_1f1b.SCHEDULES:
                 out.append(("pipeline", {**choices, "pipeline.gather_weights": "once"}))
     return out
 
@@ -159,18 +160,14 @@ def _row(r: dict) -> str:
     fits = "" if r["status"] == "fits" else " (does not fit)"
     return (f"| {_describe(r)} | {_seconds(p['step_time_s'])} | {_seconds(p['roofline_s'])}, {p['bound']} | "
             f"{100 * p['bubble']:.0f}% | {tune._gib(p['memory_per_device_bytes'])} GiB{fits} | "
-            f"{_bytes(p['dcn_bytes'])} | {_bytes(p['ici_bytes'])} |")
-
-
-def _bytes(n: float) -> str:
-    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
+            f"{_si(p['dcn_bytes'], 'B')} | {_si(p['ici_bytes'], 'B')} |")
 
 
 def _behind(r: dict | None, winner: dict) -> str:
     if r is None:
         return "refused"
     if r["status"] != "fits":
-        return f"does not fit ({r['plan']['memory_per_device_bytes'] / 2**30:.1f} GiB)"
+        return f"does not fit ({tune._gib(r['plan']['memory_per_device_bytes'])} GiB)"
     return f"{r['plan']['step_time_s'] / winner['plan']['step_time_s'] - 1:+.1%}"
 
 
@@ -180,8 +177,7 @@ def format_table(v: dict) -> str:
              f"{v['planned']} layouts planned, {v['refused']} refused by the trainer's checks; the best of each.",
              "", "| across the slices | step (plan's estimate) | roofline, bound | bubble | HBM a chip | "
                  "DCN a chip a step | ICI a chip a step |", "|---|---|---|---|---|---|---|"]
-    shown = [v["best"]["data"], v["best"]["fsdp"], *sorted(
-        v["schedules"].values(), key=tune.rank_key)]
+    shown = [*(v["best"][f] for f in FAMILIES if f != "pipeline"), *sorted(v["schedules"].values(), key=tune.rank_key)]
     lines += [_row(r) for r in shown if r is not None]
     others = [f"{f}: {_behind(v['best'][f], winner)}" for f in FAMILIES if f != winner["family"]]
     lines += ["", f"Verdict: {_describe(winner)} ({_seconds(winner['plan']['step_time_s'])} a step"

@@ -112,5 +112,5 @@ def choose(cfg, axis_sizes: Mapping[str, int]) -> Runner:
         return Runner()
     schedule = cfg.pipeline.schedule
     return Runner(schedule=schedule, stages=stages, microbatches=microbatches(cfg, axis_sizes),
-                  repeats=cfg.pipeline.repeats if schedule in ("circular", "interleaved_1f1b") else 1,
+                  repeats=cfg.pipeline.repeats if schedule in pipeline.BLOCKED else 1,
                   gather_once=schedule in pipeline_1f1b.SCHEDULES and cfg.pipeline.gather_weights == "once")
