@@ -139,6 +139,30 @@ def test_the_loop_correction_stands_for_the_unrolled_program():
     assert corrected["optimal_seconds"] == pytest.approx(unrolled["optimal_seconds"], rel=0.12)
 
 
+def test_a_1f1b_step_compiles_to_the_plans_flops_whatever_the_remat_policy():
+    """XLA's FLOPs of the unrolled tiny step as 1F1B over 2 stages (4 microbatches), against data parallelism under
+    full remat, are the plan's ratio: the bubble's 5/4 and nothing more (compiled 1.28, planned 1.25) - each
+    layer's forward runs once more in the backward slot, full remat's work, not a whole stage's on top of it (1.43
+    when the backward slot ran the stage forward again, before pipeline_1f1b.py kept each layer's input). The
+    policy is not used: policy none's program has the same FLOPs."""
+    from scaletrain.planner import aot, roofline
+
+    devices = aot.topology_devices("v5p:2x2x2")
+    piped = ["mesh.fsdp=4", "mesh.pipeline=2", "pipeline.microbatches=4", "pipeline.schedule=1f1b"]
+
+    def compiled_and_planned(*overrides):
+        cfg = config.load("configs/llama_tiny.yaml", ["model.attention=xla", *overrides])
+        plan = roofline.plan(cfg, "v5p:2x2x2")
+        executed = (plan["step_flops"] + plan["recompute_flops"] + plan["attention_extra_flops"]) / (
+            1 - plan["pipeline_bubble"])
+        return aot.unrolled_cost(cfg, devices)["flops"], executed
+
+    (data, data_plan), (one_f_one_b, plan) = (compiled_and_planned("remat.policy=full", *mesh)
+                                              for mesh in (["mesh.fsdp=8"], piped))
+    assert one_f_one_b / data == pytest.approx(plan / data_plan, rel=0.05)
+    assert compiled_and_planned("remat.policy=none", *piped)[0] == pytest.approx(one_f_one_b, rel=0.001)
+
+
 def test_the_chip_tables_xla_efficiencies_are_libtpus():
     """hardware.yaml's xla_matmul_efficiency and xla_hbm_efficiency, which the plan's step estimate divides by, are
     what the pinned libtpu's cost model times a large matmul and elementwise pass at (benchmarks/xla_cost_model.py);

@@ -182,11 +182,13 @@ class Decoder(nnx.Module):
         x_btd, body, stacked, extras = self.stack_inputs(tokens_bt, positions_bt, segment_ids_bt)
         return self.final_stream(pipeline.scan(body, x_btd, stacked, extras, self.cfg.unroll_loops)[0])
 
-    def stack_inputs(self, tokens_bt: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array):
+    def stack_inputs(self, tokens_bt: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array,
+                     remat_layers: bool = True):
         """The model's pieces as a runner of the layer stack (runner.py) takes them: the embedded stream
-        [b, t, d], the layer body `body(x, layer_params, *extras) -> (x, aux)` (remat applied; `aux` the layer's
-        auxiliary sums, Block's), the stacked layer weights [layers, ...] and the per-row arrays every layer reads
-        (RoPE's tables, the segment ids)."""
+        [b, t, d], the layer body `body(x, layer_params, *extras) -> (x, aux)` (`aux` the layer's auxiliary sums,
+        Block's), the stacked layer weights [layers, ...] and the per-row arrays every layer reads (RoPE's tables,
+        the segment ids). The body has the config's remat policy applied, unless `remat_layers` is False: for a
+        runner that takes each layer's vjp itself, where the layer's forward runs again anyway (1F1B)."""
         cfg = self.cfg
         x_btd = self.embed(tokens_bt, cfg.dtype)
         sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies())
@@ -197,7 +199,7 @@ class Decoder(nnx.Module):
             x_btd = checkpoint_name(constrain(x_btd, ("batch", "residual_seq", "embed")), "decoder_layer_input")
             return nnx.merge(graphdef, placed(layer_params))(x_btd, sin_bth, cos_bth, segment_ids_bt)
 
-        body = remat.apply(layer, cfg.remat, cfg.remat_custom, cfg.unroll_loops)
+        body = remat.apply(layer, cfg.remat, cfg.remat_custom, cfg.unroll_loops) if remat_layers else layer
         return x_btd, body, stacked, (sin_bth, cos_bth, segment_ids_bt)
 
     def final_stream(self, x_btd: jax.Array) -> jax.Array:

@@ -7,16 +7,21 @@ pipeline axis (the other axes stay automatic: FSDP, tensor and data parallelism 
 everywhere else). Each tick every stage runs a forward slot and a backward slot:
 
 - forward: stage s takes microbatch f = t - s (stage 0 from the embedded batch, the others from the stage before
-  it, one collective permute on) and keeps its input; the last stage runs the head (final norm, output
-  projection, loss) on its output and its vjp at once, which gives the cotangent its backward slot starts from;
-- backward: stage s takes microbatch b = t - (2 P - 2 - s), recomputes its forward from the kept input under
-  `jax.vjp` and pulls the cotangent from the stage after it (one permute back) through it, adding its weights'
-  gradient to a running sum; stage 0's input cotangents go to the embedding.
+  it, one collective permute on) and keeps each of its layers' inputs; the last stage runs the head (final norm,
+  output projection, loss) on its output and its vjp at once, which gives the cotangent its backward slot starts
+  from;
+- backward: stage s takes microbatch b = t - (2 P - 2 - s) and pulls the cotangent from the stage after it (one
+  permute back) through its layers, the last first, each under `jax.vjp` from its kept input - the layer's
+  forward runs again there, as full remat runs it, but never the whole stage's: every layer's input is at hand -
+  adding its weights' gradient to a running sum; stage 0's input cotangents go to the embedding.
 
-A microbatch's input is kept from its forward tick to its backward tick, 2 (P - 1 - s) ticks: at most
-min(M, 2 P - 1) of them per stage, against GPipe's M - the lockstep of one SPMD program makes each hop a tick, so
-the depth is 2 P - 1, not the P of a per-device (multi-program) 1F1B. The P - 1 ticks before the first backward
-slot and the P - 1 after the last forward one run only the slot that has work anywhere, so the step takes
+A microbatch's layer inputs are kept from its forward tick to its backward tick, 2 (P - 1 - s) ticks: at most
+min(M, 2 P - 1) microbatches' per stage, against GPipe's M - the lockstep of one SPMD program makes each hop a
+tick, so the depth is 2 P - 1, not the P of a per-device (multi-program) 1F1B. Those layer inputs are what full
+remat keeps, and the work is full remat's whatever the remat policy: the body comes without one (runner.py), as
+a layer's vjp keeps its residuals for that layer only - a policy would only add its recomputation to the vjp's
+forward. The P - 1 ticks before the first backward slot and the P - 1 after the last forward one
+run only the slot that has work anywhere, so the step takes
 (M + P - 1) (forward + backward) - GPipe's bubble, (P - 1) / (M + P - 1). Slots without a microbatch compute on
 zeros, so nothing in them reaches the loss or a gradient.
 
@@ -112,14 +117,14 @@ def timeline(stages: int, microbatches: int, repeats: int = 1) -> list[list[str]
     return [[cell(t, s) for s in range(stages)] for t in range(sum(ticks(stages, microbatches, repeats)))]
 
 
-def loss(stage: Callable, head: Callable, stages: int, microbatches: int, repeats: int, gather_once: bool,
+def loss(body: Callable, head: Callable, stages: int, microbatches: int, repeats: int, gather_once: bool,
          unroll: bool, x: jax.Array, stacked: Any, head_params: Any, extras: tuple, rows: tuple,
          aux_weights: Any) -> tuple[jax.Array, Any]:
     """(The summed loss of a batch through the layer stack as a 1F1B pipeline and the head, the stack's auxiliary
     sums [layers, ...] summed over the microbatches).
 
-    `stage(stacked, x, extras) -> (x, aux)` runs a stage's layers (its block of `stacked` [layers, ...]) on a
-    microbatch [b, T, D] with its rows of `extras`; `head(head_params, stacked, x, rows) -> summed loss` runs the
+    `body(x, layer_params, *extras) -> (x, aux)` runs one layer of `stacked` [layers, ...] on a microbatch
+    [b, T, D] with its rows of `extras`; `head(head_params, stacked, x, rows) -> summed loss` runs the
     head on a stage output with its rows of `rows` (targets, mask). `x` is the embedded batch [B, T, D]; `extras`
     and `rows` are per-row arrays [B, ...]. Differentiable in x, stacked and head_params.
 
@@ -134,25 +139,25 @@ def loss(stage: Callable, head: Callable, stages: int, microbatches: int, repeat
     reduced once on the way out, at the memory of a whole stage's weights and gradients on every device;
     otherwise FSDP gathers each weight where a slot uses it, as everywhere else. `unroll` unrolls the ticks (for
     XLA's cost estimate only, as model.unroll_loops)."""
-    return _loss(stage, head, stages, microbatches, repeats, gather_once, unroll, x, stacked, head_params, extras,
+    return _loss(body, head, stages, microbatches, repeats, gather_once, unroll, x, stacked, head_params, extras,
                  rows, aux_weights)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
-def _loss(stage, head, stages, microbatches, repeats, gather_once, unroll, x, stacked, head_params, extras, rows,
+def _loss(body, head, stages, microbatches, repeats, gather_once, unroll, x, stacked, head_params, extras, rows,
           aux_weights):
-    return _program(stage, head, stages, microbatches, repeats, gather_once, unroll, False, x, stacked, head_params,
+    return _program(body, head, stages, microbatches, repeats, gather_once, unroll, False, x, stacked, head_params,
                     extras, rows, aux_weights)
 
 
-def _loss_forward(stage, head, stages, microbatches, repeats, gather_once, unroll, x, stacked, head_params, extras,
+def _loss_forward(body, head, stages, microbatches, repeats, gather_once, unroll, x, stacked, head_params, extras,
                   rows, aux_weights):
-    (total, aux), grads = _program(stage, head, stages, microbatches, repeats, gather_once, unroll, True, x,
+    (total, aux), grads = _program(body, head, stages, microbatches, repeats, gather_once, unroll, True, x,
                                    stacked, head_params, extras, rows, aux_weights)
     return (total, aux), (grads, aux_weights)
 
 
-def _loss_backward(stage, head, stages, microbatches, repeats, gather_once, unroll, residuals, g):
+def _loss_backward(body, head, stages, microbatches, repeats, gather_once, unroll, residuals, g):
     (grads, aux_weights), (g_total, _) = residuals, g
     dx, dstacked, dhead = jax.tree.map(lambda a: (g_total * a).astype(a.dtype), grads)
     return dx, dstacked, dhead, None, None, jax.tree.map(jnp.zeros_like, aux_weights)
@@ -167,7 +172,7 @@ def _zeros(a: jax.Array) -> jax.Array:
     return jnp.zeros(a.shape, a.dtype)
 
 
-def _program(stage, head, stages, microbatches, repeats, gather_once, unroll, with_grads, x, stacked, head_params,
+def _program(body, head, stages, microbatches, repeats, gather_once, unroll, with_grads, x, stacked, head_params,
              extras, rows, aux_weights):
     axis = active_axes("stage")
     own = active_axes("batch") if gather_once else replica_axes()  # batch axes along which each device sums
@@ -190,6 +195,28 @@ def _program(stage, head, stages, microbatches, repeats, gather_once, unroll, wi
             return jax.tree.map(jnp.add, tree, part)
         return jax.tree.map(lambda a, d: jax.lax.dynamic_update_slice_in_dim(
             a, jax.lax.dynamic_slice_in_dim(a, b * d.shape[0], d.shape[0]) + d, b * d.shape[0], 0), tree, part)
+
+    def run_block(params, x, extras):
+        """A block of layers forward: (its output, each layer's input [layers, b, T, D], its auxiliary sums)."""
+        def one(x, p):
+            y, aux = body(x, p, *extras)
+            return y, (x, aux)
+
+        out, (inputs, aux) = jax.lax.scan(one, x, params, unroll=unroll)
+        return out, inputs, aux
+
+    def pull_block(params, layer_inputs, extras, dy, aux_weights):
+        """A block of layers backward from each layer's kept input, the last first: (its weights' gradient, the
+        cotangent of its input). Each layer's forward runs again here - what remat does for any layer -, never
+        the whole block's: its layers' inputs were kept."""
+        def one(dy, kept):
+            p, x, w = kept
+            _, pull = jax.vjp(lambda p, x: body(x, p, *extras), p, x)
+            dp, dx = pull((dy.astype(x.dtype), w))
+            return dx, dp
+
+        dx, dp = jax.lax.scan(one, dy, (params, layer_inputs, aux_weights), reverse=True, unroll=unroll)
+        return dp, dx
 
     def per_stage(x, stacked, head_params, extras, rows, aux_weights):
         s = jax.lax.axis_index(axis)
@@ -221,26 +248,28 @@ def _program(stage, head, stages, microbatches, repeats, gather_once, unroll, wi
             valid = (0 <= i) & (i < v * m)
             block, f = work(i, stages, v)
             inputs = jnp.where(valid, jnp.where(first & (block == 0), at(xs, f), c["from_before"]), 0)
-            out, aux = stage(block_of(stacked, block), inputs, at(extras_m, f))
+            out, layer_inputs, aux = run_block(block_of(stacked, block), inputs, at(extras_m, f))
             c = dict(c, aux=add_to_block(c["aux"], block, jax.tree.map(lambda a: jnp.where(valid, a, 0), aux)))
-            slot = kept_slot(block, f, stages, v, keep)
-            kept = c["kept"]
-            c = dict(c, kept=jax.lax.dynamic_update_index_in_dim(
-                kept, jnp.where(valid, inputs, jax.lax.dynamic_index_in_dim(kept, slot, keepdims=False)), slot, 0))
-            return c, inputs, out, jnp.where(valid & (block == v - 1), f, -1)
+            if "kept" in c:  # differentiated: each layer's input, for the backward slot
+                slot = kept_slot(block, f, stages, v, keep)
+                kept = c["kept"]
+                c = dict(c, kept=jax.lax.dynamic_update_index_in_dim(
+                    kept, jnp.where(valid, layer_inputs, jax.lax.dynamic_index_in_dim(kept, slot, keepdims=False)),
+                    slot, 0))
+            return c, layer_inputs, out, jnp.where(valid & (block == v - 1), f, -1)
 
         def backward_slot(c, t, fresh, dy):
-            """`fresh`: this tick's forward input, which the last stage pulls its cotangent through at once."""
+            """`fresh`: this tick's forward slot's layer inputs, which the last stage pulls its cotangent through
+            at once."""
             j = backward_index(t, s, stages, v)
             valid = (0 <= j) & (j < v * m)
             block, b = work(j, stages, v, backward=True)
             at_head = last & (block == v - 1)  # its cotangent is the head's, from this tick's forward slot
             kept = jax.lax.dynamic_index_in_dim(c["kept"], kept_slot(block, b, stages, v, keep), keepdims=False)
-            inputs = jnp.where(valid, jnp.where(at_head, fresh, kept), 0)
+            layer_inputs = jnp.where(valid, jnp.where(at_head, fresh, kept), 0)
             cotangent = jnp.where(valid, jnp.where(at_head, dy, c["from_after"]), 0)
-            _, pull = jax.vjp(lambda p, x: stage(p, x, at(extras_m, b)), block_of(stacked, block), inputs)
-            dstacked, dx = pull((cotangent.astype(inputs.dtype),
-                                 jax.tree.map(lambda w: jnp.where(valid, w, 0), block_of(aux_weights, block))))
+            dstacked, dx = pull_block(block_of(stacked, block), layer_inputs, at(extras_m, b), cotangent,
+                                      jax.tree.map(lambda w: jnp.where(valid, w, 0), block_of(aux_weights, block)))
             i = jnp.clip(b, 0, m - 1)
             dxs = c["dxs"]
             to_embedding = first & (block == 0) & valid
@@ -272,8 +301,7 @@ def _program(stage, head, stages, microbatches, repeats, gather_once, unroll, wi
 
         dx_like = at(xs, 0)
         fill = jnp.full(dx_like.shape, BUBBLE_FILL, dx_like.dtype)
-        c = {"from_before": fill, "kept": jnp.full((keep, *dx_like.shape), BUBBLE_FILL, x.dtype),
-             "total": jnp.zeros((), jnp.float32), "aux": jax.tree.map(_zeros, aux_weights)}
+        c = {"from_before": fill, "total": jnp.zeros((), jnp.float32), "aux": jax.tree.map(_zeros, aux_weights)}
 
         def sums(c):  # the loss, whole; each stage's auxiliary sums, over the devices' own rows
             return jax.lax.psum(c["total"], everywhere), jax.lax.psum(c["aux"], own) if own else c["aux"]
@@ -281,7 +309,9 @@ def _program(stage, head, stages, microbatches, repeats, gather_once, unroll, wi
         if not with_grads:
             c, _ = jax.lax.scan(forward_only, c, jnp.arange(v * m + stages - 1), unroll=unroll)
             return sums(c)
-        c |= {"from_after": fill, "dxs": _zeros(xs), "dstacked": jax.tree.map(_zeros, stacked),
+        block_layers = jax.tree.leaves(stacked)[0].shape[0] // v
+        c |= {"from_after": fill, "kept": jnp.full((keep, block_layers, *dx_like.shape), BUBBLE_FILL, x.dtype),
+              "dxs": _zeros(xs), "dstacked": jax.tree.map(_zeros, stacked),
               "dhead": jax.tree.map(_zeros, head_params)}
         up, steady_ticks, down = ticks(stages, m, v)
         c, _ = jax.lax.scan(warmup, c, jnp.arange(up), unroll=unroll)

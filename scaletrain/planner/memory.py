@@ -330,9 +330,9 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     and their gradient - of one block of model.logits_block positions per sequence when that is set. A GPipe stage
     keeps them for every microbatch; under a remat policy it keeps each microbatch's stage input rather than every
     layer's input (pipeline.py rematerialises an iteration from it), and recomputing one iteration holds its layers'
-    inputs. A 1F1B stage keeps the stage inputs of `held_microbatches` microbatches whatever the policy
-    (pipeline_1f1b.py recomputes a stage in its backward slot: under policy none that recomputation holds every
-    activation of the stage's layers for one microbatch), and runs the head, logits and all, on one microbatch at a
+    inputs. A 1F1B stage keeps each layer's input for `held_microbatches` microbatches whatever the policy, and
+    in its backward slot holds one layer's residuals for one microbatch, every one (pipeline_1f1b.py takes each
+    layer's vjp, unrematerialised, from its kept input); it runs the head, logits and all, on one microbatch at a
     time. A mixture-of-experts layer holds its routed rows besides (`routed_layer`; `ragged`: the TPU's transport,
     `expert_rows`), and keeps the experts' gate and up where the policy keeps `moe_gate` and `moe_up`. Context
     parallelism adds one layer's gathered keys and values and their gradient (`gathered_kv`).
@@ -346,41 +346,37 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     pipelined = runner.stages > 1
     sums = cfg.train.grad_accum_steps > 1 or pipelined  # gradients summed over microbatches
     grads = s.gradients * (2 if sums else 1) + unscattered_gradients(cfg, s)
-    one_f_one_b = runner.schedule in pipeline_1f1b.SCHEDULES
-    # What a 1F1B backward slot recomputes: a stage's layers, or one block of them interleaved.
-    recomputed_layers = stage_layers / runner.repeats if one_f_one_b else stage_layers
+    one_f_one_b = runner.recomputes_every_layer
     micro = replica_tokens(cfg, axes)  # one microbatch: what one layer (or iteration) recomputes
     tokens = micro * held_microbatches(runner)
     elements = tensor_elements(m, s.layout.rules.activations, axes, expert_rows(cfg, axes, ragged)[1])
-    policy, ring = cfg.remat.policy, ring_attention(cfg, axes)
-    stage_inputs = elements["decoder_layer_input"] * ab * tokens
+    # 1F1B's layers run unrematerialised in its backward slot, one at a time: policy none's residuals, one layer's.
+    policy, ring = "none" if one_f_one_b else cfg.remat.policy, ring_attention(cfg, axes)
+    # A 1F1B stage keeps each of a block's layers' inputs (a stage's, one block interleaved) for every microbatch
+    # it holds.
+    layer_inputs = elements["decoder_layer_input"] * ab * tokens * stage_layers / runner.repeats
     moe = moe_share(m)
     # Bytes per token of a layer with nothing rematerialised: a MoE layer's routed rows on top.
     routed = routed_layer(cfg, axes, ab, ragged) if moe else 0.0
     if policy == "none":
-        every = (_saved_layer(cfg, s.layout.model_cfg, t, ring) + moe * routed) * stage_layers
-        saved, working, offloaded = ((stage_inputs, every * micro * recomputed_layers / stage_layers, 0.0)
-                                     if one_f_one_b else (every * tokens, 0.0, 0.0))
+        layer = _saved_layer(cfg, s.layout.model_cfg, t, ring) + moe * routed
+        saved, working, offloaded = ((layer_inputs, layer * micro, 0.0) if one_f_one_b
+                                     else (layer * stage_layers * tokens, 0.0, 0.0))
         working += _attention_block_working(cfg, micro if one_f_one_b else tokens, t, ab, sharding.seq_ways(axes))
     else:
         where = kept(policy, cfg.remat.custom)
         named = sum(elements[n] for n, w in where.items() if w == "device")
         host = sum(elements[n] for n, w in where.items() if w == "offload")
-        per_layer = (elements["decoder_layer_input"] + named) * ab * stage_layers
         working = ((_rematerialised_layer(cfg, s.layout.model_cfg, elements, t, ab, ring) + routed) * micro
                    + _attention_block_working(cfg, micro, t, ab, sharding.seq_ways(axes)))
-        if one_f_one_b:  # the stage inputs; a recomputed stage's (block's) per-layer tensors for one microbatch
-            saved, offloaded = stage_inputs, host * ab * micro * recomputed_layers
-            working += per_layer * micro * recomputed_layers / stage_layers
-        else:
-            # The plain scan's saved layer inputs - the carries jax stacks for the backward pass - are held whole
-            # along the sequence, sequence parallelism or not: XLA gathers them once in the forward pass, as the
-            # recomputation reads them whole (Llama-3.1-70B on fsdp 8 x tensor 8 under save_dots: the compiled
-            # buffer bf16[80, 32768, 8192], 40 GiB, where the split stream would take 5).
-            inputs = elements["decoder_layer_input"] if pipelined else m.d_model * stage_layers
-            saved, offloaded = (inputs + named * stage_layers) * ab * tokens, host * ab * tokens * stage_layers
-            if pipelined:
-                working += elements["decoder_layer_input"] * ab * micro * stage_layers
+        # The plain scan's saved layer inputs - the carries jax stacks for the backward pass - are held whole
+        # along the sequence, sequence parallelism or not: XLA gathers them once in the forward pass, as the
+        # recomputation reads them whole (Llama-3.1-70B on fsdp 8 x tensor 8 under save_dots: the compiled
+        # buffer bf16[80, 32768, 8192], 40 GiB, where the split stream would take 5).
+        inputs = elements["decoder_layer_input"] if pipelined else m.d_model * stage_layers
+        saved, offloaded = (inputs + named * stage_layers) * ab * tokens, host * ab * tokens * stage_layers
+        if pipelined:
+            working += elements["decoder_layer_input"] * ab * micro * stage_layers
     if pipelined:  # the whole batch's stream: embedded, leaving the stack (GPipe) or its gradient (1F1B), and that
         # gradient's gradient through the embedding; not a microbatch at a time
         working += PIPELINE_STREAM_COPIES * elements["decoder_layer_input"] * ab * micro * microbatches(cfg, axes)

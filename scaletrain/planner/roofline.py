@@ -28,6 +28,7 @@ from scaletrain.parallel.checks import microbatches
 from scaletrain.planner import comms, estimate, memory, precision, schedule
 from scaletrain.planner.thresholds import critical_batches, fsdp_tensor_split
 from scaletrain.train.loss import projects_the_stream
+from scaletrain.train.runner import Runner, choose
 
 GB = 1e9
 TIMELINE_TICKS = 32  # the longest pipeline timeline the table prints
@@ -90,7 +91,7 @@ def flash_kernel_cost(cfg, axes: Mapping[str, int], chip: str) -> dict[str, floa
     output; the backward reads the output gradient as well and writes three gradients."""
     m, seq = cfg.model, cfg.data.seq_len
     t = axes["tensor"]
-    forwards = 1 + ("attention" in recomputed(cfg))
+    forwards = 1 + ("attention" in recomputed(cfg, choose(cfg, axes)))
     fwd, bwd = ATTENTION_PASSES["flash"]
     causal = forward_flops(m, seq, t)["attention"] * m.num_layers
     tokens = memory.replica_tokens(cfg, axes) * microbatches(cfg, axes) / axes["pipeline"]
@@ -104,7 +105,7 @@ def flash_kernel_cost(cfg, axes: Mapping[str, int], chip: str) -> dict[str, floa
     return {"flops": flops_, "bytes": bytes_}
 
 
-def recomputed(cfg) -> frozenset[str]:
+def recomputed(cfg, runner: Runner | None = None) -> frozenset[str]:
     """Matmul groups the backward pass computes a second time. Attention always - its probabilities are never
     kept - except under policy none without query blocking (blocked attention rematerialises each block
     itself); a projection when its output is not kept: Q/K/V (attention needs them again), the output projection
@@ -114,15 +115,17 @@ def recomputed(cfg) -> frozenset[str]:
     and the router's probabilities, neither of them named, so its experts' down projection and its router are
     computed again under every policy but none (save_dots keeps the router's logits, a dot without batch dims),
     and its experts' gate/up unless `moe_gate` and `moe_up` are kept (save_dots does not keep them: a grouped
-    matmul is no dot). Only the groups the stack has."""
-    if cfg.remat.policy == "none":
+    matmul is no dot). Only the groups the stack has. Under the stack runner `runner`, full's whatever the policy
+    where it runs every layer's forward again in its backward pass (Runner.recomputes_every_layer: 1F1B)."""
+    policy = "full" if runner is not None and runner.recomputes_every_layer else cfg.remat.policy
+    if policy == "none":
         return frozenset({"attention"} if memory.blocked_attention(cfg) else ())
-    kept = memory.kept(cfg.remat.policy, cfg.remat.custom).keys()
+    kept = memory.kept(policy, cfg.remat.custom).keys()
     groups = ({"attention", "expert_down"} | ({"qkv"} if not _QKV <= kept else set())
               | ({"out"} if "out_proj" not in kept else set())
               | ({"gate_up"} if not {"mlp_gate", "mlp_up"} <= kept else set())
               | ({"expert_gate_up"} if not {"moe_gate", "moe_up"} <= kept else set())
-              | ({"router"} if cfg.remat.policy != "save_dots" else set()))
+              | ({"router"} if policy != "save_dots" else set()))
     return frozenset(groups & {"attention", *matmuls(cfg.model)})
 
 
@@ -321,8 +324,9 @@ def plan(cfg, hardware: str, dcn_bandwidth: float | None = None) -> dict:
     shape = resolve_mesh(cfg.mesh, topo)
     axes = {a: shape.ici[a] * shape.dcn[a] for a in MESH_AXES}
     links = comms.links(topo, shape.ici, shape.dcn)
-    recompute = recomputed(cfg)
     state = memory.state(cfg, axes)
+    runner = state.layout.runner
+    recompute = recomputed(cfg, runner)
     count = flops.param_count(state.layout.model_cfg)
 
     tokens = cfg.train.global_batch * cfg.data.seq_len
@@ -330,15 +334,15 @@ def plan(cfg, hardware: str, dcn_bandwidth: float | None = None) -> dict:
     step_flops = per_token * tokens
     forward = forward_flops(m, cfg.data.seq_len)
     forward["attention"] *= attention_pass(cfg, chip.name)  # as executed
-    # A pipeline keeps each stage's input, not what its layers save: its backward slot runs the stage's forward
-    # again from it (the schedule's vjp, GPipe's iteration checkpoint), whatever the remat policy - one more
-    # forward of every layer (Llama-2-70B across two v5p slices compiles to 1.57x the FLOPs of data parallelism
-    # there: 5/4 of it, over the 20% bubble).
-    stage_forward = m.num_layers * sum(forward.values()) if axes["pipeline"] > 1 else 0.0
+    # GPipe and circular under a remat policy run each stage's forward again from its iteration's input
+    # (remat.around_stages), then the policy's recomputation: one more forward of every layer (Llama-2-70B on two
+    # v5p slices compiled to 1.57x data parallelism's FLOPs when 1F1B did so: 5/4, over the 20% bubble).
+    around = runner.stages > 1 and not runner.recomputes_every_layer and cfg.remat.policy != "none"
+    stage_forward = m.num_layers * sum(forward.values()) if around else 0.0
     recompute_flops = tokens * (m.num_layers * sum(forward[g] for g in recompute) + stage_forward
                                 + recomputed_logits(cfg) * 2 * m.d_model * m.vocab_size)
     extra_flops = tokens * attention_extra_flops(cfg, chip.name)
-    bubble = comms.bubble(axes["pipeline"], microbatches(cfg, axes), state.layout.runner.repeats)
+    bubble = comms.bubble(axes["pipeline"], microbatches(cfg, axes), runner.repeats)
     ragged = chip.ragged_all_to_all
     ring_pass = forward["attention"] * memory.replica_tokens(cfg, axes) / (
         axes["tensor"] * sharding.seq_ways(axes) * chip.bf16_flops * chip.xla_matmul_efficiency)
@@ -389,7 +393,7 @@ def plan(cfg, hardware: str, dcn_bandwidth: float | None = None) -> dict:
         "attention": m.attention,
         "attention_extra_flops": extra_flops,
         "recomputed": sorted(recompute | ({"logits"} if recomputed_logits(cfg) else set())
-                             | ({"stage"} if axes["pipeline"] > 1 else set())),
+                             | ({"stage"} if stage_forward else set())),
         "step_time_s": step_time,
         "bound": bound,
         "time_s": times,

@@ -49,6 +49,14 @@ class Runner:
         without params.offload; the moments and the update stay in host memory."""
         return self.stages == 1
 
+    @property
+    def recomputes_every_layer(self) -> bool:
+        """Whether the backward pass runs every layer's forward again whatever the remat policy - full remat's
+        work, the policy unused: the 1F1B schedules keep each layer's input from the forward slot and take each
+        layer's vjp in the backward slot, its residuals (every one: the layer unrematerialised) alive for that
+        layer only (pipeline_1f1b.py)."""
+        return self.schedule in pipeline_1f1b.SCHEDULES
+
     def memory_order(self, layers: int) -> np.ndarray | None:
         """The canonical index of the layer at each position of the stacked weights as this runner keeps them
         in memory (pipeline.memory_order), or None where that is the canonical order: checkpoints keep the
@@ -72,7 +80,8 @@ class Runner:
         the other runners leave it to the caller's differentiation."""
         model = nnx.merge(graphdef, params)
         unroll = model.cfg.unroll_loops
-        x_btd, body, stacked, extras = model.stack_inputs(batch["tokens"], batch["positions"], batch["segment_ids"])
+        x_btd, body, stacked, extras = model.stack_inputs(batch["tokens"], batch["positions"], batch["segment_ids"],
+                                                          remat_layers=not self.recomputes_every_layer)
         rows = (batch["targets"], batch["loss_mask"])
         if self.schedule in pipeline_1f1b.SCHEDULES:
             return self._one_f_one_b(graphdef, params, x_btd, body, stacked, extras, rows, penalty, unroll)
@@ -86,21 +95,18 @@ class Runner:
     def _one_f_one_b(self, graphdef, params, x_btd, body, stacked, extras, rows, penalty, unroll):
         """The layer stack as a 1F1B pipeline (interleaved: `repeats` blocks of layers per stage), which runs the
         head on each microbatch as it leaves the last stage."""
-        def stage(stacked, x_btd, extras):
-            return pipeline.scan(body, x_btd, stacked, extras, unroll)
-
         def head(head_params, layers, x_btd, rows):
             p = {**head_params, "layers": nnx.to_pure_dict(layers)}
             return head_loss(graphdef, p, nnx.merge(graphdef, p).final_stream(x_btd), *rows)
 
         # The penalty's gradient with respect to each layer's sums (constant: it is linear in them).
         rows_per_microbatch = x_btd.shape[0] // self.microbatches
-        aux_shape = jax.eval_shape(lambda: stage(stacked, x_btd[:rows_per_microbatch],
-                                                 tuple(e[:rows_per_microbatch] for e in extras))[1])
+        aux_shape = jax.eval_shape(lambda: pipeline.scan(body, x_btd[:rows_per_microbatch], stacked,
+                                                         tuple(e[:rows_per_microbatch] for e in extras))[1])
         # (A block's sums are a slice of these: the penalty's gradient is the same per layer.)
         aux_weights = jax.grad(penalty)(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape))
         head_params = {k: v for k, v in params.items() if k != "layers"}
-        return pipeline_1f1b.loss(stage, head, self.stages, self.microbatches, self.repeats, self.gather_once,
+        return pipeline_1f1b.loss(body, head, self.stages, self.microbatches, self.repeats, self.gather_once,
                                   unroll, x_btd, stacked, head_params, extras, rows, aux_weights)
 
 
