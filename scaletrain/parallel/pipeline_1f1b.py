@@ -207,8 +207,8 @@ def _program(body, head, stages, microbatches, repeats, gather_once, unroll, wit
 
     def pull_block(params, layer_inputs, extras, dy, aux_weights):
         """A block of layers backward from each layer's kept input, the last first: (its weights' gradient, the
-        cotangent of its input). Each layer's forward runs again here - what remat does for any layer -, never
-        the whole block's: its layers' inputs were kept."""
+        cotangent of its input). Each layer's forward runs again here, as under full remat, and never the
+        whole block's: its layers' inputs were kept."""
         def one(dy, kept):
             p, x, w = kept
             _, pull = jax.vjp(lambda p, x: body(x, p, *extras), p, x)
