@@ -128,7 +128,8 @@ def defaults() -> ml_collections.ConfigDict:
                 "offload": False,
             },
             "params": {"offload": False},
-            "pipeline": {"schedule": "gpipe", "microbatches": 0, "repeats": 1, "gather_weights": "per_use"},
+            "pipeline": {"schedule": "gpipe", "microbatches": 0, "repeats": 1, "gather_weights": "per_use",
+                         "keep": "layer_inputs"},
             "mesh": {
                 **{axis: 1 for axis in MESH_AXES},
                 **{f"dcn_{axis}": 1 for axis in MESH_AXES},
@@ -168,6 +169,7 @@ CHOICES = {
     "sharding.context_layout": CONTEXT_LAYOUTS,
     "pipeline.schedule": ("gpipe", "circular", "1f1b", "interleaved_1f1b"),
     "pipeline.gather_weights": ("per_use", "once"),
+    "pipeline.keep": ("layer_inputs", "stage_inputs"),
     "optim.moment_dtype": ("float32", "bfloat16"),
 }
 

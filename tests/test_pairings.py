@@ -77,6 +77,8 @@ def test_parameter_offload_composes_with_gradient_accumulation(batches):
      "pipeline.repeats=2 needs pipeline.schedule=circular or interleaved_1f1b \\(got 1f1b\\)"),
     (["mesh.pipeline=2", "pipeline.schedule=gpipe", "pipeline.gather_weights=once"],
      "pipeline.gather_weights=once needs pipeline.schedule=1f1b or interleaved_1f1b \\(got gpipe\\)"),
+    (["mesh.pipeline=2", "pipeline.schedule=circular", "pipeline.keep=stage_inputs"],
+     "pipeline.keep=stage_inputs needs pipeline.schedule=1f1b or interleaved_1f1b \\(got circular\\)"),
     (["mesh.pipeline=2", "pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2", "pipeline.microbatches=3"],
      "pipeline.microbatches=3 is not a multiple of mesh.pipeline=2: interleaved 1F1B sends microbatches round the "
      "stages in groups of 2"),

@@ -542,6 +542,11 @@ def test_pipeline_stages_hold_every_microbatch():
                                _axes(fsdp=4))  # 16 tokens a device, as a microbatch has
     assert f1b1.layer_working_set == one_layer.saved_activations + one_layer.layer_working_set - WEIGHTS + (
         WEIGHTS + streams)
+    # pipeline.keep=stage_inputs: 3 stage inputs, and one microbatch's 2 layer inputs again in the backward slot.
+    lean = memory.predict(_cfg(**overrides, **{"pipeline.schedule": "1f1b", "pipeline.keep": "stage_inputs"}),
+                          _axes(fsdp=4, pipeline=2))
+    assert lean.saved_activations == 3 * 16 * 64 * 2
+    assert lean.layer_working_set == f1b1.layer_working_set + 2 * 16 * 64 * 2
     # Circular, 2 repeats: a stage input per iteration, twice GPipe's.
     circular = memory.predict(_cfg(**overrides, **{"pipeline.schedule": "circular", "pipeline.repeats": 2}),
                               _axes(fsdp=4, pipeline=2))
@@ -1253,12 +1258,19 @@ def test_a_1f1b_pipeline_recomputes_every_layer_once_whatever_the_policy(policy)
                           "2xv5p:4x4x2")
     assert piped["recompute_flops"] == pytest.approx(full["recompute_flops"])
     assert piped["recomputed"] == full["recomputed"] and "stage" not in piped["recomputed"]
+    lean = roofline.plan(_cfg("llama3_70b.yaml", **common, **stages, **{"pipeline.schedule": "1f1b",
+                                                                        "pipeline.keep": "stage_inputs"}),
+                         "2xv5p:4x4x2")
     gpipe = roofline.plan(_cfg("llama3_70b.yaml", **common, **stages, **{"pipeline.schedule": "gpipe"}),
                           "2xv5p:4x4x2")
     own = roofline.plan(_cfg("llama3_70b.yaml", **common, **{"mesh.dcn_data": 2, "remat.policy": policy}),
                         "2xv5p:4x4x2")
     forward = roofline.forward_flops(_cfg("llama3_70b.yaml", **common).model, 4096)
     forward["attention"] *= roofline.attention_pass(_cfg("llama3_70b.yaml", **common), "v5p")
-    stage_forward = 128 * 4096 * 80 * sum(forward.values()) if policy != "none" else 0.0
+    stage_forward = 128 * 4096 * 80 * sum(forward.values())
+    assert lean["recompute_flops"] - full["recompute_flops"] == pytest.approx(stage_forward)
+    assert "stage" in lean["recomputed"]
+    if policy == "none":
+        stage_forward = 0.0
     assert gpipe["recompute_flops"] - own["recompute_flops"] == pytest.approx(stage_forward)
     assert ("stage" in gpipe["recomputed"]) == (policy != "none")

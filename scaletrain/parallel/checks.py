@@ -67,6 +67,9 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
             out.append(f"pipeline.gather_weights=once needs pipeline.schedule=1f1b or interleaved_1f1b (got "
                        f"{schedule}), whose loop "
                        f"runs per device and can sum the gradients before reducing them")
+        if cfg.pipeline.keep == "stage_inputs" and schedule not in pipeline_1f1b.SCHEDULES:
+            out.append(f"pipeline.keep=stage_inputs needs pipeline.schedule=1f1b or interleaved_1f1b (got "
+                       f"{schedule}): GPipe and circular keep what their remat policy says")
         if cfg.train.grad_accum_steps > 1:
             out.append("with mesh.pipeline > 1 the pipeline's microbatches replace gradient accumulation: set "
                        "pipeline.microbatches and train.grad_accum_steps=1")

@@ -20,9 +20,11 @@ min(M, 2 P - 1) microbatches' per stage, against GPipe's M - the lockstep of one
 tick, so the depth is 2 P - 1, not the P of a per-device (multi-program) 1F1B. Those layer inputs are what full
 remat keeps, and the work is full remat's whatever the remat policy: the body comes without one (runner.py), as
 a layer's vjp keeps its residuals for that layer only - a policy would only add its recomputation to the vjp's
-forward. The P - 1 ticks before the first backward slot and the P - 1 after the last forward one
-run only the slot that has work anywhere, so the step takes
-(M + P - 1) (forward + backward) - GPipe's bubble, (P - 1) / (M + P - 1). Slots without a microbatch compute on
+forward. With pipeline.keep=stage_inputs a stage keeps only its input, and its backward slot runs the stage's
+forward from it first, to have its layers' inputs again: a microbatch's activations kept rather than a stage of
+layers' worth, for a forward of every layer more work. The P - 1 ticks before the first backward slot and the
+P - 1 after the last forward one run only the slot that has work anywhere, so the step takes (M + P - 1)
+(forward + backward) - GPipe's bubble, (P - 1) / (M + P - 1). Slots without a microbatch compute on
 zeros, so nothing in them reaches the loss or a gradient.
 
 Interleaved (`repeats` R > 1, docs/pipeline.md): each stage holds R blocks of layers (pipeline.memory_order) and
@@ -118,7 +120,7 @@ def timeline(stages: int, microbatches: int, repeats: int = 1) -> list[list[str]
 
 
 def loss(body: Callable, head: Callable, stages: int, microbatches: int, repeats: int, gather_once: bool,
-         unroll: bool, x: jax.Array, stacked: Any, head_params: Any, extras: tuple, rows: tuple,
+         keep_layers: bool, unroll: bool, x: jax.Array, stacked: Any, head_params: Any, extras: tuple, rows: tuple,
          aux_weights: Any) -> tuple[jax.Array, Any]:
     """(The summed loss of a batch through the layer stack as a 1F1B pipeline and the head, the stack's auxiliary
     sums [layers, ...] summed over the microbatches).
@@ -137,27 +139,30 @@ def loss(body: Callable, head: Callable, stages: int, microbatches: int, repeats
     weights (data parallelism: each sums its own gradients, reduced once after the loop). `gather_once` makes it
     per device along every batch axis: FSDP's weights are gathered once on the way in and their gradients
     reduced once on the way out, at the memory of a whole stage's weights and gradients on every device;
-    otherwise FSDP gathers each weight where a slot uses it, as everywhere else. `unroll` unrolls the ticks (for
+    otherwise FSDP gathers each weight where a slot uses it, as everywhere else. `keep_layers` keeps each layer's
+    input from the forward slot to the backward one; otherwise only the stage's (its block's) input, and the
+    backward slot runs the block's forward again from it first (pipeline.keep=stage_inputs: less memory, a
+    forward of every layer more work). `unroll` unrolls the ticks (for
     XLA's cost estimate only, as model.unroll_loops)."""
-    return _loss(body, head, stages, microbatches, repeats, gather_once, unroll, x, stacked, head_params, extras,
-                 rows, aux_weights)
+    return _loss(body, head, stages, microbatches, repeats, gather_once, keep_layers, unroll, x, stacked,
+                 head_params, extras, rows, aux_weights)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
-def _loss(body, head, stages, microbatches, repeats, gather_once, unroll, x, stacked, head_params, extras, rows,
-          aux_weights):
-    return _program(body, head, stages, microbatches, repeats, gather_once, unroll, False, x, stacked, head_params,
-                    extras, rows, aux_weights)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
+def _loss(body, head, stages, microbatches, repeats, gather_once, keep_layers, unroll, x, stacked, head_params,
+          extras, rows, aux_weights):
+    return _program(body, head, stages, microbatches, repeats, gather_once, keep_layers, unroll, False, x,
+                    stacked, head_params, extras, rows, aux_weights)
 
 
-def _loss_forward(body, head, stages, microbatches, repeats, gather_once, unroll, x, stacked, head_params, extras,
-                  rows, aux_weights):
-    (total, aux), grads = _program(body, head, stages, microbatches, repeats, gather_once, unroll, True, x,
-                                   stacked, head_params, extras, rows, aux_weights)
+def _loss_forward(body, head, stages, microbatches, repeats, gather_once, keep_layers, unroll, x, stacked,
+                  head_params, extras, rows, aux_weights):
+    (total, aux), grads = _program(body, head, stages, microbatches, repeats, gather_once, keep_layers, unroll, True,
+                                   x, stacked, head_params, extras, rows, aux_weights)
     return (total, aux), (grads, aux_weights)
 
 
-def _loss_backward(body, head, stages, microbatches, repeats, gather_once, unroll, residuals, g):
+def _loss_backward(body, head, stages, microbatches, repeats, gather_once, keep_layers, unroll, residuals, g):
     (grads, aux_weights), (g_total, _) = residuals, g
     dx, dstacked, dhead = jax.tree.map(lambda a: (g_total * a).astype(a.dtype), grads)
     return dx, dstacked, dhead, None, None, jax.tree.map(jnp.zeros_like, aux_weights)
@@ -172,8 +177,8 @@ def _zeros(a: jax.Array) -> jax.Array:
     return jnp.zeros(a.shape, a.dtype)
 
 
-def _program(body, head, stages, microbatches, repeats, gather_once, unroll, with_grads, x, stacked, head_params,
-             extras, rows, aux_weights):
+def _program(body, head, stages, microbatches, repeats, gather_once, keep_layers, unroll, with_grads, x, stacked,
+             head_params, extras, rows, aux_weights):
     axis = active_axes("stage")
     own = active_axes("batch") if gather_once else replica_axes()  # batch axes along which each device sums
     everywhere = axis + own
@@ -250,12 +255,12 @@ def _program(body, head, stages, microbatches, repeats, gather_once, unroll, wit
             inputs = jnp.where(valid, jnp.where(first & (block == 0), at(xs, f), c["from_before"]), 0)
             out, layer_inputs, aux = run_block(block_of(stacked, block), inputs, at(extras_m, f))
             c = dict(c, aux=add_to_block(c["aux"], block, jax.tree.map(lambda a: jnp.where(valid, a, 0), aux)))
-            if "kept" in c:  # differentiated: each layer's input, for the backward slot
+            if "kept" in c:  # differentiated: each layer's input (or the block's), for the backward slot
                 slot = kept_slot(block, f, stages, v, keep)
                 kept = c["kept"]
                 c = dict(c, kept=jax.lax.dynamic_update_index_in_dim(
-                    kept, jnp.where(valid, layer_inputs, jax.lax.dynamic_index_in_dim(kept, slot, keepdims=False)),
-                    slot, 0))
+                    kept, jnp.where(valid, layer_inputs if keep_layers else inputs,
+                                    jax.lax.dynamic_index_in_dim(kept, slot, keepdims=False)), slot, 0))
             return c, layer_inputs, out, jnp.where(valid & (block == v - 1), f, -1)
 
         def backward_slot(c, t, fresh, dy):
@@ -266,6 +271,8 @@ def _program(body, head, stages, microbatches, repeats, gather_once, unroll, wit
             block, b = work(j, stages, v, backward=True)
             at_head = last & (block == v - 1)  # its cotangent is the head's, from this tick's forward slot
             kept = jax.lax.dynamic_index_in_dim(c["kept"], kept_slot(block, b, stages, v, keep), keepdims=False)
+            if not keep_layers:  # the block's input kept: its layers' inputs again, from a forward
+                kept = run_block(block_of(stacked, block), kept, at(extras_m, b))[1]
             layer_inputs = jnp.where(valid, jnp.where(at_head, fresh, kept), 0)
             cotangent = jnp.where(valid, jnp.where(at_head, dy, c["from_after"]), 0)
             dstacked, dx = pull_block(block_of(stacked, block), layer_inputs, at(extras_m, b), cotangent,
@@ -309,8 +316,8 @@ def _program(body, head, stages, microbatches, repeats, gather_once, unroll, wit
         if not with_grads:
             c, _ = jax.lax.scan(forward_only, c, jnp.arange(v * m + stages - 1), unroll=unroll)
             return sums(c)
-        block_layers = jax.tree.leaves(stacked)[0].shape[0] // v
-        c |= {"from_after": fill, "kept": jnp.full((keep, block_layers, *dx_like.shape), BUBBLE_FILL, x.dtype),
+        kept_shape = ((jax.tree.leaves(stacked)[0].shape[0] // v,) if keep_layers else ()) + dx_like.shape
+        c |= {"from_after": fill, "kept": jnp.full((keep, *kept_shape), BUBBLE_FILL, x.dtype),
               "dxs": _zeros(xs), "dstacked": jax.tree.map(_zeros, stacked),
               "dhead": jax.tree.map(_zeros, head_params)}
         up, steady_ticks, down = ticks(stages, m, v)

@@ -353,14 +353,17 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     # 1F1B's layers run unrematerialised in its backward slot, one at a time: policy none's residuals, one layer's.
     policy, ring = "none" if one_f_one_b else cfg.remat.policy, ring_attention(cfg, axes)
     # A 1F1B stage keeps each of a block's layers' inputs (a stage's, one block interleaved) for every microbatch
-    # it holds.
-    layer_inputs = elements["decoder_layer_input"] * ab * tokens * stage_layers / runner.repeats
+    # it holds - or only the block's input (pipeline.keep=stage_inputs), and the block's layers' inputs again for
+    # the microbatch its backward slot is at.
+    block_layers = stage_layers / runner.repeats
+    layer_inputs = elements["decoder_layer_input"] * ab * tokens * (1 if runner.keep_stage_inputs else block_layers)
+    again = elements["decoder_layer_input"] * ab * micro * block_layers if runner.keep_stage_inputs else 0.0
     moe = moe_share(m)
     # Bytes per token of a layer with nothing rematerialised: a MoE layer's routed rows on top.
     routed = routed_layer(cfg, axes, ab, ragged) if moe else 0.0
     if policy == "none":
         layer = _saved_layer(cfg, s.layout.model_cfg, t, ring) + moe * routed
-        saved, working, offloaded = ((layer_inputs, layer * micro, 0.0) if one_f_one_b
+        saved, working, offloaded = ((layer_inputs, layer * micro + again, 0.0) if one_f_one_b
                                      else (layer * stage_layers * tokens, 0.0, 0.0))
         working += _attention_block_working(cfg, micro if one_f_one_b else tokens, t, ab, sharding.seq_ways(axes))
     else:

@@ -334,11 +334,10 @@ def plan(cfg, hardware: str, dcn_bandwidth: float | None = None) -> dict:
     step_flops = per_token * tokens
     forward = forward_flops(m, cfg.data.seq_len)
     forward["attention"] *= attention_pass(cfg, chip.name)  # as executed
-    # GPipe and circular under a remat policy run each stage's forward again from its iteration's input
-    # (remat.around_stages), then the policy's recomputation: one more forward of every layer (Llama-2-70B on two
-    # v5p slices compiled to 1.57x data parallelism's FLOPs when 1F1B did so: 5/4, over the 20% bubble).
-    around = runner.stages > 1 and not runner.recomputes_every_layer and cfg.remat.policy != "none"
-    stage_forward = m.num_layers * sum(forward.values()) if around else 0.0
+    # GPipe and circular under a remat policy, 1F1B keeping stage inputs, run each stage's forward again from its
+    # kept input, then the layers' recomputation: one more forward of every layer (Llama-2-70B on two v5p slices
+    # compiled to 1.57x data parallelism's FLOPs with 1F1B so: 5/4, over the 20% bubble).
+    stage_forward = m.num_layers * sum(forward.values()) if runner.reruns_stages(cfg.remat.policy) else 0.0
     recompute_flops = tokens * (m.num_layers * sum(forward[g] for g in recompute) + stage_forward
                                 + recomputed_logits(cfg) * 2 * m.d_model * m.vocab_size)
     extra_flops = tokens * attention_extra_flops(cfg, chip.name)

@@ -6,7 +6,8 @@ Every layout keeps the config's own mesh inside each slice and puts one mesh axi
 - fsdp: the state split over every chip, FSDP's gathers and reductions crossing DCN at every layer;
 - pipeline: a stage of the layer stack on each slice, only stage activations crossing DCN, at the price of a
   bubble - every schedule the trainer runs (GPipe, circular, 1F1B, interleaved 1F1B; 1F1B and interleaved also
-  gathering the FSDP weights once a step), with the blocks a stage of SCHEDULES and MICROBATCHES per stage.
+  gathering the FSDP weights once a step, or keeping only stage inputs), with the blocks a stage of SCHEDULES and
+  MICROBATCHES per stage.
 Each layout is planned by roofline.plan - the plan `plan` prints and `tune` ranks, the trainer's own checks
 refusing what it would refuse - and ranked as `tune` ranks (tune.rank_key: fit first, then the plan's estimate of
 the compiled step).
@@ -49,8 +50,9 @@ def layouts(cfg, slices: int) -> list[tuple[str, dict[str, Any]]]:
             choices = {**across("pipeline"), "pipeline.schedule": schedule, "pipeline.repeats": repeats,
                        "pipeline.microbatches": per_stage * slices}
             out.append(("pipeline", choices))
-            if schedule in pipeline_1f1b.SCHEDULES:
+            if schedule in pipeline_1f1b.SCHEDULES:  # the faster way with more memory, the leaner one
                 out.append(("pipeline", {**choices, "pipeline.gather_weights": "once"}))
+                out.append(("pipeline", {**choices, "pipeline.keep": "stage_inputs"}))
     return out
 
 
@@ -150,7 +152,8 @@ def _describe(r: dict) -> str:
     c = r["layout"]
     if r["family"] != "pipeline":
         return f"{r['family']} across the slices"
-    once = ", gathering once" if c.get("pipeline.gather_weights") == "once" else ""
+    once = (", gathering once" if c.get("pipeline.gather_weights") == "once" else "") + (
+        ", keeping stage inputs" if c.get("pipeline.keep") == "stage_inputs" else "")
     repeats = f" x{c['pipeline.repeats']}" if c["pipeline.repeats"] > 1 else ""
     return f"pipeline: {c['pipeline.schedule']}{repeats}, {c['pipeline.microbatches']} microbatches{once}"
 

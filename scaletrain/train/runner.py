@@ -38,6 +38,7 @@ class Runner:
     microbatches: int = 1  # the pipeline's (gradient accumulation's are the step's)
     repeats: int = 1  # circular, interleaved: blocks of layers per stage, the weights in pipeline.memory_order
     gather_once: bool = False  # 1f1b, interleaved: pipeline.gather_weights=once
+    keep_stage_inputs: bool = False  # 1f1b, interleaved: pipeline.keep=stage_inputs
 
     @property
     def fetches_layers(self) -> bool:
@@ -56,6 +57,14 @@ class Runner:
         layer's vjp in the backward slot, its residuals (every one: the layer unrematerialised) alive for that
         layer only (pipeline_1f1b.py)."""
         return self.schedule in pipeline_1f1b.SCHEDULES
+
+    def reruns_stages(self, remat_policy: str) -> bool:
+        """Whether the backward pass runs each stage's forward again from its kept input, on top of what its
+        layers recompute: 1F1B keeping stage inputs (pipeline.keep), GPipe and circular under a remat policy
+        (remat.around_stages)."""
+        if self.schedule in pipeline_1f1b.SCHEDULES:
+            return self.keep_stage_inputs
+        return self.stages > 1 and remat_policy != "none"
 
     def memory_order(self, layers: int) -> np.ndarray | None:
         """The canonical index of the layer at each position of the stacked weights as this runner keeps them
@@ -107,7 +116,8 @@ class Runner:
         aux_weights = jax.grad(penalty)(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape))
         head_params = {k: v for k, v in params.items() if k != "layers"}
         return pipeline_1f1b.loss(body, head, self.stages, self.microbatches, self.repeats, self.gather_once,
-                                  unroll, x_btd, stacked, head_params, extras, rows, aux_weights)
+                                  not self.keep_stage_inputs, unroll, x_btd, stacked, head_params, extras, rows,
+                                  aux_weights)
 
 
 def choose(cfg, axis_sizes: Mapping[str, int]) -> Runner:
@@ -119,4 +129,5 @@ def choose(cfg, axis_sizes: Mapping[str, int]) -> Runner:
     schedule = cfg.pipeline.schedule
     return Runner(schedule=schedule, stages=stages, microbatches=microbatches(cfg, axis_sizes),
                   repeats=cfg.pipeline.repeats if schedule in pipeline.BLOCKED else 1,
-                  gather_once=schedule in pipeline_1f1b.SCHEDULES and cfg.pipeline.gather_weights == "once")
+                  gather_once=schedule in pipeline_1f1b.SCHEDULES and cfg.pipeline.gather_weights == "once",
+                  keep_stage_inputs=schedule in pipeline_1f1b.SCHEDULES and cfg.pipeline.keep == "stage_inputs")
