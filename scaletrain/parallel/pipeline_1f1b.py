@@ -255,7 +255,7 @@ def _program(body, head, stages, microbatches, repeats, gather_once, keep_layers
             inputs = jnp.where(valid, jnp.where(first & (block == 0), at(xs, f), c["from_before"]), 0)
             out, layer_inputs, aux = run_block(block_of(stacked, block), inputs, at(extras_m, f))
             c = dict(c, aux=add_to_block(c["aux"], block, jax.tree.map(lambda a: jnp.where(valid, a, 0), aux)))
-            if "kept" in c:  # differentiated: each layer's input (or the block's), for the backward slot
+            if with_grads:  # each layer's input (or the block's), for the backward slot
                 slot = kept_slot(block, f, stages, v, keep)
                 kept = c["kept"]
                 c = dict(c, kept=jax.lax.dynamic_update_index_in_dim(

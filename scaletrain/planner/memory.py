@@ -332,10 +332,11 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     layer's input (pipeline.py rematerialises an iteration from it), and recomputing one iteration holds its layers'
     inputs. A 1F1B stage keeps each layer's input for `held_microbatches` microbatches whatever the policy, and
     in its backward slot holds one layer's residuals for one microbatch, every one (pipeline_1f1b.py takes each
-    layer's vjp, unrematerialised, from its kept input); it runs the head, logits and all, on one microbatch at a
-    time. A mixture-of-experts layer holds its routed rows besides (`routed_layer`; `ragged`: the TPU's transport,
-    `expert_rows`), and keeps the experts' gate and up where the policy keeps `moe_gate` and `moe_up`. Context
-    parallelism adds one layer's gathered keys and values and their gradient (`gathered_kv`).
+    layer's vjp, unrematerialised, from its kept input) - with pipeline.keep=stage_inputs only its stage input
+    kept, and one microbatch's layer inputs again in the backward slot; it runs the head, logits and all, on one
+    microbatch at a time. A mixture-of-experts layer holds its routed rows besides (`routed_layer`; `ragged`: the
+    TPU's transport, `expert_rows`), and keeps the experts' gate and up where the policy keeps `moe_gate` and
+    `moe_up`. Context parallelism adds one layer's gathered keys and values and their gradient (`gathered_kv`).
     """
     m = cfg.model
     t, stage_layers = axes["tensor"], m.num_layers / axes["pipeline"]
@@ -356,14 +357,14 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     # it holds - or only the block's input (pipeline.keep=stage_inputs), and the block's layers' inputs again for
     # the microbatch its backward slot is at.
     block_layers = stage_layers / runner.repeats
-    layer_inputs = elements["decoder_layer_input"] * ab * tokens * (1 if runner.keep_stage_inputs else block_layers)
+    kept_inputs = elements["decoder_layer_input"] * ab * tokens * (1 if runner.keep_stage_inputs else block_layers)
     again = elements["decoder_layer_input"] * ab * micro * block_layers if runner.keep_stage_inputs else 0.0
     moe = moe_share(m)
     # Bytes per token of a layer with nothing rematerialised: a MoE layer's routed rows on top.
     routed = routed_layer(cfg, axes, ab, ragged) if moe else 0.0
     if policy == "none":
         layer = _saved_layer(cfg, s.layout.model_cfg, t, ring) + moe * routed
-        saved, working, offloaded = ((layer_inputs, layer * micro + again, 0.0) if one_f_one_b
+        saved, working, offloaded = ((kept_inputs, layer * micro + again, 0.0) if one_f_one_b
                                      else (layer * stage_layers * tokens, 0.0, 0.0))
         working += _attention_block_working(cfg, micro if one_f_one_b else tokens, t, ab, sharding.seq_ways(axes))
     else:
