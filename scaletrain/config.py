@@ -167,7 +167,7 @@ CHOICES = {
     "train.spike.action": ("off", "warn", "skip", "rollback"),
     "sharding.preset": ("fsdp", "dp", "zero1", "zero2"),
     "sharding.context_layout": CONTEXT_LAYOUTS,
-    "pipeline.schedule": ("gpipe", "circular", "1f1b", "interleaved_1f1b"),
+    "pipeline.schedule": ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble"),
     "pipeline.gather_weights": ("per_use", "once"),
     "pipeline.keep": ("layer_inputs", "stage_inputs"),
     "optim.moment_dtype": ("float32", "bfloat16"),

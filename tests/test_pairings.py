@@ -30,6 +30,7 @@ SCHEDULES = {
     "1f1b": ["mesh.pipeline=2", "pipeline.schedule=1f1b", "pipeline.microbatches=4"],
     "interleaved_1f1b": ["mesh.pipeline=2", "pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2",
                          "pipeline.microbatches=4"],
+    "zero_bubble": ["mesh.pipeline=2", "pipeline.schedule=zero_bubble", "pipeline.microbatches=4"],
 }
 # (the feature's overrides, the rest of the 8-device mesh beside the 2 pipeline stages: 2 ways of the batch - a
 # microbatch of the 8 rows is 2 - and 2 of tensor)
@@ -76,9 +77,14 @@ def test_parameter_offload_composes_with_gradient_accumulation(batches):
     (["mesh.pipeline=2", "pipeline.schedule=1f1b", "pipeline.repeats=2"],
      "pipeline.repeats=2 needs pipeline.schedule=circular or interleaved_1f1b \\(got 1f1b\\)"),
     (["mesh.pipeline=2", "pipeline.schedule=gpipe", "pipeline.gather_weights=once"],
-     "pipeline.gather_weights=once needs pipeline.schedule=1f1b or interleaved_1f1b \\(got gpipe\\)"),
+     "pipeline.gather_weights=once needs pipeline.schedule=1f1b, interleaved_1f1b or zero_bubble \\(got gpipe\\)"),
     (["mesh.pipeline=2", "pipeline.schedule=circular", "pipeline.keep=stage_inputs"],
      "pipeline.keep=stage_inputs needs pipeline.schedule=1f1b or interleaved_1f1b \\(got circular\\)"),
+    (["mesh.pipeline=2", "pipeline.schedule=zero_bubble", "pipeline.keep=stage_inputs"],
+     "pipeline.keep=stage_inputs needs pipeline.schedule=1f1b or interleaved_1f1b \\(got zero_bubble\\): GPipe and "
+     "circular keep what their remat policy says, zero_bubble its layers' residuals"),
+    (["mesh.pipeline=2", "pipeline.schedule=zero_bubble", "pipeline.repeats=2"],
+     "pipeline.repeats=2 needs pipeline.schedule=circular or interleaved_1f1b \\(got zero_bubble\\)"),
     (["mesh.pipeline=2", "pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2", "pipeline.microbatches=3"],
      "pipeline.microbatches=3 is not a multiple of mesh.pipeline=2: interleaved 1F1B sends microbatches round the "
      "stages in groups of 2"),

@@ -63,13 +63,14 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
         if schedule == "circular" and repeats > 1 and microbatches(cfg, axis_sizes) < stages:
             out.append(f"pipeline.microbatches={microbatches(cfg, axis_sizes)} is fewer than mesh.pipeline={stages}: "
                        f"a circular schedule sends a microbatch round again only after the last stage has done it")
-        if cfg.pipeline.gather_weights == "once" and schedule not in pipeline_1f1b.SCHEDULES:
-            out.append(f"pipeline.gather_weights=once needs pipeline.schedule=1f1b or interleaved_1f1b (got "
-                       f"{schedule}), whose loop "
-                       f"runs per device and can sum the gradients before reducing them")
+        if cfg.pipeline.gather_weights == "once" and schedule not in pipeline_1f1b.SCHEDULES + ("zero_bubble",):
+            out.append(f"pipeline.gather_weights=once needs pipeline.schedule=1f1b, interleaved_1f1b or "
+                       f"zero_bubble (got {schedule}), whose loop runs per device and can sum the gradients before "
+                       f"reducing them")
         if cfg.pipeline.keep == "stage_inputs" and schedule not in pipeline_1f1b.SCHEDULES:
             out.append(f"pipeline.keep=stage_inputs needs pipeline.schedule=1f1b or interleaved_1f1b (got "
-                       f"{schedule}): GPipe and circular keep what their remat policy says")
+                       f"{schedule}): GPipe and circular keep what their remat policy says, zero_bubble its "
+                       f"layers' residuals")
         if cfg.train.grad_accum_steps > 1:
             out.append("with mesh.pipeline > 1 the pipeline's microbatches replace gradient accumulation: set "
                        "pipeline.microbatches and train.grad_accum_steps=1")

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from scaletrain.parallel.pipeline import BUBBLE_FILL
+from scaletrain.parallel import pipeline, pipeline_zb
 from scaletrain.parallel.sharding import active_axes, active_mesh, replica_axes
 
 # The schedules this module runs: 1F1B, and interleaved 1F1B (pipeline.repeats blocks of layers per stage).
@@ -120,8 +120,8 @@ def timeline(stages: int, microbatches: int, repeats: int = 1) -> list[list[str]
 
 
 def loss(body: Callable, head: Callable, stages: int, microbatches: int, repeats: int, gather_once: bool,
-         keep_layers: bool, unroll: bool, x: jax.Array, stacked: Any, head_params: Any, extras: tuple, rows: tuple,
-         aux_weights: Any) -> tuple[jax.Array, Any]:
+         keep_layers: bool, zero_bubble: bool, unroll: bool, x: jax.Array, stacked: Any, head_params: Any,
+         extras: tuple, rows: tuple, aux_weights: Any) -> tuple[jax.Array, Any]:
     """(The summed loss of a batch through the layer stack as a 1F1B pipeline and the head, the stack's auxiliary
     sums [layers, ...] summed over the microbatches).
 
@@ -142,27 +142,26 @@ def loss(body: Callable, head: Callable, stages: int, microbatches: int, repeats
     otherwise FSDP gathers each weight where a slot uses it, as everywhere else. `keep_layers` keeps each layer's
     input from the forward slot to the backward one; otherwise only the stage's (its block's) input, and the
     backward slot runs the block's forward again from it first (pipeline.keep=stage_inputs: less memory, a
-    forward of every layer more work). `unroll` unrolls the ticks (for
-    XLA's cost estimate only, as model.unroll_loops)."""
-    return _loss(body, head, stages, microbatches, repeats, gather_once, keep_layers, unroll, x, stacked,
-                 head_params, extras, rows, aux_weights)
+    forward of every layer more work). `zero_bubble` runs pipeline_zb's schedule instead (one block a stage; the
+    eval step's forward slots are 1F1B's). `unroll` unrolls the ticks (for XLA's cost estimate only, as
+    model.unroll_loops)."""
+    return _loss((body, head, stages, microbatches, repeats, gather_once, keep_layers, zero_bubble, unroll), x,
+                 stacked, head_params, extras, rows, aux_weights)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
-def _loss(body, head, stages, microbatches, repeats, gather_once, keep_layers, unroll, x, stacked, head_params,
-          extras, rows, aux_weights):
-    return _program(body, head, stages, microbatches, repeats, gather_once, keep_layers, unroll, False, x,
-                    stacked, head_params, extras, rows, aux_weights)
+# The static arguments travel as one tuple: (body, head, stages, microbatches, repeats, gather_once, keep_layers,
+# zero_bubble, unroll).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _loss(static, x, stacked, head_params, extras, rows, aux_weights):
+    return _program(*static, False, x, stacked, head_params, extras, rows, aux_weights)
 
 
-def _loss_forward(body, head, stages, microbatches, repeats, gather_once, keep_layers, unroll, x, stacked,
-                  head_params, extras, rows, aux_weights):
-    (total, aux), grads = _program(body, head, stages, microbatches, repeats, gather_once, keep_layers, unroll, True,
-                                   x, stacked, head_params, extras, rows, aux_weights)
+def _loss_forward(static, x, stacked, head_params, extras, rows, aux_weights):
+    (total, aux), grads = _program(*static, True, x, stacked, head_params, extras, rows, aux_weights)
     return (total, aux), (grads, aux_weights)
 
 
-def _loss_backward(body, head, stages, microbatches, repeats, gather_once, keep_layers, unroll, residuals, g):
+def _loss_backward(static, residuals, g):
     (grads, aux_weights), (g_total, _) = residuals, g
     dx, dstacked, dhead = jax.tree.map(lambda a: (g_total * a).astype(a.dtype), grads)
     return dx, dstacked, dhead, None, None, jax.tree.map(jnp.zeros_like, aux_weights)
@@ -177,8 +176,8 @@ def _zeros(a: jax.Array) -> jax.Array:
     return jnp.zeros(a.shape, a.dtype)
 
 
-def _program(body, head, stages, microbatches, repeats, gather_once, keep_layers, unroll, with_grads, x, stacked,
-             head_params, extras, rows, aux_weights):
+def _program(body, head, stages, microbatches, repeats, gather_once, keep_layers, zero_bubble, unroll, with_grads,
+             x, stacked, head_params, extras, rows, aux_weights):
     axis = active_axes("stage")
     own = active_axes("batch") if gather_once else replica_axes()  # batch axes along which each device sums
     everywhere = axis + own
@@ -307,7 +306,7 @@ def _program(body, head, stages, microbatches, repeats, gather_once, keep_layers
             return dict(c, total=c["total"] + total, from_before=jax.lax.ppermute(out, axis, send_on)), None
 
         dx_like = at(xs, 0)
-        fill = jnp.full(dx_like.shape, BUBBLE_FILL, dx_like.dtype)
+        fill = jnp.full(dx_like.shape, pipeline.BUBBLE_FILL, dx_like.dtype)
         c = {"from_before": fill, "total": jnp.zeros((), jnp.float32), "aux": jax.tree.map(_zeros, aux_weights)}
 
         def sums(c):  # the loss, whole; each stage's auxiliary sums, over the devices' own rows
@@ -317,13 +316,20 @@ def _program(body, head, stages, microbatches, repeats, gather_once, keep_layers
             c, _ = jax.lax.scan(forward_only, c, jnp.arange(v * m + stages - 1), unroll=unroll)
             return sums(c)
         kept_shape = ((jax.tree.leaves(stacked)[0].shape[0] // v,) if keep_layers else ()) + dx_like.shape
-        c |= {"from_after": fill, "kept": jnp.full((keep, *kept_shape), BUBBLE_FILL, x.dtype),
+        c |= {"from_after": fill, "kept": jnp.full((keep, *kept_shape), pipeline.BUBBLE_FILL, x.dtype),
               "dxs": _zeros(xs), "dstacked": jax.tree.map(_zeros, stacked),
               "dhead": jax.tree.map(_zeros, head_params)}
-        up, steady_ticks, down = ticks(stages, m, v)
-        c, _ = jax.lax.scan(warmup, c, jnp.arange(up), unroll=unroll)
-        c, _ = jax.lax.scan(steady, c, jnp.arange(up, up + steady_ticks), unroll=unroll)
-        c, _ = jax.lax.scan(cooldown, c, jnp.arange(up + steady_ticks, up + steady_ticks + down), unroll=unroll)
+        if zero_bubble:
+            c = pipeline_zb.run(c, s, body, stacked, aux_weights, stages, m, unroll, lambda i: at(xs, i),
+                                lambda i: at(extras_m, i), head_loss,
+                                lambda on, back: (jax.lax.ppermute(on, axis, send_on),
+                                                  jax.lax.ppermute(back, axis, send_back)))
+        else:
+            up, steady_ticks, down = ticks(stages, m, v)
+            c, _ = jax.lax.scan(warmup, c, jnp.arange(up), unroll=unroll)
+            c, _ = jax.lax.scan(steady, c, jnp.arange(up, up + steady_ticks), unroll=unroll)
+            c, _ = jax.lax.scan(cooldown, c, jnp.arange(up + steady_ticks, up + steady_ticks + down),
+                                unroll=unroll)
         dx = jax.lax.psum(c["dxs"].reshape(x.shape), axis)
         dstacked = jax.lax.psum(c["dstacked"], own) if own else c["dstacked"]
         return sums(c), (dx, dstacked, jax.lax.psum(c["dhead"], everywhere))

@@ -1,12 +1,13 @@
 """The stack runner: how embed -> layer stack -> head -> loss runs for a config on a mesh - a plain scan over the
 layers, or a pipeline over the `pipeline` mesh axis with one of the schedules (GPipe, circular, 1F1B, interleaved
-1F1B) - chosen once, here (`choose`, which layout.of keeps beside the state it lays out), from the config and the
+1F1B, zero-bubble) - chosen once, here (`choose`, which layout.of keeps beside the state it lays out), from the config and the
 mesh.
 
 The model only gives its pieces: Llama.stack_inputs (the embedded stream, one layer's body, the stacked layer
 weights in their canonical `[layers, ...]` layout, the per-row arrays every layer reads), final_stream and
 loss.head_loss (final norm, output projection, loss). It never learns how it is pipelined, and the step only asks
-the runner for the loss. A new schedule is taught here and in its own module (pipeline.py, pipeline_1f1b.py).
+the runner for the loss. A new schedule is taught here and in its own module (pipeline.py, pipeline_1f1b.py,
+pipeline_zb.py).
 
 Every runner returns the summed cross-entropy and the layer stack's auxiliary sums - each block's dict (a
 router's statistics; empty for a dense block), stacked along the layers in canonical order and summed over the
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from scaletrain.parallel import pipeline, pipeline_1f1b
+from scaletrain.parallel import pipeline, pipeline_1f1b, pipeline_zb
 from scaletrain.parallel.checks import microbatches
 from scaletrain.train.loss import head_loss
 
@@ -33,11 +34,11 @@ SCAN = "scan"
 
 @dataclasses.dataclass(frozen=True)
 class Runner:
-    schedule: str = SCAN  # scan, or a pipeline.schedule: gpipe | circular | 1f1b | interleaved_1f1b
+    schedule: str = SCAN  # scan, or a pipeline.schedule: gpipe | circular | 1f1b | interleaved_1f1b | zero_bubble
     stages: int = 1
     microbatches: int = 1  # the pipeline's (gradient accumulation's are the step's)
     repeats: int = 1  # circular, interleaved: blocks of layers per stage, the weights in pipeline.memory_order
-    gather_once: bool = False  # 1f1b, interleaved: pipeline.gather_weights=once
+    gather_once: bool = False  # 1f1b, interleaved, zero_bubble: pipeline.gather_weights=once
     keep_stage_inputs: bool = False  # 1f1b, interleaved: pipeline.keep=stage_inputs
 
     @property
@@ -49,6 +50,13 @@ class Runner:
         memory space. Its devices then hold a stage's parameters and their gradients during the step, as
         without params.offload; the moments and the update stay in host memory."""
         return self.stages == 1
+
+    @property
+    def forms_gradients(self) -> bool:
+        """Whether the runner forms the gradients itself, in its own loop, from each layer's vjp - its layer
+        body unrematerialised, a remat policy unused: the 1F1B schedules and zero-bubble (pipeline_1f1b.py,
+        pipeline_zb.py)."""
+        return self.schedule in pipeline_1f1b.SCHEDULES + (pipeline_zb.SCHEDULE,)
 
     @property
     def recomputes_every_layer(self) -> bool:
@@ -74,9 +82,11 @@ class Runner:
 
     def sends(self) -> tuple[int, int]:
         """(Stage-to-stage sends per step, those the step waits for): the schedule's own count (pipeline.sends,
-        pipeline_1f1b.sends); none without stages."""
+        pipeline_1f1b.sends, pipeline_zb.sends); none without stages."""
         if self.stages == 1:
             return 0, 0
+        if self.schedule == pipeline_zb.SCHEDULE:
+            return pipeline_zb.sends(self.stages, self.microbatches)
         of = pipeline_1f1b.sends if self.schedule in pipeline_1f1b.SCHEDULES else pipeline.sends
         return of(self.stages, self.microbatches, self.repeats)
 
@@ -90,9 +100,9 @@ class Runner:
         model = nnx.merge(graphdef, params)
         unroll = model.cfg.unroll_loops
         x_btd, body, stacked, extras = model.stack_inputs(batch["tokens"], batch["positions"], batch["segment_ids"],
-                                                          remat_layers=not self.recomputes_every_layer)
+                                                          remat_layers=not self.forms_gradients)
         rows = (batch["targets"], batch["loss_mask"])
-        if self.schedule in pipeline_1f1b.SCHEDULES:
+        if self.forms_gradients:
             return self._one_f_one_b(graphdef, params, x_btd, body, stacked, extras, rows, penalty, unroll)
         if self.stages > 1:
             x_btd, aux = pipeline.gpipe(body, x_btd, stacked, extras, self.stages, self.microbatches, unroll,
@@ -102,8 +112,8 @@ class Runner:
         return head_loss(graphdef, params, model.final_stream(x_btd), *rows), aux
 
     def _one_f_one_b(self, graphdef, params, x_btd, body, stacked, extras, rows, penalty, unroll):
-        """The layer stack as a 1F1B pipeline (interleaved: `repeats` blocks of layers per stage), which runs the
-        head on each microbatch as it leaves the last stage."""
+        """The layer stack as a 1F1B pipeline (interleaved: `repeats` blocks of layers per stage) or a
+        zero-bubble one, which runs the head on each microbatch as it leaves the last stage."""
         def head(head_params, layers, x_btd, rows):
             p = {**head_params, "layers": nnx.to_pure_dict(layers)}
             return head_loss(graphdef, p, nnx.merge(graphdef, p).final_stream(x_btd), *rows)
@@ -116,8 +126,8 @@ class Runner:
         aux_weights = jax.grad(penalty)(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape))
         head_params = {k: v for k, v in params.items() if k != "layers"}
         return pipeline_1f1b.loss(body, head, self.stages, self.microbatches, self.repeats, self.gather_once,
-                                  not self.keep_stage_inputs, unroll, x_btd, stacked, head_params, extras, rows,
-                                  aux_weights)
+                                  not self.keep_stage_inputs, self.schedule == pipeline_zb.SCHEDULE, unroll, x_btd,
+                                  stacked, head_params, extras, rows, aux_weights)
 
 
 def choose(cfg, axis_sizes: Mapping[str, int]) -> Runner:
@@ -129,5 +139,6 @@ def choose(cfg, axis_sizes: Mapping[str, int]) -> Runner:
     schedule = cfg.pipeline.schedule
     return Runner(schedule=schedule, stages=stages, microbatches=microbatches(cfg, axis_sizes),
                   repeats=cfg.pipeline.repeats if schedule in pipeline.BLOCKED else 1,
-                  gather_once=schedule in pipeline_1f1b.SCHEDULES and cfg.pipeline.gather_weights == "once",
+                  gather_once=schedule in pipeline_1f1b.SCHEDULES + (pipeline_zb.SCHEDULE,)
+                  and cfg.pipeline.gather_weights == "once",
                   keep_stage_inputs=schedule in pipeline_1f1b.SCHEDULES and cfg.pipeline.keep == "stage_inputs")
