@@ -117,14 +117,13 @@ def depths(stages: int, microbatches: int) -> dict[str, int]:
             if back[t, s] >= 0:
                 when["back", s, back[t, s]] = t
 
-    def most(start, end, stages_=range(stages)):
-        return max(1, max(sum(when[start, s, i] <= t < when[end, s, i] for i in range(microbatches))
-                          for s in stages_ for t in range(len(tab))))
+    def most(start, end, on=range(stages)):  # at least 1: a buffer of none would not be indexable
+        return max(1, *(sum(when[start, s, i] <= t < when[end, s, i] for i in range(microbatches))
+                        for s in on for t in range(len(tab))))
 
-    last = [stages - 1]
-    return {"inputs": most("on", FORWARD, range(1, stages)) if stages > 1 else 1,
-            "cotangents": max(most("back", INPUT, range(stages - 1)) if stages > 1 else 1,
-                              most(FORWARD, INPUT, last)),
+    # Stage 0 takes its inputs from the batch; the last stage its cotangents from the head, in its forward slot.
+    return {"inputs": most("on", FORWARD, range(1, stages)),
+            "cotangents": max(most("back", INPUT, range(stages - 1)), most(FORWARD, INPUT, [stages - 1])),
             "to_input": most(FORWARD, INPUT), "to_weight": most(FORWARD, WEIGHT), "on_weight": most(INPUT, WEIGHT)}
 
 

@@ -19,7 +19,7 @@ from scaletrain import remat
 from scaletrain.config import moe_d_ff
 from scaletrain.errors import ConfigError
 from scaletrain.models.mixtral import moe
-from scaletrain.parallel import pipeline_1f1b, sharding
+from scaletrain.parallel import pipeline_1f1b, pipeline_zb, sharding
 from scaletrain.parallel.checks import microbatches, shards_kv_heads
 from scaletrain.planner import residuals
 from scaletrain.train import layout as layout_lib
@@ -187,6 +187,22 @@ def _saved_layer(cfg, model_cfg, tensor: int, ring: bool) -> float:
     return stream / (tensor if cfg.sharding.sequence_parallel else 1) + inner / tensor + _scores(cfg, tensor, ring)
 
 
+def weight_inputs(elements: Mapping[str, float]) -> float:
+    """Elements per token of a layer's weight matmuls' inputs: the normed stream (read by the query, key and
+    value projections; again by gate and up), the attention's output (the output projection's), the gated
+    hidden (the down projection's) - an expert's too."""
+    return (2 * elements["decoder_layer_input"] + elements["attention_out"] + elements["mlp_gate"]
+            + elements["moe_gate"])
+
+
+def weight_cotangents(elements: Mapping[str, float]) -> float:
+    """Elements per token of the cotangents at a layer's weight matmuls' outputs: query, key, value, the output
+    projection's, gate, up, down's (the layer's output) - an expert's gate and up too."""
+    return (elements["query_proj"] + elements["key_proj"] + elements["value_proj"] + elements["out_proj"]
+            + elements["mlp_gate"] + elements["mlp_up"] + elements["mlp_out"] + elements["moe_gate"]
+            + elements["moe_up"])
+
+
 def _rematerialised_layer(cfg, model_cfg, elements: Mapping[str, float], tensor: int, dtype_bytes: int,
                           ring: bool) -> float:
     """Bytes per token at the peak of one rematerialised layer's backward pass. Under full remat the whole layer
@@ -305,9 +321,12 @@ def gathered_kv(elements: Mapping[str, float], axes: Mapping[str, int]) -> float
 def held_microbatches(runner: Runner) -> int:
     """Microbatches whose activations one device holds at the peak under the trainer's stack runner: one
     without pipelining; with it, every one under GPipe (a stage keeps each until its backward pass) - once per
-    repeat under a circular schedule -, at most 2 P - 1 under 1F1B, 2 R P - 1 interleaved (pipeline_1f1b.depth)."""
+    repeat under a circular schedule -, at most 2 P - 1 under 1F1B, 2 R P - 1 interleaved (pipeline_1f1b.depth),
+    those awaiting their weight slot under zero-bubble (pipeline_zb.depths)."""
     if runner.stages == 1:
         return 1
+    if runner.schedule == pipeline_zb.SCHEDULE:
+        return pipeline_zb.depths(runner.stages, runner.microbatches)["to_weight"]
     if runner.schedule in pipeline_1f1b.SCHEDULES:
         return pipeline_1f1b.depth(runner.stages, runner.microbatches, runner.repeats)
     return runner.microbatches * runner.repeats
@@ -352,7 +371,9 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     tokens = micro * held_microbatches(runner)
     elements = tensor_elements(m, s.layout.rules.activations, axes, expert_rows(cfg, axes, ragged)[1])
     # 1F1B's layers run unrematerialised in its backward slot, one at a time: policy none's residuals, one layer's.
-    policy, ring = "none" if one_f_one_b else cfg.remat.policy, ring_attention(cfg, axes)
+    zero_bubble = runner.schedule == pipeline_zb.SCHEDULE
+    policy = "none" if runner.forms_gradients else cfg.remat.policy
+    ring = ring_attention(cfg, axes)
     # A 1F1B stage keeps each of a block's layers' inputs (a stage's, one block interleaved) for every microbatch
     # it holds - or only the block's input (pipeline.keep=stage_inputs), and the block's layers' inputs again for
     # the microbatch its backward slot is at.
@@ -366,7 +387,13 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
         layer = _saved_layer(cfg, s.layout.model_cfg, t, ring) + moe * routed
         saved, working, offloaded = ((kept_inputs, layer * micro + again, 0.0) if one_f_one_b
                                      else (layer * stage_layers * tokens, 0.0, 0.0))
-        working += _attention_block_working(cfg, micro if one_f_one_b else tokens, t, ab, sharding.seq_ways(axes))
+        if zero_bubble:
+            depth = pipeline_zb.depths(runner.stages, runner.microbatches)
+            inputs_, cotangents = weight_inputs(elements) * ab, weight_cotangents(elements) * ab
+            saved = stage_layers * micro * ((layer - inputs_) * depth["to_input"] + inputs_ * depth["to_weight"]
+                                            + cotangents * depth["on_weight"])
+        working += _attention_block_working(cfg, micro if runner.forms_gradients else tokens, t, ab,
+                                            sharding.seq_ways(axes))
     else:
         where = kept(policy, cfg.remat.custom)
         named = sum(elements[n] for n, w in where.items() if w == "device")
@@ -384,7 +411,7 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     if pipelined:  # the whole batch's stream: embedded, leaving the stack (GPipe) or its gradient (1F1B), and that
         # gradient's gradient through the embedding; not a microbatch at a time
         working += PIPELINE_STREAM_COPIES * elements["decoder_layer_input"] * ab * micro * microbatches(cfg, axes)
-    logits_tokens = micro * (microbatches(cfg, axes) if pipelined and not one_f_one_b else 1)
+    logits_tokens = micro * (microbatches(cfg, axes) if pipelined and not runner.forms_gradients else 1)
     # Whole logits: XLA writes their gradient over them (same shape, dead once it is formed) - one float32 copy; the
     # Llama 3.2 1B's compiled step at 4096 tokens per chip has 4.3 GiB of temporaries, two copies would be 3.9.
     # Blocked (model.logits_block): a block's logits and its gradient, formed in the forward pass (loss.py).

@@ -22,7 +22,7 @@ from scaletrain.facts import flops
 from scaletrain.facts import hardware as hw
 from scaletrain.kernels import flash_attention
 from scaletrain.models.family import Matmul
-from scaletrain.parallel import checks, pipeline_1f1b, sharding
+from scaletrain.parallel import checks, sharding
 from scaletrain.parallel import mesh as mesh_lib
 from scaletrain.parallel.checks import microbatches
 from scaletrain.planner import comms, estimate, memory, precision, schedule
@@ -115,9 +115,9 @@ def recomputed(cfg, runner: Runner | None = None) -> frozenset[str]:
     and the router's probabilities, neither of them named, so its experts' down projection and its router are
     computed again under every policy but none (save_dots keeps the router's logits, a dot without batch dims),
     and its experts' gate/up unless `moe_gate` and `moe_up` are kept (save_dots does not keep them: a grouped
-    matmul is no dot). Only the groups the stack has. Under the stack runner `runner`, full's whatever the policy
-    where it runs every layer's forward again in its backward pass (Runner.recomputes_every_layer: 1F1B)."""
-    policy = "full" if runner is not None and runner.recomputes_every_layer else cfg.remat.policy
+    matmul is no dot). Only the groups the stack has, under the policy whose work the stack runner `runner` does
+    (Runner.remat_policy: 1F1B full's, zero-bubble none's, whatever the config's)."""
+    policy = runner.remat_policy(cfg.remat.policy) if runner is not None else cfg.remat.policy
     if policy == "none":
         return frozenset({"attention"} if memory.blocked_attention(cfg) else ())
     kept = memory.kept(policy, cfg.remat.custom).keys()
@@ -205,9 +205,9 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
     does: an array split along experts is neither gathered nor reduced over them (each device trains its own
     experts on every token routed to them), and every other array's gradients are all-reduced over them.
 
-    A 1F1B pipeline (parallel/pipeline_1f1b.py) sums each device's gradients over the step and all-reduces them once
-    over the batch axes that shard no parameter; with pipeline.gather_weights=once over every batch axis, the
-    weights then gathered once on the way in."""
+    A 1F1B or zero-bubble pipeline (parallel/pipeline_1f1b.py, pipeline_zb.py) sums each device's gradients over
+    the step and all-reduces them once over the batch axes that shard no parameter; with
+    pipeline.gather_weights=once over every batch axis, the weights then gathered once on the way in."""
     rules = state.layout.rules
     runner = state.layout.runner
     batch = set(sharding.mesh_axes(rules.activations["batch"])) | set(sharding.mesh_axes(rules.activations["seq"]))
@@ -235,7 +235,7 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
         return (moves(rules.params, p, "all-gather", "weights, once a step", 1)
                 + moves(rules.grads, batch, "all-reduce", "gradients, once a step", 1)
                 + moves(rules.params, o - p, "all-gather", "updated weights", 1))
-    if runner.schedule in pipeline_1f1b.SCHEDULES:
+    if runner.forms_gradients:
         return (moves(rules.params, p, "all-gather", "weights, forward", microbatches, dtypes=operands)
                 + moves(rules.params, p, "all-gather", "weights, backward", microbatches, dtypes=operands)
                 + moves(rules.grads, g, "reduce-scatter", "gradients", microbatches, dtypes=cotangents)
@@ -341,7 +341,7 @@ def plan(cfg, hardware: str, dcn_bandwidth: float | None = None) -> dict:
     recompute_flops = tokens * (m.num_layers * sum(forward[g] for g in recompute) + stage_forward
                                 + recomputed_logits(cfg) * 2 * m.d_model * m.vocab_size)
     extra_flops = tokens * attention_extra_flops(cfg, chip.name)
-    bubble = comms.bubble(axes["pipeline"], microbatches(cfg, axes), runner.repeats)
+    bubble = schedule.bubble(runner)
     ragged = chip.ragged_all_to_all
     ring_pass = forward["attention"] * memory.replica_tokens(cfg, axes) / (
         axes["tensor"] * sharding.seq_ways(axes) * chip.bf16_flops * chip.xla_matmul_efficiency)
@@ -467,8 +467,9 @@ def format_table(result: dict) -> str:
     if r["pipeline"]:
         p = r["pipeline"]
         repeats = f" x {p['repeats']} repeats" if p["repeats"] > 1 else ""
+        zb = " - its input gradient; W: its weight gradient" if p["schedule"] == "zero_bubble" else ""
         lines += ["", f"pipeline: {p['schedule']}, {p['stages']} stages x {p['microbatches']} microbatches{repeats} "
-                      f"(F: forward, B: backward of a microbatch{'; .r its repeat' if repeats else ''}; .: bubble)"]
+                      f"(F: forward, B: backward of a microbatch{zb}{'; .r its repeat' if repeats else ''}; .: bubble)"]
         ticks = len(p["timeline"][0])
         if ticks <= TIMELINE_TICKS:
             width = max(len(c) for row in p["timeline"] for c in row)

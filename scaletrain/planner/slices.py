@@ -5,9 +5,9 @@ Every layout keeps the config's own mesh inside each slice and puts one mesh axi
 - data: each slice a replica, the gradients reduced over DCN once a step;
 - fsdp: the state split over every chip, FSDP's gathers and reductions crossing DCN at every layer;
 - pipeline: a stage of the layer stack on each slice, only stage activations crossing DCN, at the price of a
-  bubble - every schedule the trainer runs (GPipe, circular, 1F1B, interleaved 1F1B; 1F1B and interleaved also
-  gathering the FSDP weights once a step, or keeping only stage inputs), with the blocks a stage of SCHEDULES and
-  MICROBATCHES per stage.
+  bubble - every schedule the trainer runs (GPipe, circular, 1F1B, interleaved 1F1B, zero-bubble; all but GPipe
+  and circular also gathering the FSDP weights once a step, 1F1B and interleaved keeping only stage inputs), with
+  the blocks a stage of SCHEDULES and MICROBATCHES per stage.
 Each layout is planned by roofline.plan - the plan `plan` prints and `tune` ranks, the trainer's own checks
 refusing what it would refuse - and ranked as `tune` ranks (tune.rank_key: fit first, then the plan's estimate of
 the compiled step).
@@ -26,12 +26,13 @@ from typing import Any
 from scaletrain.config import MESH_AXES
 from scaletrain.errors import ConfigError
 from scaletrain.facts import hardware as hw
-from scaletrain.parallel import pipeline_1f1b
+from scaletrain.parallel import pipeline_1f1b, pipeline_zb
 from scaletrain.planner import tune
 from scaletrain.planner.roofline import _seconds, _si
 
 FAMILIES = tune.ACROSS
-SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
+SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4),
+             ("zero_bubble", 1))
 MICROBATCHES = (1, 2, 4, 8)  # per stage
 FACTORS = tuple(2.0 ** k for k in range(-12, 7))  # of the chip's DCN bandwidth, where the flip is looked for
 BISECTIONS = 10  # halvings of the bracket, in log space: within 2^(1/1024) of the flip
@@ -50,8 +51,9 @@ def layouts(cfg, slices: int) -> list[tuple[str, dict[str, Any]]]:
             choices = {**across("pipeline"), "pipeline.schedule": schedule, "pipeline.repeats": repeats,
                        "pipeline.microbatches": per_stage * slices}
             out.append(("pipeline", choices))
-            if schedule in pipeline_1f1b.SCHEDULES:  # the faster way with more memory, the leaner one
+            if schedule in pipeline_1f1b.SCHEDULES + (pipeline_zb.SCHEDULE,):  # gathering once: faster, more memory
                 out.append(("pipeline", {**choices, "pipeline.gather_weights": "once"}))
+            if schedule in pipeline_1f1b.SCHEDULES:  # the leaner way
                 out.append(("pipeline", {**choices, "pipeline.keep": "stage_inputs"}))
     return out
 

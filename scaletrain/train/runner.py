@@ -1,7 +1,7 @@
 """The stack runner: how embed -> layer stack -> head -> loss runs for a config on a mesh - a plain scan over the
 layers, or a pipeline over the `pipeline` mesh axis with one of the schedules (GPipe, circular, 1F1B, interleaved
-1F1B, zero-bubble) - chosen once, here (`choose`, which layout.of keeps beside the state it lays out), from the config and the
-mesh.
+1F1B, zero-bubble) - chosen once, here (`choose`, which layout.of keeps beside the state it lays out), from the
+config and the mesh.
 
 The model only gives its pieces: Llama.stack_inputs (the embedded stream, one layer's body, the stacked layer
 weights in their canonical `[layers, ...]` layout, the per-row arrays every layer reads), final_stream and
@@ -66,11 +66,18 @@ class Runner:
         layer only (pipeline_1f1b.py)."""
         return self.schedule in pipeline_1f1b.SCHEDULES
 
+    def remat_policy(self, policy: str) -> str:
+        """The remat policy whose work the backward pass does, the config's being `policy`: full's under 1F1B
+        (recomputes_every_layer), none's under zero-bubble (pipeline_zb.py keeps every layer's residuals)."""
+        if self.schedule == pipeline_zb.SCHEDULE:
+            return "none"
+        return "full" if self.recomputes_every_layer else policy
+
     def reruns_stages(self, remat_policy: str) -> bool:
         """Whether the backward pass runs each stage's forward again from its kept input, on top of what its
         layers recompute: 1F1B keeping stage inputs (pipeline.keep), GPipe and circular under a remat policy
         (remat.around_stages)."""
-        if self.schedule in pipeline_1f1b.SCHEDULES:
+        if self.forms_gradients:
             return self.keep_stage_inputs
         return self.stages > 1 and remat_policy != "none"
 
