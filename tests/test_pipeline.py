@@ -78,8 +78,8 @@ def test_a_checkpoint_restores_across_stage_counts(tmp_path):
     """One layout on disk, [layers, ...] in canonical order, whatever the stage count or schedule: saved with 4
     stages, restored with 1, saved again, restored with 2, then into a circular schedule of 2 stages x 2 repeats
     (each stage's devices holding layers 0 and 2, or 1 and 3: pipeline.memory_order), into interleaved 1F1B's
-    (the same order), and back with 4 - as the
-    trainer saves and restores (Setup.to_disk, from_disk)."""
+    (the same order), into zero-bubble's of 4 stages (canonical), and back with 4 - as the trainer saves and
+    restores (Setup.to_disk, from_disk)."""
     setup = _setup("mesh.pipeline=4")
     on_disk = setup.init(jax.random.PRNGKey(0))
     want = jax.device_get(on_disk)
@@ -87,7 +87,8 @@ def test_a_checkpoint_restores_across_stage_counts(tmp_path):
                 "pipeline.microbatches=2"]
     interleaved = ["mesh.pipeline=2", "pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2",
                    "pipeline.microbatches=2"]
-    for i, overrides in enumerate(([], ["mesh.pipeline=2", "mesh.fsdp=2"], circular, interleaved,
+    zero_bubble = ["mesh.pipeline=4", "pipeline.schedule=zero_bubble", "pipeline.microbatches=4"]
+    for i, overrides in enumerate(([], ["mesh.pipeline=2", "mesh.fsdp=2"], circular, interleaved, zero_bubble,
                                    ["mesh.pipeline=4"])):
         ckpt = Checkpointer(tmp_path / str(i), max_to_keep=1, async_save=False)
         ckpt.save(1, on_disk, {"next_sample": 8}, trainer.checkpoint_metadata(setup))

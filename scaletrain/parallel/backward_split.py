@@ -24,6 +24,7 @@ input-gradient pass and hands its weight cotangent on as a kept value - right, o
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -99,27 +100,66 @@ def split(body: Callable, params: Any, x: jax.Array, extras: tuple, aux_weights:
     inputs = needed(outputs[INPUT], reads_dy)
     forward = needed([*outputs[FORWARD], *outputs[INPUT], *invars(inputs)], clean)
     weights = needed(outputs[WEIGHT], set(range(len(eqns))) - inputs - forward - fixed)
-    chosen = [c | needed([*invars(c), *outputs[which]], fixed)
-              for which, c in enumerate((forward, inputs, weights))]
-    passes = tuple([e for i, e in enumerate(eqns) if i in c] for c in chosen)
+    chosen = [forward, set(inputs), set(weights)]
+    maker = {v: i for i, e in enumerate(eqns) for v in e.outvars if i not in fixed}
 
-    made = {x_var: FORWARD, dy_var: INPUT}
-    for which, c in enumerate(chosen):
-        made.update((v, which) for i in c - fixed for v in eqns[i].outvars)
+    def source(v):  # the pass that makes a kept var
+        return INPUT if v is dy_var or maker.get(v) in chosen[INPUT] else FORWARD
 
-    def reads(which):
-        vs = [v for e in passes[which] for v in e.invars] + list(outputs[which])
-        return list(dict.fromkeys(v for v in vs if _is_var(v) and v in made))
+    def kept(which):
+        """What pass `which` reads and does not make: an earlier pass's (x the forward's, dy the input pass's)."""
+        here = {v for i in chosen[which] for v in eqns[i].outvars}
+        vs = [*invars(chosen[which]), *outputs[which]]
+        return [v for v in dict.fromkeys(v for v in vs if _is_var(v))
+                if v not in here and (v is x_var or v is dy_var or v in maker)]
 
-    def from_(pass_, of):
-        return tuple(v for v in reads(of) if made[v] == pass_)
+    def lighten(which):
+        """Forward equations of no cost (elementwise, reshapes: no matmul, kernel or collective) made again in
+        pass `which` where that keeps fewer bytes - a softmax's probabilities from its scores, a norm from its
+        input: the forward keeps the matmuls' outputs and what has no cheaper source."""
+        while True:
+            keep = set(kept(which))
+            for v in keep:
+                i = maker.get(v)
+                if i is None or i not in forward or i in chosen[which] or not _cheap(eqns[i]):
+                    continue
+                more = [u for u in dict.fromkeys(u for u in eqns[i].invars if _is_var(u))
+                        if u not in keep and (u is x_var or u in maker)]
+                if not more or _bytes(more) < _bytes([u for u in eqns[i].outvars if u in keep]):
+                    chosen[which].add(i)
+                    break
+            else:
+                return
 
-    to_weight = from_(FORWARD, WEIGHT)
-    to_input = tuple(v for v in from_(FORWARD, INPUT) if v not in to_weight)
-    on_weight = from_(INPUT, WEIGHT)
+    lighten(INPUT)
+    lighten(WEIGHT)
+    passes = tuple([e for i, e in enumerate(eqns) if i in c | needed([*invars(c), *outputs[which]], fixed)]
+                   for which, c in enumerate(chosen))
+    to_weight = tuple(v for v in kept(WEIGHT) if source(v) == FORWARD)
+    on_weight = tuple(v for v in kept(WEIGHT) if source(v) == INPUT)
+    to_input = tuple(v for v in kept(INPUT) if v is not dy_var and v not in to_weight)
     trees = (jax.tree.structure(y_aux[1]), jax.tree.structure(dparams))
     return Split(jaxpr, tuple(closed.consts), ambient, x_var, dy_var, passes, to_input, to_weight, on_weight,
                  outputs, trees)
+
+
+# Primitives that cost more than a pass over their operands (or move data between devices): never made again.
+_COSTLY = frozenset({"dot_general", "ragged_dot", "ragged_dot_general", "conv_general_dilated", "pallas_call",
+                     "custom_vjp_call", "custom_jvp_call", "shard_map", "scan", "while", "cond", "sort", "top_k",
+                     "cumsum", "cumlogsumexp", "cummax", "cummin", "cumprod", "ppermute", "psum", "all_gather",
+                     "all_to_all", "reduce_scatter", "psum_scatter", "ragged_all_to_all", "random_bits",
+                     "rng_bit_generator"})
+
+
+def _cheap(e) -> bool:
+    subs = [j for v in e.params.values() for j in (v if isinstance(v, tuple) else (v,))
+            if isinstance(j, (core.Jaxpr, core.ClosedJaxpr))]
+    return e.primitive.name not in _COSTLY and all(
+        _cheap(inner) for j in subs for inner in (j.jaxpr if isinstance(j, core.ClosedJaxpr) else j).eqns)
+
+
+def _bytes(vs) -> int:
+    return sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in vs)
 
 
 def _is_var(v) -> bool:

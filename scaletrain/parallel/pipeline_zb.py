@@ -9,8 +9,8 @@ the cotangent through the layers, the last first, and keeps each weight matmul's
 slot (W) forms the weights' gradient from those. Each costs about one layer-stack forward (F: the matmuls; B:
 their input-side transposes and attention's backward; W: their weight-side transposes).
 
-A tick runs one slot on every stage - each stage its own (`lax.switch` on the stage's row of a static table, so a
-stage computes only what it has) - then sends the forward slots' outputs on and the input slots' cotangents back.
+A tick runs one slot on every stage - each stage its own (a conditional on the stage's row of a static table, so
+a stage computes only what it has) - then sends the forward slots' outputs on and the input slots' cotangents back.
 The table (`table`) is made greedily, tick by tick, each stage taking: a forward slot while its 1F1B warm-up
 allows (fewer than P - s microbatches between forward and input slot) and fewer than 2 P - 1 - s microbatches
 wait for their weight slot; else an input slot if its cotangent has come; else a weight slot. The step takes
@@ -155,64 +155,73 @@ def run(c: dict, s, body: Callable, stacked, aux_weights, stages: int, microbatc
              "to_weight": buffer(depth["to_weight"], cut.shapes("to_weight"), fill),
              "on_weight": buffer(depth["on_weight"], cut.shapes("on_weight"), fill)}
 
-    def put(buf, i, value, where=True):  # microbatch i's slot of a buffer [depth, ...] (or of each in a tuple)
-        def one_(b, v):
-            k = i % b.shape[0]
-            return jax.lax.dynamic_update_index_in_dim(b, jnp.where(where, v, b[k]), k, 0)
-        return tuple(map(one_, buf, value)) if isinstance(buf, tuple) else one_(buf, value)
+    def put(buf, i, value, where=True):  # microbatch i's slot of a buffer [depth, ...]
+        k = i % buf.shape[0]
+        return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(where, value, buf[k]), k, 0)
 
     def get(buf, i):
-        if isinstance(buf, tuple):
-            return tuple(b[i % b.shape[0]] for b in buf)
         return buf[i % buf.shape[0]]
 
     nothing = jnp.zeros(like.shape, like.dtype)
+    # Each layer's kept values are read and written in place, [slot, layer] of their buffers, inside the layer
+    # loops: a microbatch's whole stack of them is never gathered in one array (a copy as large again).
+    index = jnp.arange(layers)
 
-    def idle(c, i):
+    def at(bufs, i, layer):
+        return tuple(b[i % b.shape[0], layer] for b in bufs)
+
+    def set_(bufs, i, layer, values):
+        return tuple(b.at[i % b.shape[0], layer].set(v) for b, v in zip(bufs, values))
+
+    def skip(c, i):
         return c, nothing, nothing
 
     def forward(c, i):
         extras = extras_at(i)
 
-        def one(x, layer):
-            params, w = layer
-            (y, aux), to_input, to_weight = backward_split.forward(cut, params, extras, w, x)
-            return y, (aux, to_input, to_weight)
+        def one(carry, layer):
+            x, to_input, to_weight = carry
+            params, w, n = layer
+            (y, aux), new_input, new_weight = backward_split.forward(cut, params, extras, w, x)
+            return (y, set_(to_input, i, n, new_input), set_(to_weight, i, n, new_weight)), aux
 
         x = jnp.where(first, first_inputs(i), get(c["inputs"], i))
-        y, (aux, to_input, to_weight) = jax.lax.scan(one, x, (stacked, aux_weights), unroll=unroll)
+        (y, to_input, to_weight), aux = jax.lax.scan(one, (x, c["to_input"], c["to_weight"]),
+                                                     (stacked, aux_weights, index), unroll=unroll)
         total, dhead, dy = head_loss(y, i)
-        c = c | {"aux": jax.tree.map(jnp.add, c["aux"], aux), "to_input": put(c["to_input"], i, to_input),
-                 "to_weight": put(c["to_weight"], i, to_weight), "total": c["total"] + total,
-                 "dhead": jax.tree.map(jnp.add, c["dhead"], dhead),
+        c = c | {"aux": jax.tree.map(jnp.add, c["aux"], aux), "to_input": to_input, "to_weight": to_weight,
+                 "total": c["total"] + total, "dhead": jax.tree.map(jnp.add, c["dhead"], dhead),
                  "cotangents": put(c["cotangents"], i, dy.astype(like.dtype), last)}
         return c, y, nothing
 
     def input_(c, i):
         extras = extras_at(i)
 
-        def one(dy, layer):
-            params, w, to_input, to_weight = layer
-            return backward_split.input_grad(cut, params, extras, w, to_input, to_weight, dy)
+        def one(carry, layer):
+            dy, on_weight = carry
+            params, w, n = layer
+            dx, new = backward_split.input_grad(cut, params, extras, w, at(c["to_input"], i, n),
+                                                at(c["to_weight"], i, n), dy)
+            return (dx, set_(on_weight, i, n, new)), None
 
-        dx, on_weight = jax.lax.scan(one, get(c["cotangents"], i),
-                                     (stacked, aux_weights, get(c["to_input"], i), get(c["to_weight"], i)),
-                                     reverse=True, unroll=unroll)
+        (dx, on_weight), _ = jax.lax.scan(one, (get(c["cotangents"], i), c["on_weight"]),
+                                          (stacked, aux_weights, index), reverse=True, unroll=unroll)
         dxs = c["dxs"]
         dxs = jax.lax.dynamic_update_index_in_dim(
             dxs, jnp.where(first, dx, jax.lax.dynamic_index_in_dim(dxs, i, 1, False)), i, 1)
-        return c | {"on_weight": put(c["on_weight"], i, on_weight), "dxs": dxs}, nothing, dx
+        return c | {"on_weight": on_weight, "dxs": dxs}, nothing, dx
 
     def weight(c, i):
         extras = extras_at(i)
 
-        def one(_, layer):
-            params, w, to_weight, on_weight = layer
-            return None, backward_split.weight_grad(cut, params, extras, w, to_weight, on_weight)
+        def one(dstacked, layer):
+            params, w, n = layer
+            dp = backward_split.weight_grad(cut, params, extras, w, at(c["to_weight"], i, n),
+                                            at(c["on_weight"], i, n))
+            return jax.tree.map(lambda d, g: d.at[n].add(g), dstacked, dp), None
 
-        _, dstacked = jax.lax.scan(one, None, (stacked, aux_weights, get(c["to_weight"], i),
-                                               get(c["on_weight"], i)), unroll=unroll)
-        return c | {"dstacked": jax.tree.map(jnp.add, c["dstacked"], dstacked)}, nothing, nothing
+        dstacked, _ = jax.lax.scan(one, c["dstacked"], (stacked, aux_weights, index), unroll=unroll)
+        return c | {"dstacked": dstacked}, nothing, nothing
 
     tab = table(p, m)
     on, back = arrivals(p, m)
@@ -220,7 +229,11 @@ def run(c: dict, s, body: Callable, stacked, aux_weights, stages: int, microbatc
 
     def tick(c, row):
         slot, i, came_on, came_back = (row[s, k] for k in range(4))
-        c, out, dx = jax.lax.switch(slot, [idle, forward, input_, weight], c, jnp.maximum(i, 0))
+        # One conditional a kind of slot, not one lax.switch: XLA copies every buffer a switch carries, each tick.
+        i = jnp.maximum(i, 0)
+        c, out, _ = jax.lax.cond(slot == FORWARD, forward, skip, c, i)
+        c, _, dx = jax.lax.cond(slot == INPUT, input_, skip, c, i)
+        c, _, _ = jax.lax.cond(slot == WEIGHT, weight, skip, c, i)
         from_before, from_after = permute(out, dx)
         return c | {"inputs": put(c["inputs"], jnp.maximum(came_on, 0), from_before, came_on >= 0),
                     "cotangents": put(c["cotangents"], jnp.maximum(came_back, 0), from_after, came_back >= 0)}, None

@@ -187,20 +187,15 @@ def _saved_layer(cfg, model_cfg, tensor: int, ring: bool) -> float:
     return stream / (tensor if cfg.sharding.sequence_parallel else 1) + inner / tensor + _scores(cfg, tensor, ring)
 
 
-def weight_inputs(elements: Mapping[str, float]) -> float:
-    """Elements per token of a layer's weight matmuls' inputs: the normed stream (read by the query, key and
-    value projections; again by gate and up), the attention's output (the output projection's), the gated
-    hidden (the down projection's) - an expert's too."""
-    return (2 * elements["decoder_layer_input"] + elements["attention_out"] + elements["mlp_gate"]
-            + elements["moe_gate"])
-
-
-def weight_cotangents(elements: Mapping[str, float]) -> float:
-    """Elements per token of the cotangents at a layer's weight matmuls' outputs: query, key, value, the output
-    projection's, gate, up, down's (the layer's output) - an expert's gate and up too."""
-    return (elements["query_proj"] + elements["key_proj"] + elements["value_proj"] + elements["out_proj"]
-            + elements["mlp_gate"] + elements["mlp_up"] + elements["mlp_out"] + elements["moe_gate"]
-            + elements["moe_up"])
+def _zero_bubble_kept(cfg, model_cfg, tensor: int, ring: bool, runner: Runner) -> float:
+    """Bytes per token and layer a zero-bubble stage keeps over its buffers: each buffer's share of the layer
+    (residuals.zero_bubble_per_token, split over `tensor` as `_saved_layer`'s) times the most microbatches it
+    holds (pipeline_zb.depths); the scores go with the forward's residuals to the input slot."""
+    depth = pipeline_zb.depths(runner.stages, runner.microbatches)
+    split = tensor if cfg.sharding.sequence_parallel else 1
+    per = {k: stream / split + inner / tensor
+           for k, (stream, inner) in residuals.zero_bubble_per_token(model_cfg).items()}
+    return sum(per[k] * depth[k] for k in per) + _scores(cfg, tensor, ring) * depth["to_input"]
 
 
 def _rematerialised_layer(cfg, model_cfg, elements: Mapping[str, float], tensor: int, dtype_bytes: int,
@@ -388,10 +383,7 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
         saved, working, offloaded = ((kept_inputs, layer * micro + again, 0.0) if one_f_one_b
                                      else (layer * stage_layers * tokens, 0.0, 0.0))
         if zero_bubble:
-            depth = pipeline_zb.depths(runner.stages, runner.microbatches)
-            inputs_, cotangents = weight_inputs(elements) * ab, weight_cotangents(elements) * ab
-            saved = stage_layers * micro * ((layer - inputs_) * depth["to_input"] + inputs_ * depth["to_weight"]
-                                            + cotangents * depth["on_weight"])
+            saved = stage_layers * micro * _zero_bubble_kept(cfg, s.layout.model_cfg, t, ring, runner)
         working += _attention_block_working(cfg, micro if runner.forms_gradients else tokens, t, ab,
                                             sharding.seq_ways(axes))
     else:

@@ -31,10 +31,9 @@ def _tokens(cfg) -> int:
     return next(t for t in TOKENS if t not in dims)
 
 
-@functools.lru_cache(maxsize=32)
-def per_token(model_cfg) -> tuple[float, float]:
-    """(bytes on the residual stream - arrays whose last axis is d_model -, all other bytes) per token and layer
-    of the family's layer unit under policy none, for a `models.ModelConfig`, at tensor parallelism 1."""
+def _traced_layer(model_cfg, remat_layers: bool = True):
+    """(The family's layer unit as `layer(x, all_params) -> x` under policy none, an abstract x [1, n, d], the
+    abstract parameters, n, the layers in the unit)."""
     from scaletrain import models
 
     cfg = dataclasses.replace(model_cfg, remat="none", unroll_loops=False, attention_block=0)
@@ -46,17 +45,45 @@ def per_token(model_cfg) -> tuple[float, float]:
 
     def layer(x_btd, all_params):
         decoder = nnx.merge(graphdef, all_params)
-        _, body, stacked, extras = decoder.stack_inputs(tokens, positions, jnp.ones_like(tokens))
+        _, body, stacked, extras = decoder.stack_inputs(tokens, positions, jnp.ones_like(tokens),
+                                                        remat_layers=remat_layers)
         return body(x_btd, jax.tree.map(lambda a: a[0], stacked), *extras)[0]
 
+    return layer, x, params, n, models.family_of(cfg).decoder.unit_layers(cfg)
+
+
+def _split_by_stream(avals, n: int, d_model: int) -> tuple[float, float]:
+    """(Bytes per token of the arrays whose last axis is d_model, of the others), of those with the traced
+    sequence once (not weights, per-layer constants or attention scores)."""
     stream = inner = 0.0
-    for aval, _ in saved_residuals(layer, x, params):
+    for aval in avals:
         if aval.shape.count(n) != 1:
-            continue  # weights, per-layer constants, attention scores
+            continue
         size = math.prod(aval.shape) * aval.dtype.itemsize / n
-        if aval.shape[-1] == cfg.d_model:
+        if aval.shape[-1] == d_model:
             stream += size
         else:
             inner += size
-    layers = models.family_of(cfg).decoder.unit_layers(cfg)
+    return stream, inner
+
+
+@functools.lru_cache(maxsize=32)
+def per_token(model_cfg) -> tuple[float, float]:
+    """(bytes on the residual stream - arrays whose last axis is d_model -, all other bytes) per token and layer
+    of the family's layer unit under policy none, for a `models.ModelConfig`, at tensor parallelism 1."""
+    layer, x, params, n, layers = _traced_layer(model_cfg)
+    stream, inner = _split_by_stream([aval for aval, _ in saved_residuals(layer, x, params)], n, model_cfg.d_model)
     return stream / layers, inner / layers
+
+
+@functools.lru_cache(maxsize=32)
+def zero_bubble_per_token(model_cfg) -> dict[str, tuple[float, float]]:
+    """What a zero-bubble stage keeps of a layer (backward_split's cut of the same traced layer unit, as
+    pipeline_zb runs it): per buffer - to_input, to_weight, on_weight - (stream bytes, other bytes) per token
+    and layer, as `per_token`."""
+    from scaletrain.parallel import backward_split
+
+    layer, x, params, n, layers = _traced_layer(model_cfg, remat_layers=False)
+    cut = backward_split.split(lambda x, p: (layer(x, p), {}), params, x, (), {})
+    return {which: tuple(b / layers for b in _split_by_stream(cut.shapes(which), n, model_cfg.d_model))
+            for which in ("to_input", "to_weight", "on_weight")}
