@@ -35,12 +35,12 @@ def _pipeline_wins(bandwidth: float) -> bool:
 def test_every_schedule_is_planned_and_the_winner_is_the_best(verdict):
     """Every family and every schedule has a layout the trainer accepts; the winner ranks first of all of them,
     each family's best first of its own (tune's ranking); a pipeline sends the fewest bytes over DCN and pays
-    a bubble for it, and more microbatches or blocks a stage shrink the bubble."""
+    a bubble for it, and more microbatches or blocks a stage shrink the bubble, as zero-bubble's weight slots do."""
     records = slices.planned(CONFIG, COMMON, HARDWARE)
     allowed = [r for r in records if r["status"] != "refused"]
     assert {r["family"] for r in allowed} == set(slices.FAMILIES)
     assert set(verdict["schedules"]) == {"gpipe x1", "circular x2", "1f1b x1", "interleaved_1f1b x2",
-                                         "interleaved_1f1b x4"}
+                                         "interleaved_1f1b x4", "zero_bubble x1"}
     key = tune.rank_key
     assert key(verdict["winner"]) == min(key(r) for r in allowed)
     for family, b in verdict["best"].items():
@@ -50,6 +50,7 @@ def test_every_schedule_is_planned_and_the_winner_is_the_best(verdict):
     assert pipe["bubble"] > 0 == data["bubble"]
     bubbles = {k: r["plan"]["bubble"] for k, r in verdict["schedules"].items()}
     assert bubbles["interleaved_1f1b x4"] < bubbles["interleaved_1f1b x2"] < bubbles["1f1b x1"]
+    assert bubbles["zero_bubble x1"] < bubbles["1f1b x1"]
 
 
 def test_the_flip_is_where_the_winner_changes(verdict):
