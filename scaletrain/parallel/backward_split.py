@@ -113,20 +113,31 @@ def split(body: Callable, params: Any, x: jax.Array, extras: tuple, aux_weights:
         return [v for v in dict.fromkeys(v for v in vs if _is_var(v))
                 if v not in here and (v is x_var or v is dy_var or v in maker)]
 
+    def remake(v, keep, memo):
+        """(The vars to keep to make `v` again by cheap forward equations - elementwise, reshapes: no matmul,
+        kernel or collective -, those equations); `v` itself if it is kept or not so made."""
+        if v not in memo:
+            i = maker.get(v)
+            if v in keep or i is None or i not in forward or not _cheap(eqns[i]):
+                memo[v] = {v}, set()
+            else:
+                vars_, made = set(), {i}
+                for u in eqns[i].invars:
+                    if _is_var(u) and (u is x_var or u in maker):
+                        more, eqs = remake(u, keep, memo)
+                        vars_, made = vars_ | more, made | eqs
+                memo[v] = vars_, made
+        return memo[v]
+
     def lighten(which):
-        """Forward equations of no cost (elementwise, reshapes: no matmul, kernel or collective) made again in
-        pass `which` where that keeps fewer bytes - a softmax's probabilities from its scores, a norm from its
-        input: the forward keeps the matmuls' outputs and what has no cheaper source."""
+        """Forward values pass `which` reads made again there, from what it keeps anyway or from less, rather than
+        kept: a softmax's probabilities and their casts from its scores, a norm from its input."""
         while True:
             keep = set(kept(which))
             for v in keep:
-                i = maker.get(v)
-                if i is None or i not in forward or i in chosen[which] or not _cheap(eqns[i]):
-                    continue
-                more = [u for u in dict.fromkeys(u for u in eqns[i].invars if _is_var(u))
-                        if u not in keep and (u is x_var or u in maker)]
-                if not more or _bytes(more) < _bytes([u for u in eqns[i].outvars if u in keep]):
-                    chosen[which].add(i)
+                vars_, made = remake(v, keep - {v}, {})
+                if made and _bytes(vars_ - keep) <= _bytes([v]):
+                    chosen[which].update(made)
                     break
             else:
                 return

@@ -190,12 +190,15 @@ def _saved_layer(cfg, model_cfg, tensor: int, ring: bool) -> float:
 def _zero_bubble_kept(cfg, model_cfg, tensor: int, ring: bool, runner: Runner) -> float:
     """Bytes per token and layer a zero-bubble stage keeps over its buffers: each buffer's share of the layer
     (residuals.zero_bubble_per_token, split over `tensor` as `_saved_layer`'s) times the most microbatches it
-    holds (pipeline_zb.depths); the scores go with the forward's residuals to the input slot."""
+    holds (pipeline_zb.depths). XLA attention's scores go to the input slot - whole, query blocks or not: the
+    cut keeps what a blocked attention's loop hands its backward pass, every block's."""
     depth = pipeline_zb.depths(runner.stages, runner.microbatches)
     split = tensor if cfg.sharding.sequence_parallel else 1
-    per = {k: stream / split + inner / tensor
-           for k, (stream, inner) in residuals.zero_bubble_per_token(model_cfg).items()}
-    return sum(per[k] * depth[k] for k in per) + _scores(cfg, tensor, ring) * depth["to_input"]
+    buffers, scores = residuals.zero_bubble_per_token(model_cfg)
+    per = {k: stream / split + inner / tensor for k, (stream, inner) in buffers.items()}
+    if cfg.model.attention == "xla" and not ring:
+        per["to_input"] += scores * cfg.data.seq_len / tensor
+    return sum(per[k] * depth[k] for k in per)
 
 
 def _rematerialised_layer(cfg, model_cfg, elements: Mapping[str, float], tensor: int, dtype_bytes: int,

@@ -77,13 +77,15 @@ def per_token(model_cfg) -> tuple[float, float]:
 
 
 @functools.lru_cache(maxsize=32)
-def zero_bubble_per_token(model_cfg) -> dict[str, tuple[float, float]]:
+def zero_bubble_per_token(model_cfg) -> tuple[dict[str, tuple[float, float]], float]:
     """What a zero-bubble stage keeps of a layer (backward_split's cut of the same traced layer unit, as
     pipeline_zb runs it): per buffer - to_input, to_weight, on_weight - (stream bytes, other bytes) per token
-    and layer, as `per_token`."""
+    and layer, as `per_token`; and the bytes of XLA attention's scores it keeps (to the input slot) per token,
+    layer and position of the sequence."""
     from scaletrain.parallel import backward_split
 
     layer, x, params, n, layers = _traced_layer(model_cfg, remat_layers=False)
     cut = backward_split.split(lambda x, p: (layer(x, p), {}), params, x, (), {})
-    return {which: tuple(b / layers for b in _split_by_stream(cut.shapes(which), n, model_cfg.d_model))
-            for which in ("to_input", "to_weight", "on_weight")}
+    scores = sum(math.prod(a.shape) * a.dtype.itemsize for a in cut.shapes("to_input") if a.shape.count(n) == 2)
+    return ({which: tuple(b / layers for b in _split_by_stream(cut.shapes(which), n, model_cfg.d_model))
+             for which in ("to_input", "to_weight", "on_weight")}, scores / n / n / layers)
