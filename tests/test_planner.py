@@ -1273,4 +1273,11 @@ def test_a_1f1b_pipeline_recomputes_every_layer_once_whatever_the_policy(policy)
     if policy == "none":
         stage_forward = 0.0
     assert gpipe["recompute_flops"] - own["recompute_flops"] == pytest.approx(stage_forward)
+    # Zero-bubble keeps every layer's residuals: policy none's work whatever the policy, over its own bubble.
+    zero_bubble = roofline.plan(_cfg("llama3_70b.yaml", **common, **stages, **{"pipeline.schedule": "zero_bubble"}),
+                                "2xv5p:4x4x2")
+    none = roofline.plan(_cfg("llama3_70b.yaml", **common, **{"mesh.dcn_data": 2, "remat.policy": "none"}),
+                         "2xv5p:4x4x2")
+    assert zero_bubble["recompute_flops"] == pytest.approx(none["recompute_flops"])
+    assert zero_bubble["pipeline_bubble"] == pytest.approx(1 / 13)  # (P - 1) / (3 M + P - 1)
     assert ("stage" in gpipe["recomputed"]) == (policy != "none")

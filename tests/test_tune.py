@@ -159,15 +159,16 @@ def test_the_context_degree_is_searched_where_the_config_splits_its_sequences():
     assert attentions == {True: {"allgather", "ring"}, False: {"allgather"}}
 
 
-def test_across_slices_the_search_has_every_axis_and_both_1f1b_schedules():
-    """On two slices the search puts data, fsdp or the pipeline across them - the pipeline with 1F1B and
-    interleaved 1F1B where the layers divide into 2 blocks a stage - and tune.md names the best of each."""
+def test_across_slices_the_search_has_every_axis_and_the_1f1b_and_zero_bubble_schedules():
+    """On two slices the search puts data, fsdp or the pipeline across them - the pipeline with 1F1B,
+    interleaved 1F1B where the layers divide into 2 blocks a stage, and zero-bubble - and tune.md names the best
+    of each."""
     cfg = config.load(BASE, [*TINY, "model.num_layers=4"])
     schedules = {(c.get("pipeline.schedule"), c.get("pipeline.repeats")) for c in tune.space(cfg, 4, 2)
                  if c["mesh.dcn_pipeline"] > 1}
-    assert schedules == {("1f1b", None), ("interleaved_1f1b", 2)}
+    assert schedules == {("1f1b", None), ("interleaved_1f1b", 2), ("zero_bubble", None)}
     assert {c.get("pipeline.schedule") for c in tune.space(config.load(BASE, list(TINY)), 4, 2)
-            if c["mesh.dcn_pipeline"] > 1} == {"1f1b"}  # 2 layers: one block a stage
+            if c["mesh.dcn_pipeline"] > 1} == {"1f1b", "zero_bubble"}  # 2 layers: one block a stage
     assert {a for a in ("data", "fsdp", "pipeline") for c in tune.space(cfg, 4, 2) if c[f"mesh.dcn_{a}"] == 2} == {
         "data", "fsdp", "pipeline"}
 

@@ -131,13 +131,15 @@ def space(cfg, chips_per_slice: int, slices: int, offload: bool = False) -> Iter
 
 
 def schedules(cfg, stages: int) -> list[dict[str, Any]]:
-    """The pipeline schedules searched with stages across the slices: 1F1B, and interleaved 1F1B with 2 blocks a
-    stage where the layers divide (the lesser bubble, for a little more memory; docs/pipeline.md); none without."""
+    """The pipeline schedules searched with stages across the slices: 1F1B, interleaved 1F1B with 2 blocks a
+    stage where the layers divide (the lesser bubble, for a little more memory), and zero-bubble (the least
+    bubble and no recomputation, for every layer's residuals; docs/pipeline.md); none without."""
     if stages == 1:
         return [{}]
     interleaved = cfg.model.num_layers % (2 * stages) == 0
-    return [{"pipeline.schedule": "1f1b"}] + [{"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2}
-                                              ] * interleaved
+    return ([{"pipeline.schedule": "1f1b"}]
+            + [{"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2}] * interleaved
+            + [{"pipeline.schedule": "zero_bubble"}])
 
 
 # --- search and prune ------------------------------------------------------------------------------------
