@@ -15,8 +15,11 @@ Each equation goes where its data needs it:
 - of those that read it, the ones the input's cotangent needs go to the input-gradient pass, the others (the
   weight-gradient matmuls, and what only they read) to the weight-gradient pass.
 
-A value made by one pass and read by a later one is kept between them: the forward's residuals (what remat
-policy `none` keeps), and the input-gradient pass's cotangents at each weight's matmul. An equation is cut whole:
+A value made by one pass and read by a later one is kept between them: the forward's residuals, and the
+input-gradient pass's cotangents at each weight's matmul. A forward value a later pass can make again from what
+it keeps anyway, or from fewer bytes, by equations of no cost (elementwise, reshapes: no matmul, kernel or
+collective) is made again there instead (`lighten`): XLA attention's softmax, its casts and its mask from the
+scores - one float32 score kept where jax's own vjp keeps 10 bytes' worth. An equation is cut whole:
 one that forms an input's and a weight's cotangent together (a Pallas kernel, a nested shard_map) runs in the
 input-gradient pass and hands its weight cotangent on as a kept value - right, only not deferred.
 """

@@ -144,16 +144,15 @@ def run(c: dict, s, body: Callable, stacked, aux_weights, stages: int, microbatc
                                jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), extras_at(0)), one[1])
     layers = jax.tree.leaves(stacked)[0].shape[0]
 
-    def buffer(n, shapes, fill=0.0):
-        return tuple(jnp.full((n, layers, *a.shape), fill if jnp.issubdtype(a.dtype, jnp.floating) else 0, a.dtype)
-                     for a in shapes)
-
     fill = pipeline.BUBBLE_FILL
+
+    def buffer(which):  # [depth, layers, ...] of each kept value
+        return tuple(jnp.full((depth[which], layers, *a.shape), fill if jnp.issubdtype(a.dtype, jnp.floating) else 0,
+                              a.dtype) for a in cut.shapes(which))
+
     c = c | {"inputs": jnp.full((depth["inputs"], *like.shape), fill, like.dtype),
              "cotangents": jnp.full((depth["cotangents"], *like.shape), fill, like.dtype),
-             "to_input": buffer(depth["to_input"], cut.shapes("to_input"), fill),
-             "to_weight": buffer(depth["to_weight"], cut.shapes("to_weight"), fill),
-             "on_weight": buffer(depth["on_weight"], cut.shapes("on_weight"), fill)}
+             **{which: buffer(which) for which in ("to_input", "to_weight", "on_weight")}}
 
     def put(buf, i, value, where=True):  # microbatch i's slot of a buffer [depth, ...]
         k = i % buf.shape[0]
