@@ -43,8 +43,9 @@ def test_the_timeline_is_the_bubble_the_planner_counts(stages, microbatches):
     """Every microbatch's forward, input and weight slot once on every stage, each kind in microbatch order; a
     forward slot after the stage before ran it (a tick for the send), an input slot after the stage after ran
     its own and after this stage's forward slot, a weight slot after the input slot; the step 3 M + P - 1 ticks
-    of one slot, the bubble the planner counts (P - 1) / (3 M + P - 1), and no stage waiting on more than
-    2 P - 1 microbatches' weight slots."""
+    of one slot, the bubble the planner counts (P - 1) / (3 M + P - 1) where the slots cost alike, each tick at
+    its costliest slot where they do not, and no stage waiting on more than 2 P - 1 microbatches' weight
+    slots."""
     from scaletrain.parallel import pipeline_zb
     from scaletrain.planner import schedule
     from scaletrain.train.runner import Runner
@@ -69,6 +70,11 @@ def test_the_timeline_is_the_bubble_the_planner_counts(stages, microbatches):
     assert len(table) == 3 * microbatches + stages - 1
     runner = Runner(schedule="zero_bubble", stages=stages, microbatches=microbatches)
     assert schedule.bubble(runner) == pytest.approx((stages - 1) / (3 * microbatches + stages - 1))
+    # In lockstep a tick lasts as long as its costliest slot on any stage: with input slots twice the others, the
+    # step is the sum over the timeline's rows of their longest slot.
+    costs = {"F": 1.0, "B": 2.0, "W": 1.0}
+    step = sum(max((costs[cell[0]] for cell in row if cell != "."), default=0.0) for row in table)
+    assert pipeline_zb.bubble(stages, microbatches, (1.0, 2.0, 1.0)) == pytest.approx(1 - 4 * microbatches / step)
     assert pipeline_zb.depths(stages, microbatches)["to_weight"] <= 2 * stages - 1
 
 

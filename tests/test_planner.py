@@ -1279,5 +1279,7 @@ def test_a_1f1b_pipeline_recomputes_every_layer_once_whatever_the_policy(policy)
     none = roofline.plan(_cfg("llama3_70b.yaml", **common, **{"mesh.dcn_data": 2, "remat.policy": "none"}),
                          "2xv5p:4x4x2")
     assert zero_bubble["recompute_flops"] == pytest.approx(none["recompute_flops"])
-    assert zero_bubble["pipeline_bubble"] == pytest.approx(1 / 13)  # (P - 1) / (3 M + P - 1)
+    # Each tick as long as its costliest slot: XLA attention's backward makes the input slots the longest, so the
+    # bubble is past the equal slots' (P - 1) / (3 M + P - 1) = 1/13, short of 1F1B's 1/5.
+    assert 1 / 13 < zero_bubble["pipeline_bubble"] < 1 / 5
     assert ("stage" in gpipe["recomputed"]) == (policy != "none")

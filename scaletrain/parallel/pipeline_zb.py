@@ -73,9 +73,12 @@ def ticks(stages: int, microbatches: int) -> int:
     return len(table(stages, microbatches))
 
 
-def bubble(stages: int, microbatches: int) -> float:
-    """The share of a stage's ticks without a slot: (P - 1) / (3 M + P - 1)."""
-    return 1 - 3 * microbatches / ticks(stages, microbatches)
+def bubble(stages: int, microbatches: int, costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> float:
+    """The share of the step a stage idles, each tick as long as its costliest slot on any stage (lockstep), the
+    slots' costs `costs` (forward, input, weight): (P - 1) / (3 M + P - 1) where they cost alike."""
+    cost = np.array([0.0, *costs])
+    step = sum(cost[row[:, 0]].max() for row in table(stages, microbatches))
+    return 1 - microbatches * sum(costs) / step
 
 
 def sends(stages: int, microbatches: int) -> tuple[int, int]:

@@ -341,7 +341,7 @@ def plan(cfg, hardware: str, dcn_bandwidth: float | None = None) -> dict:
     recompute_flops = tokens * (m.num_layers * sum(forward[g] for g in recompute) + stage_forward
                                 + recomputed_logits(cfg) * 2 * m.d_model * m.vocab_size)
     extra_flops = tokens * attention_extra_flops(cfg, chip.name)
-    bubble = schedule.bubble(runner)
+    bubble = schedule.bubble(runner, cfg, chip.name)
     ragged = chip.ragged_all_to_all
     ring_pass = forward["attention"] * memory.replica_tokens(cfg, axes) / (
         axes["tensor"] * sharding.seq_ways(axes) * chip.bf16_flops * chip.xla_matmul_efficiency)
