@@ -67,6 +67,9 @@ MESHES = {
                   "pipeline.microbatches=2", "model.context_attention=ring"]),
     "context=4 x fsdp=2, ring, 2 microbatches accumulated": (32, ["train.grad_accum_steps=2"], [
         "mesh.context=4", "mesh.fsdp=2", "model.context_attention=ring"]),
+    "context=2 x pipeline=2 x fsdp=2, zero-bubble": (
+        32, [], ["mesh.context=2", "mesh.pipeline=2", "mesh.fsdp=2", "pipeline.schedule=zero_bubble",
+                 "pipeline.microbatches=2"]),
     "context=2 x pipeline=2 x data=2, gpipe": (32, [], ["mesh.context=2", "mesh.pipeline=2", "mesh.data=2",
                                                        "pipeline.schedule=gpipe", "pipeline.microbatches=2"]),
     "context=2 x pipeline=2 x fsdp=2, circular": (32, ["model.num_layers=4"], [
@@ -176,6 +179,9 @@ def test_the_zigzag_layout_balances_causal_work():
     (["mesh.context=2", *MOE, "model.capacity_factor=1.25"], "capacity_factor 0"),
     (["data.seq_len=512", "mesh.context=2", "model.attention=flash", "model.context_attention=ring",
       "sharding.context_layout=contiguous"], "needs sharding.context_layout=zigzag"),
+    (["data.seq_len=32", "mesh.context=2", "mesh.pipeline=2", "model.num_layers=2",
+      "pipeline.schedule=zero_bubble", "model.context_attention=ring"],
+     "model.context_attention=ring with pipeline.schedule=zero_bubble"),
 ])
 def test_a_sequence_the_context_axis_cannot_split_is_refused(overrides, says):
     cfg = config.load(None, overrides)

@@ -100,6 +100,10 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
         if m.attention_block and (cfg.data.seq_len // context_ways) % m.attention_block:
             out.append(f"model.attention_block={m.attention_block} does not divide data.seq_len / mesh.context = "
                        f"{cfg.data.seq_len / context_ways:g}, each context shard's queries")
+        if m.context_attention == "ring" and stages > 1 and schedule == "zero_bubble":
+            out.append("model.context_attention=ring with pipeline.schedule=zero_bubble: the ring's passes inside "
+                       "zero-bubble's per-slot conditionals do not train as one device does; use "
+                       "model.context_attention=allgather or another schedule")
         if m.num_experts and m.capacity_factor > 0:
             out.append("mesh.context > 1 with model.capacity_factor > 0: capacity ranks a sequence's tokens by "
                        "position, which the context layout reorders; use the dropless routing (capacity_factor 0)")
