@@ -101,8 +101,8 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
             out.append(f"model.attention_block={m.attention_block} does not divide data.seq_len / mesh.context = "
                        f"{cfg.data.seq_len / context_ways:g}, each context shard's queries")
         if m.context_attention == "ring" and stages > 1 and schedule == "zero_bubble":
-            out.append("model.context_attention=ring with pipeline.schedule=zero_bubble: the ring's passes inside "
-                       "zero-bubble's per-slot conditionals do not train as one device does; use "
+            out.append("model.context_attention=ring with pipeline.schedule=zero_bubble: XLA runs the ring's sends "
+                       "wrong inside zero-bubble's per-slot conditionals (the loss is off from the first step); use "
                        "model.context_attention=allgather or another schedule")
         if m.num_experts and m.capacity_factor > 0:
             out.append("mesh.context > 1 with model.capacity_factor > 0: capacity ranks a sequence's tokens by "
