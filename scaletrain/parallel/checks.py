@@ -63,7 +63,7 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
         if schedule == "circular" and repeats > 1 and microbatches(cfg, axis_sizes) < stages:
             out.append(f"pipeline.microbatches={microbatches(cfg, axis_sizes)} is fewer than mesh.pipeline={stages}: "
                        f"a circular schedule sends a microbatch round again only after the last stage has done it")
-        if cfg.pipeline.gather_weights == "once" and schedule not in pipeline_1f1b.SCHEDULES + ("zero_bubble",):
+        if cfg.pipeline.gather_weights == "once" and schedule not in pipeline_1f1b.OWN_GRADIENTS:
             out.append(f"pipeline.gather_weights=once needs pipeline.schedule=1f1b, interleaved_1f1b or "
                        f"zero_bubble (got {schedule}), whose loop runs per device and can sum the gradients before "
                        f"reducing them")

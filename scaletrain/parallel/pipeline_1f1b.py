@@ -53,6 +53,8 @@ from scaletrain.parallel.sharding import active_axes, active_mesh, replica_axes
 
 # The schedules this module runs: 1F1B, and interleaved 1F1B (pipeline.repeats blocks of layers per stage).
 SCHEDULES = ("1f1b", "interleaved_1f1b")
+# Those whose gradients its program forms itself, in a loop per device: the 1F1B family and zero-bubble's.
+OWN_GRADIENTS = SCHEDULES + (pipeline_zb.SCHEDULE,)
 
 
 def depth(stages: int, microbatches: int, repeats: int = 1) -> int:

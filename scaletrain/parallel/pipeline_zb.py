@@ -25,7 +25,8 @@ so those waiting are consecutive. Nothing runs in a bubble: a stage without a sl
 from __future__ import annotations
 
 import functools
-from typing import Callable
+import types
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -105,7 +106,8 @@ def arrivals(stages: int, microbatches: int) -> tuple[np.ndarray, np.ndarray]:
     return on, back
 
 
-def depths(stages: int, microbatches: int) -> dict[str, int]:
+@functools.lru_cache(maxsize=None)
+def depths(stages: int, microbatches: int) -> Mapping[str, int]:
     """The most microbatches any stage holds at once in each buffer: `inputs` received, awaiting their forward
     slot; `cotangents` received (or the head's), awaiting their input slot; `to_input` forward -> input slot;
     `to_weight` forward -> weight slot; `on_weight` input -> weight slot."""
@@ -125,9 +127,10 @@ def depths(stages: int, microbatches: int) -> dict[str, int]:
                         for s in on for t in range(len(tab))))
 
     # Stage 0 takes its inputs from the batch; the last stage its cotangents from the head, in its forward slot.
-    return {"inputs": most("on", FORWARD, range(1, stages)),
-            "cotangents": max(most("back", INPUT, range(stages - 1)), most(FORWARD, INPUT, [stages - 1])),
-            "to_input": most(FORWARD, INPUT), "to_weight": most(FORWARD, WEIGHT), "on_weight": most(INPUT, WEIGHT)}
+    return types.MappingProxyType({  # read-only: the planner asks for it again and again (cached)
+        "inputs": most("on", FORWARD, range(1, stages)),
+        "cotangents": max(most("back", INPUT, range(stages - 1)), most(FORWARD, INPUT, [stages - 1])),
+        "to_input": most(FORWARD, INPUT), "to_weight": most(FORWARD, WEIGHT), "on_weight": most(INPUT, WEIGHT)})
 
 
 def run(c: dict, s, body: Callable, stacked, aux_weights, stages: int, microbatches: int, unroll: bool,

@@ -383,10 +383,13 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     routed = routed_layer(cfg, axes, ab, ragged) if moe else 0.0
     if policy == "none":
         layer = _saved_layer(cfg, s.layout.model_cfg, t, ring) + moe * routed
-        saved, working, offloaded = ((kept_inputs, layer * micro + again, 0.0) if one_f_one_b
-                                     else (layer * stage_layers * tokens, 0.0, 0.0))
         if zero_bubble:
-            saved = stage_layers * micro * _zero_bubble_kept(cfg, s.layout.model_cfg, t, ring, runner)
+            saved, working = stage_layers * micro * _zero_bubble_kept(cfg, s.layout.model_cfg, t, ring, runner), 0.0
+        elif one_f_one_b:
+            saved, working = kept_inputs, layer * micro + again
+        else:
+            saved, working = layer * stage_layers * tokens, 0.0
+        offloaded = 0.0
         working += _attention_block_working(cfg, micro if runner.forms_gradients else tokens, t, ab,
                                             sharding.seq_ways(axes))
     else:

@@ -22,7 +22,7 @@ from scaletrain.facts import flops
 from scaletrain.facts import hardware as hw
 from scaletrain.kernels import flash_attention
 from scaletrain.models.family import Matmul
-from scaletrain.parallel import checks, sharding
+from scaletrain.parallel import checks, pipeline_zb, sharding
 from scaletrain.parallel import mesh as mesh_lib
 from scaletrain.parallel.checks import microbatches
 from scaletrain.planner import comms, estimate, memory, precision, schedule
@@ -467,7 +467,7 @@ def format_table(result: dict) -> str:
     if r["pipeline"]:
         p = r["pipeline"]
         repeats = f" x {p['repeats']} repeats" if p["repeats"] > 1 else ""
-        zb = " - its input gradient; W: its weight gradient" if p["schedule"] == "zero_bubble" else ""
+        zb = " - its input gradient; W: its weight gradient" if p["schedule"] == pipeline_zb.SCHEDULE else ""
         lines += ["", f"pipeline: {p['schedule']}, {p['stages']} stages x {p['microbatches']} microbatches{repeats} "
                       f"(F: forward, B: backward of a microbatch{zb}{'; .r its repeat' if repeats else ''}; .: bubble)"]
         ticks = len(p["timeline"][0])

@@ -26,7 +26,7 @@ from typing import Any
 from scaletrain.config import MESH_AXES
 from scaletrain.errors import ConfigError
 from scaletrain.facts import hardware as hw
-from scaletrain.parallel import pipeline_1f1b, pipeline_zb
+from scaletrain.parallel import pipeline_1f1b
 from scaletrain.planner import tune
 from scaletrain.planner.roofline import _seconds, _si
 
@@ -51,7 +51,7 @@ def layouts(cfg, slices: int) -> list[tuple[str, dict[str, Any]]]:
             choices = {**across("pipeline"), "pipeline.schedule": schedule, "pipeline.repeats": repeats,
                        "pipeline.microbatches": per_stage * slices}
             out.append(("pipeline", choices))
-            if schedule in pipeline_1f1b.SCHEDULES + (pipeline_zb.SCHEDULE,):  # gathering once: faster, more memory
+            if schedule in pipeline_1f1b.OWN_GRADIENTS:  # gathering once: faster, more memory
                 out.append(("pipeline", {**choices, "pipeline.gather_weights": "once"}))
             if schedule in pipeline_1f1b.SCHEDULES:  # the leaner way
                 out.append(("pipeline", {**choices, "pipeline.keep": "stage_inputs"}))

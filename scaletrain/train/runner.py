@@ -56,7 +56,7 @@ class Runner:
         """Whether the runner forms the gradients itself, in its own loop, from each layer's vjp - its layer
         body unrematerialised, a remat policy unused: the 1F1B schedules and zero-bubble (pipeline_1f1b.py,
         pipeline_zb.py)."""
-        return self.schedule in pipeline_1f1b.SCHEDULES + (pipeline_zb.SCHEDULE,)
+        return self.schedule in pipeline_1f1b.OWN_GRADIENTS
 
     @property
     def recomputes_every_layer(self) -> bool:
@@ -146,6 +146,5 @@ def choose(cfg, axis_sizes: Mapping[str, int]) -> Runner:
     schedule = cfg.pipeline.schedule
     return Runner(schedule=schedule, stages=stages, microbatches=microbatches(cfg, axis_sizes),
                   repeats=cfg.pipeline.repeats if schedule in pipeline.BLOCKED else 1,
-                  gather_once=schedule in pipeline_1f1b.SCHEDULES + (pipeline_zb.SCHEDULE,)
-                  and cfg.pipeline.gather_weights == "once",
+                  gather_once=schedule in pipeline_1f1b.OWN_GRADIENTS and cfg.pipeline.gather_weights == "once",
                   keep_stage_inputs=schedule in pipeline_1f1b.SCHEDULES and cfg.pipeline.keep == "stage_inputs")
