@@ -38,6 +38,8 @@ MATMUL_GROUPS = ("attention", "mlp", "experts", "output")
 # sharding.context_layout: how a sequence split over mesh.context is laid out (parallel/context.py).
 CONTEXT_LAYOUTS = ("zigzag", "contiguous")
 DEFAULT_QUANTIZED = "attention,mlp,experts"
+# data.format: what a row of data.path holds (docs/post-training.md). `text`: documents, packed into a stream.
+DATA_FORMATS = ("text", "chat", "prompt_completion", "preference")
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -95,6 +97,9 @@ def defaults() -> ml_collections.ConfigDict:
                 "tokenizer": "bytes",
                 "eval_path": "",
                 "workers": 0,
+                "format": "text",
+                "chat_template": "",
+                "loss_on": "auto",
             },
             "remat": {
                 "policy": "none",
@@ -109,6 +114,7 @@ def defaults() -> ml_collections.ConfigDict:
                 "profile_steps": 0,
                 "eval_every_steps": 0,
                 "eval_batches": 4,
+                "objective": "lm",
                 "hang": {"factor": 20.0, "seconds": 600.0, "exit": False, "straggler": 0.25},
                 "spike": {"action": "warn", "factor": 2.0, "window": 100, "limit": 3},
             },
@@ -128,6 +134,8 @@ def defaults() -> ml_collections.ConfigDict:
                 "offload": False,
             },
             "params": {"offload": False},
+            "lora": {"rank": 0, "alpha": 16.0, "targets": "all", "dropout": 0.0, "base_dtype": "bfloat16"},
+            "dpo": {"beta": 0.1, "loss": "sigmoid", "label_smoothing": 0.0, "reference": "auto"},
             "pipeline": {"schedule": "gpipe", "microbatches": 0, "repeats": 1, "gather_weights": "per_use",
                          "keep": "layer_inputs"},
             "mesh": {
@@ -163,6 +171,12 @@ CHOICES = {
     "remat.policy": remat.POLICIES,
     **{f"remat.custom.{name}": remat.MODES for name in remat.NAMES},
     "data.source": ("stdlib", "synthetic", "files", "prepared"),
+    "data.format": DATA_FORMATS,
+    "data.loss_on": ("auto", "all", "assistant", "completion"),
+    "train.objective": ("lm", "dpo"),
+    "dpo.loss": ("sigmoid", "ipo", "hinge"),
+    "dpo.reference": ("auto", "copy", "precomputed"),
+    "lora.base_dtype": ("float32", "bfloat16", "int8"),
     "train.on_nonfinite": ("skip", "stop"),
     "train.spike.action": ("off", "warn", "skip", "rollback"),
     "sharding.preset": ("fsdp", "dp", "zero1", "zero2"),
@@ -179,14 +193,15 @@ _POSITIVE = (
     "train.log_every_steps", "train.eval_batches", "checkpoint.every_steps", "checkpoint.max_to_keep",
     "model.rope_original_max_position", "pipeline.repeats", "model.experts_per_token", "model.moe_every",
     "model.rope_theta", "model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
-    "train.spike.window", "train.spike.limit",
+    "train.spike.window", "train.spike.limit", "dpo.beta",
 )
 _NON_NEGATIVE = ("seed", "pipeline.microbatches", "train.hang.factor", "train.hang.seconds", "train.hang.straggler",
                  "train.profile_start", "train.profile_steps", "train.eval_every_steps", "data.workers",
                  "checkpoint.every_minutes", "model.attention_block", "model.logits_block", "optim.learning_rate",
                  "optim.warmup_steps", "optim.schedule_steps", "optim.weight_decay", "optim.eps",
                  "optim.grad_clip_norm", "model.norm_eps", "model.init_std", "model.qk_norm_eps", "model.num_experts",
-                 "model.moe_d_ff", "model.capacity_factor", "model.router_aux_loss", "model.router_z_loss")
+                 "model.moe_d_ff", "model.capacity_factor", "model.router_aux_loss", "model.router_z_loss",
+                 "lora.rank", "lora.alpha")
 _UNIT_INTERVAL = ("optim.min_lr_ratio", "optim.b1", "optim.b2")
 
 # Upper bounds, so that nothing computed from a config overflows into a traceback. Token ids, positions and the
@@ -390,6 +405,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"train.profile_steps={cfg.train.profile_steps} needs train.profile_start >= 1, the first "
                           f"step to trace (steps count from 1; leave the first few out: they compile)")
     _check_data(cfg)
+    _check_post_training(cfg)
 
 
 def _check_moe(m: ml_collections.ConfigDict) -> None:
@@ -441,6 +457,49 @@ def _check_data(cfg: ml_collections.ConfigDict) -> None:
     if cfg.train.eval_every_steps and not (data.eval_path or data.source == "prepared"):
         raise ConfigError(f"train.eval_every_steps={cfg.train.eval_every_steps} needs evaluation data: data.eval_path "
                           f"(a prepared dataset) or data.source=prepared (its eval split)")
+
+
+# data.loss_on's choices each data.format takes (auto: assistant for chat, completion for the others).
+LOSS_ON = {"text": ("auto", "all"), "chat": ("auto", "all", "assistant"),
+           "prompt_completion": ("auto", "all", "completion"), "preference": ("auto", "completion")}
+
+
+def loss_on(data) -> str:
+    """The tokens a data section trains: all, assistant or completion (data.loss_on, auto resolved)."""
+    if data.loss_on != "auto":
+        return data.loss_on
+    return {"text": "all", "chat": "assistant"}.get(data.format, "completion")
+
+
+def _check_post_training(cfg: ml_collections.ConfigDict) -> None:
+    data, lora, dpo = cfg.data, cfg.lora, cfg.dpo
+    if data.loss_on not in LOSS_ON[data.format]:
+        raise ConfigError(f"data.loss_on={data.loss_on} does not apply to data.format={data.format}: expected one of "
+                          f"{', '.join(LOSS_ON[data.format])}")
+    if data.format != "text" and data.source == "stdlib":
+        raise ConfigError(f"data.format={data.format} reads rows of data.path: set data.source to files (a JSONL or "
+                          f"Parquet file or folder) or prepared (a dataset `data prepare --format {data.format}` "
+                          f"wrote)")
+    if data.format not in ("text", "preference") and data.source == "synthetic":
+        raise ConfigError(f"data.source=synthetic makes text or preference rows, not data.format={data.format}")
+    if data.chat_template and data.format == "text":
+        raise ConfigError("data.chat_template renders conversations: it needs data.format chat, prompt_completion or "
+                          "preference")
+    if (cfg.train.objective == "dpo") != (data.format == "preference"):
+        raise ConfigError(f"train.objective={cfg.train.objective} with data.format={data.format}: DPO learns from "
+                          f"preference rows and preference rows train only DPO; set train.objective=dpo with "
+                          f"data.format=preference (or neither)")
+    if cfg.train.objective == "dpo" and not cfg.checkpoint.init_from and dpo.reference != "precomputed":
+        raise ConfigError("train.objective=dpo needs a reference model: checkpoint.init_from (the run whose "
+                          "parameters both start the policy and are the reference) or dpo.reference=precomputed "
+                          "(reference log-probs stored in a prepared dataset)")
+    if not 0 <= dpo.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5) (the share of pairs taken to be flipped), got "
+                          f"{dpo.label_smoothing}")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"lora.dropout must be in [0, 1), got {lora.dropout}")
+    if lora.rank and lora.alpha <= 0:
+        raise ConfigError(f"lora.alpha must be > 0 (the adapters' output is scaled by alpha / rank), got {lora.alpha}")
 
 
 def _check_bounds(cfg: ml_collections.ConfigDict) -> None:
