@@ -73,6 +73,8 @@ def parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--run-dir", required=True)
     to_hf.add_argument("--out", required=True, help="the new folder (new or empty, in an existing folder)")
     to_hf.add_argument("--step", type=_step, default=None, help="which checkpoint (default: the newest)")
+    to_hf.add_argument("--peft", action="store_true", help="a LoRA run's adapters as a PEFT adapter folder "
+                       "(adapter_model.safetensors + adapter_config.json), not merged into the weights")
     logits = sub.add_parser("logits", help="float32 logits of a checkpoint for token ids")
     logits.add_argument("--run-dir", required=True)
     logits.add_argument("--step", type=_step, default=None, help="which checkpoint (default: the newest)")
@@ -310,7 +312,7 @@ def convert(args: argparse.Namespace) -> int:
         _check_out(args.out, existing="empty folder")
         return hf.from_hf(args.hf_dir, args.out)
     _check_out(args.out, existing="empty folder", local=hf.LOCAL_OUT)
-    return hf.to_hf(args.run_dir, args.out, args.step)
+    return hf.to_hf(args.run_dir, args.out, args.step, peft=args.peft)
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain.errors import ConfigError
 from scaletrain.kernels import flash_attention, ring_attention, ring_splash
-from scaletrain.models import quantize, rope
+from scaletrain.models import lora, quantize, rope
 from scaletrain.models.layers import RMSNorm, param, project
 from scaletrain.parallel import context, sharding
 from scaletrain.parallel.sharding import active_device, constrain, local, placement, sequence_order, ways
@@ -76,6 +76,10 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std, self.quant)
         self.wv = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std, self.quant)
         self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pd, cfg.out_std, self.quant)
+        self.wq_lora = lora.adapter(cfg, "q_proj", (d, n, h), ("embed", "heads", "head_dim"), rngs)
+        self.wk_lora = lora.adapter(cfg, "k_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), rngs)
+        self.wv_lora = lora.adapter(cfg, "v_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), rngs)
+        self.wo_lora = lora.adapter(cfg, "o_proj", (n, h, d), ("heads", "head_dim", "embed"), rngs, in_dims=2)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")
             self.k_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")
@@ -97,16 +101,27 @@ class Attention(nnx.Module):
             query, key, value = norm.project_each(x_btd, ((self.wq[...], ("embed", "heads", "head_dim")),
                                                 (self.wk[...], ("embed", "kv_heads", "head_dim")),
                                                 (self.wv[...], ("embed", "kv_heads", "head_dim"))), quant=self.quant)
-            return (checkpoint_name(query, "query_proj"), checkpoint_name(key, "key_proj"),
-                    checkpoint_name(value, "value_proj"))
-        d, _, h = self.wq.shape
-        w_dkch = jnp.concatenate([self.wq[...].reshape(d, k, n // k, h), self.wk[...][:, :, None],
-                                  self.wv[...][:, :, None]], axis=2)
-        qkv_btkch = norm.project(x_btd, w_dkch, ("embed", "kv_heads", None, "head_dim"))
-        b, t = x_btd.shape[:2]
-        return (checkpoint_name(qkv_btkch[:, :, :, : n // k].reshape(b, t, n, h), "query_proj"),
-                checkpoint_name(qkv_btkch[:, :, :, n // k], "key_proj"),
-                checkpoint_name(qkv_btkch[:, :, :, n // k + 1], "value_proj"))
+        else:
+            d, _, h = self.wq.shape
+            w_dkch = jnp.concatenate([self.wq[...].reshape(d, k, n // k, h), self.wk[...][:, :, None],
+                                      self.wv[...][:, :, None]], axis=2)
+            qkv_btkch = norm.project(x_btd, w_dkch, ("embed", "kv_heads", None, "head_dim"))
+            b, t = x_btd.shape[:2]
+            query, key, value = (qkv_btkch[:, :, :, : n // k].reshape(b, t, n, h), qkv_btkch[:, :, :, n // k],
+                                 qkv_btkch[:, :, :, n // k + 1])
+        query, key, value = self._adapted(x_btd, norm, (query, key, value))
+        return (checkpoint_name(query, "query_proj"), checkpoint_name(key, "key_proj"),
+                checkpoint_name(value, "value_proj"))
+
+    def _adapted(self, x_btd: jax.Array, norm, qkv: tuple[jax.Array, ...], cancelled: bool = False):
+        """Q, K and V with their adapters' outputs added (models/lora.py), from the input their projections
+        took: norm(x), or for Q and K under norm cancellation x * g, unscaled by 1/rms(x) like them."""
+        adapters = (self.wq_lora, self.wk_lora, self.wv_lora)
+        if all(a is None for a in adapters):
+            return qkv
+        normed = norm(x_btd)
+        inputs = (norm.scaled_input(x_btd),) * 2 + (normed,) if cancelled else (normed,) * 3
+        return tuple(lora.delta(a, h, y) for a, h, y in zip(adapters, inputs, qkv))
 
     def _project_qkv_cancelled(self, x_btd: jax.Array, norm) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Norm cancellation (FlashNorm Proposition 3): Q and K are renormalised per head, and RMSNorm(c q) =
@@ -115,6 +130,7 @@ class Attention(nnx.Module):
         q = norm.project_unscaled(x_btd, self.wq[...], self.quant).astype(x_btd.dtype)
         k = norm.project_unscaled(x_btd, self.wk[...], self.quant).astype(x_btd.dtype)
         v = (norm.project_unscaled(x_btd, self.wv[...], self.quant) * norm.row_scale(x_btd, 2)).astype(x_btd.dtype)
+        q, k, v = self._adapted(x_btd, norm, (q, k, v), cancelled=True)
         return checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
 
     def _queries_keys_values(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array,
@@ -131,7 +147,7 @@ class Attention(nnx.Module):
         return q_btnh * jnp.asarray(cfg.head_dim ** -0.5, x_btd.dtype), k_btkh, v_btkh
 
     def _out(self, out_btnh: jax.Array) -> jax.Array:
-        out_btd = project(out_btnh, self.wo[...], in_dims=2, quant=self.quant)
+        out_btd = lora.delta(self.wo_lora, out_btnh, project(out_btnh, self.wo[...], in_dims=2, quant=self.quant))
         return checkpoint_name(constrain(out_btd, ("batch", "residual_seq", "embed")), "out_proj")
 
     def __call__(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array,

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from scaletrain.models import lora
+
 # A Hugging Face tensor table row: (Hugging Face name, scaletrain parameter path, in_dims), in Hugging Face's
 # order. `{i}` is the layer and `{j}` the expert, whose parameters scaletrain stacks on leading axes ([layers,
 # experts, ...]). in_dims None: the same array. Otherwise a linear weight [out, in], whose transpose is
@@ -67,7 +69,8 @@ class Family:
     with its methods); `architectures` the Hugging Face architectures it covers, by name; `export(model)` the
     architecture `convert to-hf` writes for a model section (a UserError where there is none); `matmuls(m,
     tensor, expert)` a layer's projections on one device by matmul group (planner/roofline.py's `matmuls`);
-    `experts` whether its models route tokens to experts (model.num_experts > 0: the config checks it)."""
+    `experts` whether its models route tokens to experts (model.num_experts > 0: the config checks it);
+    `adapters` the projections lora.targets may name (models/lora.py's names)."""
 
     name: str
     decoder: type
@@ -75,3 +78,4 @@ class Family:
     architectures: Mapping[str, Architecture] = field(default_factory=dict)
     export: Callable[[Any], str] | None = None
     experts: bool = False
+    adapters: tuple[str, ...] = lora.TARGETS

@@ -78,7 +78,7 @@ class RMSNorm(nnx.Module):
         x = x_btd.astype(jnp.float32)
         return jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
 
-    def _scaled_input(self, x_btd: jax.Array) -> jax.Array:
+    def scaled_input(self, x_btd: jax.Array) -> jax.Array:
         """x * g in x's dtype: what the deferred projections multiply (x itself with folded weights)."""
         if self.scale is None:
             return x_btd
@@ -87,7 +87,7 @@ class RMSNorm(nnx.Module):
     def project_unscaled(self, x_btd: jax.Array, w: jax.Array, quant: Quantization | None = None) -> jax.Array:
         """(x * g) @ w in float32: the projection of RMSNorm(x) before its rows are scaled by 1/rms(x). With
         folded weights (no gain) it is x @ W*: the matmul reads x as it is."""
-        return project(self._scaled_input(x_btd), w, out_dtype=jnp.float32, quant=quant)
+        return project(self.scaled_input(x_btd), w, out_dtype=jnp.float32, quant=quant)
 
     def row_scale(self, x_btd: jax.Array, out_dims: int) -> jax.Array:
         """1/rms(x), shaped to scale a projection with `out_dims` output dims."""
@@ -113,7 +113,7 @@ class RMSNorm(nnx.Module):
             return projections(self(x_btd), [w for w, _ in ws], out_dtype=out_dtype, quant=quant)
         if self.mode == "deferred":
             inv_rms, rows = self._inv_rms(x_btd), x_btd.shape[:-1]
-            unscaled = projections(self._scaled_input(x_btd), [w for w, _ in ws], out_dtype=jnp.float32, quant=quant)
+            unscaled = projections(self.scaled_input(x_btd), [w for w, _ in ws], out_dtype=jnp.float32, quant=quant)
             return tuple((y * inv_rms.reshape(*rows, *(1,) * (w.ndim - 1))).astype(out_dtype)
                          for y, (w, _) in zip(unscaled, ws))
         assert quant is None, "model.norm=fused multiplies in the compute dtype (config.validate)"

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from scaletrain.models import quantize
+from scaletrain.models import lora, quantize
 from scaletrain.models.layers import param, project
 from scaletrain.parallel.sharding import constrain, ways
 
@@ -19,6 +19,9 @@ class MLP(nnx.Module):
         self.w_gate = param(rngs, (d, f), ("embed", "mlp"), pd, cfg.init_std, self.quant)
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), pd, cfg.init_std, self.quant)
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), pd, cfg.out_std, self.quant)
+        self.w_gate_lora = lora.adapter(cfg, "gate_proj", (d, f), ("embed", "mlp"), rngs)
+        self.w_up_lora = lora.adapter(cfg, "up_proj", (d, f), ("embed", "mlp"), rngs)
+        self.w_down_lora = lora.adapter(cfg, "down_proj", (f, d), ("mlp", "embed"), rngs)
 
     def __call__(self, x_btd: jax.Array, norm, one_matmul: bool = True) -> jax.Array:
         """The MLP of norm(x): the norm is applied with the gate/up projection (model.norm). Split over
@@ -36,7 +39,11 @@ class MLP(nnx.Module):
         else:
             gate_btf, up_btf = norm.project_each(x_btd, ((self.w_gate[...], ("embed", "mlp")),
                                                          (self.w_up[...], ("embed", "mlp"))), quant=self.quant)
+        if self.w_gate_lora is not None or self.w_up_lora is not None:
+            normed = norm(x_btd)
+            gate_btf = lora.delta(self.w_gate_lora, normed, gate_btf)
+            up_btf = lora.delta(self.w_up_lora, normed, up_btf)
         gate_btf, up_btf = checkpoint_name(gate_btf, "mlp_gate"), checkpoint_name(up_btf, "mlp_up")
         h_btf = constrain(jax.nn.silu(gate_btf) * up_btf, ("batch", "seq", "mlp"))
-        out_btd = project(h_btf, self.w_down[...], quant=self.quant)
+        out_btd = lora.delta(self.w_down_lora, h_btf, project(h_btf, self.w_down[...], quant=self.quant))
         return checkpoint_name(constrain(out_btd, ("batch", "residual_seq", "embed")), "mlp_out")

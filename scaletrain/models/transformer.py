@@ -69,6 +69,10 @@ class ModelConfig:
     quantized_matmuls: str = config.DEFAULT_QUANTIZED  # which config.MATMUL_GROUPS, comma-separated
     context_attention: str = "allgather"  # config.CONTEXT_ATTENTIONS: with the sequence split over `context`
     # Derived by the trainer from other sections.
+    lora_rank: int = 0  # lora.rank: 0, no adapters (models/lora.py)
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ()  # the projections adapted (lora.targets resolved)
+    lora_dropout: float = 0.0
     remat: str = "none"  # a remat.POLICIES name
     remat_custom: tuple[tuple[str, str], ...] = ()  # (checkpoint name, remat|device|offload) for "custom"
     fuse_qkv: bool = True  # False where kv heads are replicated over `tensor`

@@ -303,7 +303,9 @@ def params_source(path: str | os.PathLike, abstract_params: Any, what: str = "ch
                   step: int | None = None) -> tuple[ocp.CheckpointManager, epath.Path, int, dict, dict]:
     """(read-only manager, checkpoints folder, step, metadata, saved parameter arrays) of the checkpoint
     `restore_params` would read, its parameter shapes checked against `abstract_params` from the saved metadata
-    alone, so a mismatched model is one clear error (starting with `what`), found before anything is compiled."""
+    alone, so a mismatched model is one clear error (starting with `what`), found before anything is compiled.
+    Parameters the checkpoint leaves out because its run keeps them elsewhere (a LoRA run's base: metadata
+    `base`) are checked there."""
     directory, found = locate(path)
     step = found if step is None else step
     manager = _read_only(directory)
@@ -311,6 +313,8 @@ def params_source(path: str | os.PathLike, abstract_params: Any, what: str = "ch
     wanted = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
     saved = {p.removeprefix(".params"): a for p, a in meta["arrays"].items() if p.startswith(".params")}
     for name, x in wanted.items():
+        if name not in saved and meta.get("base"):
+            continue  # checked in the base's checkpoint (restore_params)
         if name not in saved:
             raise CheckpointError(f"{what}: {directory / str(step)} has no parameter {name}; "
                                   f"it was saved by another model (it has {len(saved)} parameter arrays)")
@@ -320,11 +324,44 @@ def params_source(path: str | os.PathLike, abstract_params: Any, what: str = "ch
     return manager, directory, step, meta, saved
 
 
+def _subtree(tree: Any, keep) -> Any:
+    """The nested dict `tree` with only the leaves whose path (a keystr) `keep` accepts; None when none."""
+    if not isinstance(tree, dict):
+        return None
+    out = {}
+    for key, value in tree.items():
+        part = _subtree(value, lambda p, key=key: keep(f"[{key!r}]{p}")) if isinstance(value, dict) else (
+            value if keep(f"[{key!r}]") else None)
+        if part is not None:
+            out[key] = part
+    return out or None
+
+
+def _joined(a: Any, b: Any) -> Any:
+    if a is None or b is None:
+        return b if a is None else a
+    return {k: _joined(a.get(k), b.get(k)) for k in a.keys() | b.keys()}
+
+
 def restore_params(path: str | os.PathLike, abstract_params: Any, what: str = "checkpoint.init_from",
                    step: int | None = None) -> tuple[int, Any]:
     """(step, parameters) of a checkpoint (the newest, or `step`), placed with the shardings of
-    `abstract_params`, verified against their fingerprints; its optimizer state and data position are not read."""
+    `abstract_params` (a nested dict), verified against their fingerprints; its optimizer state and data position
+    are not read. Parameters its run left out of it (a LoRA run's base, kept at its checkpoint.init_from: the
+    metadata's `base`) are read from there."""
     manager, directory, step, meta, saved = params_source(path, abstract_params, what, step)
+    own = _subtree(abstract_params, lambda name: name in saved)
+    elsewhere = _subtree(abstract_params, lambda name: name not in saved)
+    params = _read_params(manager, directory, step, meta, saved, own, what) if own is not None else None
+    if elsewhere is not None:
+        base = meta["base"]
+        _, rest = restore_params(base, elsewhere, f"{what} (the base of {directory / str(step)}, kept at {base})")
+        params = _joined(params, rest)
+    return step, params
+
+
+def _read_params(manager: ocp.CheckpointManager, directory: epath.Path, step: int, meta: dict, saved: dict,
+                 abstract_params: Any, what: str) -> Any:
     # Read as saved, verified, then cast: a fingerprint is of the saved bits.
     saved_dtypes = jax.tree.map(lambda x: saved[x]["dtype"],
                                 jax.tree_util.tree_map_with_path(lambda p, _: jax.tree_util.keystr(p), abstract_params))
@@ -346,4 +383,4 @@ def restore_params(path: str | os.PathLike, abstract_params: Any, what: str = "c
         if wrong:
             raise CheckpointError(f"{what}: the checkpoint at {directory / str(step)} is damaged: {wrong[0]} "
                                   f"differs from its fingerprint; choose another step")
-    return step, jax.tree.map(lambda x, a: x if x.dtype == a.dtype else x.astype(a.dtype), params, abstract_params)
+    return jax.tree.map(lambda x, a: x if x.dtype == a.dtype else x.astype(a.dtype), params, abstract_params)

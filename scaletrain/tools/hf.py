@@ -385,14 +385,17 @@ def _save_params(setup, params: dict, run: epath.Path) -> None:
 # to-hf
 
 
-def to_hf(run_dir: str, out: str, step: int | None = None, shard_bytes: int = SHARD_BYTES) -> int:
+def to_hf(run_dir: str, out: str, step: int | None = None, shard_bytes: int = SHARD_BYTES, peft: bool = False) -> int:
     """`convert to-hf`: OUT (new or empty: the command line checks) gets config.json, the weights as safetensors
     in the config's dtype (files of at most `shard_bytes`, with model.safetensors.index.json when there are
     several) and the run's tokenizer files. The config is the one the run was converted from where there is one
     (kept in RUN_DIR/hf/, or in the run checkpoint.init_from names) and it describes this model; else it is built
-    from the run's config."""
+    from the run's config. A LoRA run's adapters are folded into the weights (models/lora.py's `merged`); with
+    `peft`, OUT gets them as a PEFT adapter instead (tools/peft.py), beside the tokenizer files."""
+    from scaletrain.models import lora
     from scaletrain.store.checkpoint import restore_params
     from scaletrain.tools import inference
+    from scaletrain.tools import peft as peft_lib
 
     if storage.is_remote(out):
         raise UserError(f"--out {out}: {LOCAL_OUT}; expected a local path (copy it to the bucket afterwards)")
@@ -402,16 +405,26 @@ def to_hf(run_dir: str, out: str, step: int | None = None, shard_bytes: int = SH
     hf = json.loads(kept) if kept else built
     dtype = _dtype(hf, cfg.model.param_dtype)
     setup = inference.one_device_setup(cfg)
+    if peft and not cfg.lora.rank:
+        raise UserError(f"convert to-hf --peft: {run_dir} has no adapters (lora.rank is 0); export it without --peft")
     step, params = restore_params(run_dir, setup.abstract_state.params, what="convert to-hf", step=step)
+    layout = tensors(setup.abstract_state.params, _architecture(hf, run_dir))
     target = Path(out)
     target.mkdir(exist_ok=True)
-    files = _write_safetensors(params, tensors(setup.abstract_state.params, _architecture(hf, run_dir)), dtype,
-                               target, shard_bytes)
+    if peft:
+        count = peft_lib.write(cfg, params, layout, target, hf.get("_name_or_path", ""))
+        copied = _copy_tokenizer(run_dir, cfg.data.tokenizer, target)
+        print(f"wrote the adapters of step {step} of {run_dir} to {out}: {peft_lib.ADAPTER_FILE} ({count} tensors), "
+              f"{peft_lib.ADAPTER_CONFIG}{', ' + ', '.join(copied) if copied else ''}")
+        return 0
+    if cfg.lora.rank:  # in float32: the export's dtype is applied once, when written
+        params = lora.merged(params, cfg.lora.alpha / cfg.lora.rank, np.float32)
+    files = _write_safetensors(params, layout, dtype, target, shard_bytes)
     (target / "config.json").write_text(kept or json.dumps(built, indent=2) + "\n")
     copied = _copy_tokenizer(run_dir, cfg.data.tokenizer, target)
     print(f"wrote step {step} of {run_dir} to {out}: {files} safetensors file{'s' if files > 1 else ''} "
-          f"({np.dtype(dtype).name}), config.json ({'kept from the conversion' if kept else 'built'})"
-          f"{', ' + ', '.join(copied) if copied else ''}")
+          f"({np.dtype(dtype).name}{', adapters merged' if cfg.lora.rank else ''}), config.json "
+          f"({'kept from the conversion' if kept else 'built'}){', ' + ', '.join(copied) if copied else ''}")
     return 0
 
 

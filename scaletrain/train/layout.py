@@ -20,9 +20,11 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from scaletrain import models as model_lib
 from scaletrain.config import MESH_AXES
+from scaletrain.models import lora
 from scaletrain.parallel import sharding
 from scaletrain.parallel.checks import shards_kv_heads
 from scaletrain.train import optim, runner
+from scaletrain.train.trainable import Partition
 
 HOST = "pinned_host"
 
@@ -35,19 +37,21 @@ class StateLayout:
     rules: sharding.Rules
     tx: optax.GradientTransformation
     lr: optax.Schedule
-    params: Any  # ShapeDtypeStructs
+    params: Any  # ShapeDtypeStructs, the frozen ones (LoRA's base) in lora.base_dtype
     logical: Any  # the same tree of logical axis names
-    opt_state: Any
+    opt_state: Any  # the trainable parameters'
     opt_logical: Any
     params_home: str | None  # memory kind: None (the device) or HOST
     opt_home: str | None
+    parts: Partition = Partition()  # the trainable parameters and the frozen (train/trainable.py)
 
     def shardings(self, mesh: Mesh | AbstractMesh) -> tuple[Any, Any, Any]:
-        """(parameters', optimizer state's, gradients') NamedShardings on `mesh`. Raises ConfigError for a dim
-        its mesh axes do not divide."""
+        """(parameters', optimizer state's, gradients') NamedShardings on `mesh` (the gradients' of the trainable
+        parameters alone). Raises ConfigError for a dim its mesh axes do not divide."""
+        trainable, logical = self.parts.trainable(self.params), self.parts.trainable(self.logical)
         return (sharding.tree_shardings(self.params, self.logical, self.rules.params, mesh, self.params_home),
                 sharding.tree_shardings(self.opt_state, self.opt_logical, self.rules.opt_state, mesh, self.opt_home),
-                sharding.tree_shardings(self.params, self.logical, self.rules.grads, mesh))
+                sharding.tree_shardings(trainable, logical, self.rules.grads, mesh))
 
 
 def of(cfg, axis_sizes: Mapping[str, int], unroll_loops: bool = False) -> StateLayout:
@@ -57,19 +61,31 @@ def of(cfg, axis_sizes: Mapping[str, int], unroll_loops: bool = False) -> StateL
                                cfg.sharding.context_layout)
     model_cfg = model_lib.ModelConfig.from_config(
         cfg.model, fuse_qkv=shard_kv, remat=cfg.remat.policy, remat_custom=tuple(cfg.remat.custom.items()),
-        unroll_loops=unroll_loops)
+        unroll_loops=unroll_loops, **lora_keys(cfg))
     graphdef, params, logical = model_lib.abstract(model_cfg)
-    tx, lr = optim.make(cfg.optim, cfg.steps, logical)
-    opt_state = jax.eval_shape(tx.init, params)
+    parts = Partition.of(params, bool(cfg.lora.rank))
+    params = parts.store(params, jax.numpy.dtype(cfg.lora.base_dtype))
+    trainable_logical = parts.trainable(logical)
+    tx, lr = optim.make(cfg.optim, cfg.steps, trainable_logical)
+    opt_state = jax.eval_shape(tx.init, parts.trainable(params))
     # Optimizer leaves shaped like a parameter (Adam's moments) carry that parameter's logical axes.
     opt_logical = optax.tree_utils.tree_map_params(
-        tx, lambda _, names: names, opt_state, logical,
+        tx, lambda _, names: names, opt_state, trainable_logical,
         transform_non_params=lambda x: (None,) * x.ndim, is_leaf=sharding.is_logical)
     return StateLayout(model_cfg=model_cfg, runner=runner.choose(cfg, axis_sizes), graphdef=graphdef, rules=rules,
                        tx=tx, lr=lr, params=params,
                        logical=logical, opt_state=opt_state, opt_logical=opt_logical,
                        params_home=HOST if cfg.params.offload else None,
-                       opt_home=HOST if cfg.optim.offload or cfg.params.offload else None)
+                       opt_home=HOST if cfg.optim.offload or cfg.params.offload else None, parts=parts)
+
+
+def lora_keys(cfg) -> dict:
+    """The model config's lora fields from the config's lora section (targets checked against the family's)."""
+    if not cfg.lora.rank:
+        return {}
+    known = model_lib.family_of(cfg.model).adapters
+    return {"lora_rank": cfg.lora.rank, "lora_alpha": cfg.lora.alpha, "lora_dropout": cfg.lora.dropout,
+            "lora_targets": lora.targets(cfg.lora.targets, known)}
 
 
 def abstract_mesh(axis_sizes: Mapping[str, int]) -> AbstractMesh:

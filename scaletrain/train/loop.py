@@ -249,7 +249,7 @@ class Loop:
             if self.lock is not None:
                 self.lock.check()
             on_disk = self.setup.to_disk(self.state)
-            self.ckpt.save(step, on_disk, data_state, {**self.meta, "spike": self.rule.state()})
+            self.ckpt.save(step, self.setup.saved(on_disk), data_state, {**self.meta, "spike": self.rule.state()})
             self.state = jax.block_until_ready(self.setup.from_disk(on_disk))
             timed["checkpoint_time_s"] = time.perf_counter() - t0
             self.ledger.spend("checkpoint", timed["checkpoint_time_s"])

@@ -129,18 +129,21 @@ def _streamed_add(param_roles: Any, total: Any, new: Any) -> Any:
 
 
 def streamed(tx: optax.GradientTransformation, logical_params: Any, abstract_opt_state: Any,
-             params_on_host: bool, fetch_layers_whole: bool = False) -> Update:
+             params_on_host: bool, fetch_layers_whole: bool = False, logical_all: Any = None) -> Update:
     """The update for `optim.offload` (moments in host memory) and `params.offload` (parameters too; their
     gradients then land in host memory, and are read a layer at a time for the norm, the update and
     gradient accumulation's sum, whose zeros are made there). `tx` must be elementwise (optim.make's is).
-    `fetch_layers_whole`: the model's view of the parameters takes the stacked layers to the device at once
-    (a runner that does not fetch them itself, runner.Runner.fetches_layers)."""
+    `logical_params`: the trained parameters' logical axes; `logical_all` every parameter's, where some are
+    frozen (LoRA's base: fetched with the rest, never updated). `fetch_layers_whole`: the model's view of the
+    parameters takes the stacked layers to the device at once (a runner that does not fetch them itself,
+    runner.Runner.fetches_layers)."""
     param_roles = roles(logical_params)
+    logical_all = logical_params if logical_all is None else logical_all
     apply = functools.partial(_streamed_update, tx, param_roles, opt_roles(tx, abstract_opt_state, param_roles),
                               params_on_host)
     if not params_on_host:
         return Update(apply=apply)
     return Update(apply=apply, norm=functools.partial(_streamed_norm, param_roles),
-                  fetch_params=functools.partial(fetch, param_roles, logical_params, fetch_layers_whole),
+                  fetch_params=functools.partial(fetch, roles(logical_all), logical_all, fetch_layers_whole),
                   zeros=lambda params: to_host(jax.tree.map(jnp.zeros_like, params)),
                   add=functools.partial(_streamed_add, param_roles))

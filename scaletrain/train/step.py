@@ -14,6 +14,7 @@ from scaletrain.parallel.pipeline import split_microbatches
 from scaletrain.parallel.sharding import use_rules
 from scaletrain.train import optim
 from scaletrain.train.runner import Runner
+from scaletrain.train.trainable import Partition
 
 
 @flax.struct.dataclass
@@ -55,28 +56,33 @@ def make_eval_step(graphdef: nnx.GraphDef, runner: Runner, fetch_params: Callabl
 
 
 def make_train_step(graphdef: nnx.GraphDef, runner: Runner, update: optim.Update, lr: optax.Schedule,
-                    grad_clip_norm: float, grad_accum_steps: int, mesh, rules, grad_shardings: Any) -> Callable:
+                    grad_clip_norm: float, grad_accum_steps: int, mesh, rules, grad_shardings: Any,
+                    parts: Partition = Partition()) -> Callable:
     """(state, batch, loss ceiling) -> (state, metrics). `rules` is a sharding.Rules; `grad_shardings` places
-    gradients per the preset (ZeRO-2: scattered)."""
+    gradients per the preset (ZeRO-2: scattered). `parts` splits the parameters into those trained - the only
+    ones differentiated, the optimizer's - and the frozen (LoRA's base)."""
     fetch_params = update.fetch_params or (lambda p: p)
-    grad_fn = jax.value_and_grad(lambda p, b: objective(graphdef, fetch_params(p), b, runner), has_aux=True)
+    grad_fn = jax.value_and_grad(
+        lambda trained, frozen, b: objective(graphdef, fetch_params(parts.join(trained, frozen)), b, runner),
+        has_aux=True)
 
     def place(grads):
         return jax.lax.with_sharding_constraint(grads, grad_shardings)
 
     def step(state: TrainState, batch: dict[str, jax.Array], loss_ceiling: jax.Array) -> tuple[TrainState, dict]:
+        trained, frozen = parts.split(state.params)
         with use_rules(mesh, rules):
             if grad_accum_steps == 1:
-                (total, sums), grads = grad_fn(state.params, batch)
+                (total, sums), grads = grad_fn(trained, frozen, batch)
                 grads = place(grads)
             else:
                 def accumulate(carry, micro):
-                    (m_total, m_sums), m_grads = grad_fn(state.params, micro)
+                    (m_total, m_sums), m_grads = grad_fn(trained, frozen, micro)
                     total, sums, grads = carry
                     return (total + m_total, jax.tree.map(jnp.add, sums, m_sums),
                             place(update.add(grads, m_grads))), None
 
-                zeros = place(update.zeros(state.params))
+                zeros = place(update.zeros(trained))
                 micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum_steps), batch)
                 first = jax.tree.map(lambda x: x[0], micro)
                 shapes = jax.eval_shape(lambda: objective(graphdef, fetch_params(state.params), first, runner)[1])
@@ -93,7 +99,8 @@ def make_train_step(graphdef: nnx.GraphDef, runner: Runner, update: optim.Update
         # So is one whose loss is above the ceiling the trainer passes (train.spike.action=skip; else inf).
         keep = jnp.isfinite(total) & jnp.isfinite(grad_norm) & (loss <= loss_ceiling)
         grad_scale = optim.clip_scale(grad_norm, grad_clip_norm) / count
-        params, opt_state = update.apply(grads, grad_scale, keep, state.opt_state, state.params)
+        trained, opt_state = update.apply(grads, grad_scale, keep, state.opt_state, trained)
+        params = parts.join(trained, frozen)
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr(state.step),
                    "update_skipped": (~keep).astype(jnp.float32)}
         metrics |= nnx.merge(graphdef, state.params).aux_metrics(sums["aux"])

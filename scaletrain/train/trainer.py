@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import math
+import re
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -27,6 +28,7 @@ from scaletrain.data import loader as data_lib
 from scaletrain.data import tokenizer as tokenizer_lib
 from scaletrain.errors import CheckpointError, UserError, first_line
 from scaletrain.facts import fit, flops, hardware
+from scaletrain.models import lora
 from scaletrain.parallel import checks, context, sharding
 from scaletrain.parallel import mesh as mesh_lib
 from scaletrain.store import storage
@@ -40,6 +42,7 @@ from scaletrain.train.metrics import MetricsLog, summary
 from scaletrain.train.runner import Runner
 from scaletrain.train.spike import SpikeRule
 from scaletrain.train.step import TrainState, make_eval_step, make_train_step
+from scaletrain.train.trainable import Partition
 from scaletrain.train.watchdog import Watchdog
 
 EXIT_DIVERGED = 1
@@ -68,6 +71,23 @@ class Setup:
     from_disk: Callable[[Any], Any] = lambda tree: tree
     # Under context parallelism, the sequence position each slot of a laid-out sequence holds (context.order).
     seq_order: np.ndarray | None = None
+    parts: Partition = Partition()  # the parameters trained and the frozen (LoRA's base: train/trainable.py)
+    # Where the frozen base is kept when checkpoints leave it out: the checkpoint.init_from it was read from ("":
+    # checkpoints hold every parameter). Set by the run once it knows the base is that checkpoint's as it is.
+    base_from: str = ""
+
+    def saved(self, state: TrainState) -> TrainState:
+        """What a checkpoint holds of a state (in checkpoint order): all of it, or all but the base kept at
+        base_from."""
+        return state.replace(params=self.parts.trainable(state.params)) if self.base_from else state
+
+    @property
+    def abstract_saved(self) -> TrainState:
+        return self.saved(self.abstract_state)
+
+    def with_base(self, saved: TrainState, base: Any) -> TrainState:
+        """The state from what a checkpoint holds of it (`saved`) and the frozen base (checkpoint order)."""
+        return saved.replace(params=self.parts.join(saved.params, base)) if self.base_from else saved
 
     def put_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows (data.process_rows) -> global batch arrays on the mesh, each sequence laid out for
@@ -107,17 +127,20 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
     def init(key: jax.Array) -> TrainState:
         params_key, rng = jax.random.split(key)
         params = model_lib.init_params(model_cfg, params_key)  # canonical: the same values on any mesh
+        params = lay.parts.store(params, jnp.dtype(cfg.lora.base_dtype))
         if order is not None:
             params = _layers_taken(lambda x, _: jnp.take(x, order, axis=0), lay.logical, params, lay.logical)
-        return TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32), rng=rng)
+        return TrainState(params=params, opt_state=tx.init(lay.parts.trainable(params)),
+                          step=jnp.zeros((), jnp.int32), rng=rng)
 
     abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                   jax.eval_shape(init, jax.random.PRNGKey(0)), state_shardings)
     batch_sharding = NamedSharding(mesh, sharding.spec(("batch", "seq"), rules.activations, mesh))
     update = optim.on_device(tx) if lay.opt_home is None else offload.streamed(
-        tx, lay.logical, lay.opt_state, cfg.params.offload, fetch_layers_whole=not lay.runner.fetches_layers)
+        tx, lay.parts.trainable(lay.logical), lay.opt_state, cfg.params.offload,
+        fetch_layers_whole=not lay.runner.fetches_layers, logical_all=lay.logical)
     step = make_train_step(lay.graphdef, lay.runner, update, lr, cfg.optim.grad_clip_norm,
-                           cfg.train.grad_accum_steps, mesh, rules, grad_shardings)
+                           cfg.train.grad_accum_steps, mesh, rules, grad_shardings, lay.parts)
     return Setup(
         cfg=cfg, mesh=mesh, model_cfg=model_cfg, runner=lay.runner, state_shardings=state_shardings,
         grad_shardings=grad_shardings, logical_state=logical_state,
@@ -130,7 +153,7 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
                           in_shardings=(state_shardings.params, batch_sharding),
                           out_shardings=sharding.replicated(mesh)),
         seq_order=context.order(cfg.data.seq_len, sharding.split_ways("seq", rules.activations, mesh.shape),
-                                rules.seq_layout),
+                                rules.seq_layout), parts=lay.parts,
         **({} if order is None else {"to_disk": _reorder(np.argsort(order), logical_state, state_shardings),
                                      "from_disk": _reorder(order, logical_state, state_shardings)}),
     )
@@ -174,9 +197,10 @@ def run(cfg) -> int:
 def checkpoint_metadata(setup: Setup) -> dict:
     """What a checkpoint says about itself: enough to restore it into any mesh and to know what made it."""
     cfg = setup.cfg
-    flat = jax.tree_util.tree_flatten_with_path(setup.abstract_state)[0]
-    names = jax.tree.leaves(setup.logical_state, is_leaf=sharding.is_logical)
+    flat = jax.tree_util.tree_flatten_with_path(setup.abstract_saved)[0]
+    names = jax.tree.leaves(setup.saved(setup.logical_state), is_leaf=sharding.is_logical)
     return {
+        **({"base": setup.base_from} if setup.base_from else {}),
         "scaletrain_version": importlib.metadata.version("scaletrain"),
         "config": cfg.to_dict(),
         "config_hash": config_lib.config_hash(cfg),
@@ -214,13 +238,61 @@ def _lock_run_dir(cfg) -> RunLock | None:
     return lock
 
 
+def _from_init(cfg, setup: Setup) -> Any:
+    """What the run takes from checkpoint.init_from, as shapes: every parameter, or with LoRA the frozen base
+    (the adapters start afresh)."""
+    frozen = setup.parts.split(setup.abstract_state.params)[1]
+    return frozen if frozen else setup.abstract_state.params
+
+
+def _source_adapters(cfg, setup: Setup) -> tuple[Any, float]:
+    """checkpoint.init_from's own adapters, as shapes (replicated: they are small), and their scale: (None, 0)
+    where it has none (not a LoRA run)."""
+    _, _, _, meta, saved = params_source(cfg.checkpoint.init_from, {})
+    names = [name for name in saved if lora.SUFFIX in name]
+    if not names:
+        return None, 0.0
+    tree: dict = {}
+    for name in names:
+        *parents, leaf = re.findall(r"\['([^']*)'\]", name)
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = jax.ShapeDtypeStruct(tuple(saved[name]["shape"]), saved[name]["dtype"],
+                                          sharding=sharding.replicated(setup.mesh))
+    section = meta["config"]["lora"]
+    return tree, section["alpha"] / section["rank"]
+
+
+def _init_params(cfg, setup: Setup) -> tuple[int, Any]:
+    """(step, parameters) the run starts from, read from checkpoint.init_from in checkpoint order: every
+    parameter, or with LoRA the frozen base - a LoRA run's adapters folded into its weights (lora.merged) where
+    init_from is one."""
+    wanted = _from_init(cfg, setup)
+    adapters, scale = _source_adapters(cfg, setup)
+    if adapters is None:
+        return restore_params(cfg.checkpoint.init_from, wanted)
+    step, params = restore_params(cfg.checkpoint.init_from, lora.merge_trees(wanted, adapters))
+    return step, lora.merged(params, scale)
+
+
 def _initial_state(cfg, setup: Setup) -> tuple[TrainState, str]:
     state = setup.init(jax.random.PRNGKey(cfg.seed))
     if not cfg.checkpoint.init_from:
         return state, "starting at step 0"
-    step, params = restore_params(cfg.checkpoint.init_from, setup.abstract_state.params)
+    step, params = _init_params(cfg, setup)
+    if not setup.parts.everything:  # the fresh adapters, with the base read
+        params = setup.parts.join(setup.parts.trainable(setup.to_disk(state.params)), params)
     origin = f"starting at step 0 from the parameters of {cfg.checkpoint.init_from} (step {step})"
     return state.replace(params=setup.from_disk(params)), origin
+
+
+def _kept_base(cfg, setup: Setup) -> Setup:
+    """The setup, with checkpoints leaving the frozen base out where it is checkpoint.init_from's parameters as
+    they are (not where a LoRA run's adapters were folded into them: that base is this run's own)."""
+    if setup.parts.everything or not cfg.checkpoint.init_from or _source_adapters(cfg, setup)[0] is not None:
+        return setup
+    return dataclasses.replace(setup, base_from=cfg.checkpoint.init_from)
 
 
 def _keeping_tokenizer(cfg, run_dir):
@@ -239,6 +311,8 @@ def _keeping_tokenizer(cfg, run_dir):
 
 def _run(cfg, preemption: Preemption, began: float) -> int:
     setup = build(cfg)
+    if cfg.checkpoint.init_from:
+        setup = _kept_base(cfg, setup)
     iterator = data_lib.make_iterator(cfg, setup.batch_sharding)  # bad data fails here, before any write
     evaluator = Evaluator(cfg, setup) if cfg.train.eval_every_steps else None
     lock = _lock_run_dir(cfg)
@@ -282,7 +356,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     run_dir = storage.path(cfg.run_dir)
     meta = checkpoint_metadata(setup)
     if not check_resumable(run_dir / "checkpoints", meta, cfg.run_dir) and cfg.checkpoint.init_from:
-        params_source(cfg.checkpoint.init_from, setup.abstract_state.params)  # its shapes, before compiling
+        params_source(cfg.checkpoint.init_from, _from_init(cfg, setup))  # its shapes, before compiling
 
     ledger = goodput.Ledger(cfg.run_dir, jax.process_index(), began)  # reads the run's earlier attempts; writes later
     ledger.started("startup")
@@ -297,10 +371,13 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
 
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.max_to_keep, cfg.checkpoint.async_save)
     try:
-        restored = ckpt.restore_latest(setup.abstract_state)
+        restored = ckpt.restore_latest(setup.abstract_saved)
     except BaseException:
         ckpt.close()
         raise
+    base = None
+    if restored is not None and setup.base_from:  # the frozen base, read where the checkpoints keep it
+        base = _init_params(cfg, setup)[1]
     rule = SpikeRule(cfg.train.spike.action, cfg.train.spike.factor, cfg.train.spike.window)
     if restored is None:
         start = 0
@@ -309,7 +386,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     else:
         start, state, data_state, saved_meta = restored
         origin_data = None  # never needed: a rollback finds the checkpoint resumed from, at the latest
-        state = setup.from_disk(state)
+        state = setup.from_disk(setup.with_base(state, base))
         iterator.set_state(data_state)
         rule.restore(saved_meta.get("spike"))
         origin = f"resumed at step {start}"
@@ -326,11 +403,13 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
 
     def rewind(before: int) -> tuple[int, TrainState, dict, dict | None]:
         """A loss spike's rollback: the newest checkpoint from before step `before`, or the run's start."""
-        found = ckpt.restore_latest(setup.abstract_state, before=before)
+        found = ckpt.restore_latest(setup.abstract_saved, before=before)
         ckpt.set_aside_damaged()  # one found damaged on the way: out of the way of the saves to come
         if found is None:
             return 0, _initial_state(cfg, setup)[0], origin_data, None
         step, state, data_state, saved = found
+        if setup.base_from:
+            state = setup.with_base(state, _init_params(cfg, setup)[1])
         return step, setup.from_disk(state), data_state, saved.get("spike")
 
     def ended(outcome: str, step: int, newest: int | None, evals: list) -> None:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from scaletrain.models import quantize
+from scaletrain.models import lora, quantize
 from scaletrain.models.layers import param
 from scaletrain.parallel.sharding import active_axes, active_device, constrain, local
 
@@ -93,29 +93,40 @@ class MoE(nnx.Module):
         self.w_gate = param(rngs, (e, d, f), ("experts", "embed", "moe_mlp"), pd, cfg.init_std, self.quant)
         self.w_up = param(rngs, (e, d, f), ("experts", "embed", "moe_mlp"), pd, cfg.init_std, self.quant)
         self.w_down = param(rngs, (e, f, d), ("experts", "moe_mlp", "embed"), pd, cfg.out_std, self.quant)
+        self.w_gate_lora = lora.adapter(cfg, "gate_proj", (e, d, f), ("experts", "embed", "moe_mlp"), rngs, lead=1)
+        self.w_up_lora = lora.adapter(cfg, "up_proj", (e, d, f), ("experts", "embed", "moe_mlp"), rngs, lead=1)
+        self.w_down_lora = lora.adapter(cfg, "down_proj", (e, f, d), ("experts", "moe_mlp", "embed"), rngs, lead=1)
 
     def __call__(self, x_btd: jax.Array, norm) -> tuple[jax.Array, dict]:
         """(the block's output [b, t, d] for norm(x), the router's `sums` over these rows)."""
         # The norm runs here, whole (any model.norm computes the same RMSNorm): the experts see their tokens
         # permuted, past where a norm could be fused into their matmul.
         h_btd = constrain(norm(x_btd), ("batch", "seq", "embed"))
+        adapters = (self.w_gate_lora, self.w_up_lora, self.w_down_lora)
         fn = _per_device(self.k, self.capacity_factor, active_axes("experts"), active_axes("moe_mlp"),
-                         active_device().platform == "tpu", self.quant, active_axes("batch"), active_axes("seq"))
+                         active_device().platform == "tpu", self.quant, active_axes("batch"), active_axes("seq"),
+                         tuple(None if a is None else a.scale for a in adapters))
         up, down = ("experts", "embed", "moe_mlp"), ("experts", "moe_mlp", "embed")
-        per_device = local(fn, (("batch", "seq", "embed"), ("embed", None), up, up, down),
+        # The experts' weights, then each adapter's A and B, with their logical axes (models/lora.py's rule).
+        weights = [(self.w_gate[...], up), (self.w_up[...], up), (self.w_down[...], down)]
+        for a, logical in zip(adapters, (up, up, down)):
+            if a is not None:
+                weights += [(a.a[...], (*logical[:2], None)), (a.b[...], (logical[0], None, logical[2]))]
+        logicals = tuple(logical for _, logical in weights)
+        per_device = local(fn, (("batch", "seq", "embed"), ("embed", None), *logicals),
                            (("batch", "seq", "embed"), ("batch", None)))
 
         def block(h, router, *experts):  # the experts gathered as the per-device block takes them
             # Pinned where the parameters lie first: left free, the backward pass's gather pulls the sharding of
             # the scan's saved copy to its own, and the forward pass stacks the gathered experts after all.
             return per_device(h, router, *(constrain(constrain(w, logical, "params"), logical)
-                                           for w, logical in zip(experts, (up, up, down))))
+                                           for w, logical in zip(experts, logicals)))
 
         # Whatever the remat policy, the backward pass gathers the experts again (as FSDP gathers every other
         # weight) rather than keeping every layer's gathered experts from the forward pass: under policy none
         # that held Mixtral 8x7B's at 2.8 GB a layer (163 GiB a chip on FSDP 64, 74 planned).
         out_btd, stats = jax.checkpoint(block, policy=_regather, prevent_cse=False)(
-            h_btd, self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...])
+            h_btd, self.router[...], *(w for w, _ in weights))
         out_btd = checkpoint_name(constrain(out_btd, ("batch", "residual_seq", "embed")), "mlp_out")
         return out_btd, sums(jnp.sum(stats, axis=0), x_btd.shape[0] * x_btd.shape[1])
 
@@ -155,21 +166,25 @@ def router_stats(top_e_btk: jax.Array, probs_bte: jax.Array, lse_bt: jax.Array, 
 
 def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], tensor_axes: tuple[str, ...],
                 ragged_transport: bool, quant: quantize.Quantization | None, batch_axes: tuple[str, ...] = (),
-                seq_axes: tuple[str, ...] = ()):
+                seq_axes: tuple[str, ...] = (), lora_scales: tuple[float | None, ...] = (None, None, None)):
     """The block on one device's tokens and weights: h [b, t, d], router [d, E], the device's experts
     [E_l, d, f_l] and [E_l, f_l, d] -> (output [b, t, d], statistics [1, stats]). `quant`: the experts' matmuls'
     low-precision mode (the router's stays float32); `batch_axes` the mesh axes that split the batch, `seq_axes`
-    those that split each sequence (routing is per token: each device routes its own tokens)."""
+    those that split each sequence (routing is per token: each device routes its own tokens). `lora_scales`: the
+    gate, up and down projections' adapter scales (None: not adapted); each adapted one's A and B follow the
+    experts' weights, in that order (models/lora.py)."""
     # An expert's rows lie on the devices of its expert shard: across the other batch and sequence axes (and,
     # being the same rows, not across `tensor`) a quantized matmul takes its gradient's scales as maxima over all.
     rows = tuple(a for a in batch_axes if a not in expert_axes) + seq_axes
     grouped = _GroupedMatmul(quant, tensor_axes, rows)
 
-    def fn(h_btd, router_de, w_gate, w_up, w_down):
+    def fn(h_btd, router_de, w_gate, w_up, w_down, *adapters):
         b, t, d = h_btd.shape
         top_e, weights, probs, lse = route(h_btd.reshape(b * t, d), router_de, k)
         weights = weights.astype(h_btd.dtype)
-        experts = (w_gate, w_up, w_down)
+        pairs = iter(zip(adapters[::2], adapters[1::2]))
+        experts = tuple(w if scale is None else lora.Grouped(w, *next(pairs), scale)
+                        for w, scale in zip((w_gate, w_up, w_down), lora_scales))
         if capacity_factor:
             rows_ktd, dropped = _with_capacity(h_btd, top_e.reshape(b, t, k), experts, capacity_factor,
                                                expert_axes, grouped)
@@ -190,12 +205,14 @@ def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], te
     return fn
 
 
-def _swiglu(rows_rd, w_gate, w_up, w_down, matmul, down_matmul=None):
+def _swiglu(rows_rd, w_gate, w_up, w_down, matmul, down_matmul=None, plain=None):
     """down(silu(rows W_gate) * (rows W_up)), each matmul `matmul(x, w)` grouped by expert (the down projection's
-    `down_matmul`, where given)."""
-    gate = checkpoint_name(matmul(rows_rd, w_gate), "moe_gate")
-    up = checkpoint_name(matmul(rows_rd, w_up), "moe_up")
-    return (down_matmul or matmul)(jax.nn.silu(gate) * up, w_down)
+    `down_matmul`, where given); a weight with an adapter (lora.Grouped) adds its output, computed by `plain`
+    (default `matmul`: the grouped matmul in the compute dtype)."""
+    plain = plain or matmul
+    gate = checkpoint_name(lora.grouped(matmul, plain, rows_rd, w_gate), "moe_gate")
+    up = checkpoint_name(lora.grouped(matmul, plain, rows_rd, w_up), "moe_up")
+    return lora.grouped(down_matmul or matmul, plain, jax.nn.silu(gate) * up, w_down)
 
 
 class _GroupedMatmul:
@@ -210,9 +227,11 @@ class _GroupedMatmul:
     def swiglu(self, rows, group_sizes, experts):
         """The SwiGLU of rows sorted by expert, `group_sizes[e]` of them for expert e (rows past their sum:
         zeros)."""
+        def plain(x, w):
+            return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=x.dtype)
+
         if self.quant is None:
-            return _swiglu(rows, *experts, lambda x, w: jax.lax.ragged_dot(x, w, group_sizes,
-                                                                          preferred_element_type=x.dtype))
+            return _swiglu(rows, *experts, plain)
 
         def up(x, w):
             return self.quant.ragged_dot(x, w, group_sizes, out_axes=self.tensor_axes, row_axes=self.row_axes)
@@ -220,7 +239,7 @@ class _GroupedMatmul:
         def down(x, w):
             return self.quant.ragged_dot(x, w, group_sizes, contract_axes=self.tensor_axes, row_axes=self.row_axes)
 
-        return _swiglu(rows, *experts, up, down)
+        return _swiglu(rows, *experts, up, down, plain)
 
 
 def _dropless(h_td, top_e, experts, expert_axes, ragged_transport, grouped: _GroupedMatmul) -> jax.Array:

@@ -1,0 +1,143 @@
+"""Low-rank adapters (LoRA; `lora.*`, docs/post-training.md): a frozen weight W [in..., out...] gets a trainable
+pair A [in..., rank] and B [rank, out...], and its projection of x becomes x W + (alpha / rank) (x A) B.
+
+The adapters are computed as two thin matmuls beside the base one, never merged into W. So the base weight's
+gradient is never formed: a LoRA step's backward pass does one matmul per projection where full fine-tuning does
+two. And dropout (`lora.dropout`) can act on the adapters' input alone, as PEFT's does. A site that projects
+(attention, the MLP, the experts) adds `delta` (or `grouped`, inside the experts' per-device block) to its output.
+Every way of computing the base projection is left as it is: FlashNorm's kernels, quantized matmuls, the joined
+Q/K/V.
+
+A starts as PEFT's does (kaiming_uniform with a=sqrt(5): uniform in +-1/sqrt(fan_in)), and B at zero. So a fresh
+adapter changes nothing, and a DPO run's first loss is log 2. A carries the base weight's input dims' logical axes
+and B its output dims' (so A takes W's input-dim sharding and B its output-dim sharding), with the rank replicated:
+Qwix's rule. Adapters are the Params of modules named `<weight>_lora` beside their weight (`is_adapter`), so the
+base keeps its paths (checkpoints, Hugging Face tables) and the trainer tells the trainable parameters by name.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from scaletrain.errors import ConfigError
+from scaletrain.models.layers import project
+
+SUFFIX = "_lora"
+# The projections lora.targets may name, as Hugging Face (and PEFT) name them; a family adapts those it has.
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")  # a mixture of experts' are its experts'
+TARGETS = ATTENTION + MLP
+
+
+def targets(spec: str, known: tuple[str, ...] = TARGETS) -> tuple[str, ...]:
+    """The projections a lora.targets value names ("all": every one of `known`, the model family's; or a
+    comma-separated list of them); ConfigError for a name that is none of them, or for a list that names none."""
+    if spec.strip() == "all":
+        return known
+    names = tuple(dict.fromkeys(n.strip() for n in spec.split(",") if n.strip()))
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ConfigError(f"lora.targets names no matmul{' ' + ', '.join(map(repr, unknown)) if unknown else ''}: "
+                          f"expected all, or a comma-separated list of {', '.join(known)}; got '{spec}'")
+    return names
+
+
+def is_adapter(path: tuple) -> bool:
+    """Whether a parameter (its path in the parameter tree, as keys) belongs to an adapter."""
+    return any(str(getattr(k, "key", k)).endswith(SUFFIX) for k in path)
+
+
+class Adapter(nnx.Module):
+    """The adapter of a weight W of shape `shape` with logical axes `logical`: `lead` group dims (a mixture's
+    experts) that A and B keep as W does, then `in_dims` input dims, then the output dims."""
+
+    def __init__(self, shape: tuple[int, ...], logical: tuple[str | None, ...], rank: int, alpha: float,
+                 rngs: nnx.Rngs, dtype, in_dims: int = 1, lead: int = 0):
+        split = lead + in_dims
+        bound = 1 / math.sqrt(math.prod(shape[lead:split]))
+        a = jax.random.uniform(rngs.params(), (*shape[:split], rank), dtype, -bound, bound)
+        self.a = nnx.Param(a, out_sharding=(*logical[:split], None))
+        self.b = nnx.Param(jnp.zeros((*shape[:lead], rank, *shape[split:]), dtype),
+                           out_sharding=(*logical[:lead], None, *logical[split:]))
+        self.scale, self.in_dims = alpha / rank, in_dims
+
+
+def adapter(cfg, name: str, shape: tuple[int, ...], logical: tuple[str | None, ...], rngs: nnx.Rngs,
+            in_dims: int = 1, lead: int = 0) -> Adapter | None:
+    """Projection `name`'s adapter where the model config's lora targets it, else None."""
+    if not cfg.lora_rank or name not in cfg.lora_targets:
+        return None
+    return Adapter(shape, logical, cfg.lora_rank, cfg.lora_alpha, rngs, cfg.param_dtype, in_dims, lead)
+
+
+def delta(adapter: Adapter | None, x: jax.Array, like: jax.Array) -> jax.Array:
+    """`like` (the base projection of x) plus the adapter's (alpha / rank) (x A) B, in like's dtype; `like`
+    itself without an adapter."""
+    if adapter is None:
+        return like
+    low = project(x, adapter.a[...], adapter.in_dims)
+    return (like + project(low, adapter.b[...]) * jnp.asarray(adapter.scale, low.dtype)).astype(like.dtype)
+
+
+class Grouped(NamedTuple):
+    """An expert weight [experts, in, out] with its adapter's A [experts, in, rank] and B [experts, rank, out],
+    as a mixture's per-device block takes them (models/mixtral/moe.py's `_swiglu`)."""
+
+    w: jax.Array
+    a: jax.Array
+    b: jax.Array
+    scale: float
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.w.shape
+
+
+def grouped(matmul, plain, x: jax.Array, w) -> jax.Array:
+    """matmul(x, w) for an expert weight `w`, plus (alpha / rank) plain(plain(x, A), B) where `w` is Grouped:
+    `plain` is the grouped matmul in the compute dtype (the adapters are never quantized)."""
+    if not isinstance(w, Grouped):
+        return matmul(x, w)
+    return matmul(x, w.w) + plain(plain(x, w.a), w.b) * jnp.asarray(w.scale, x.dtype)
+
+
+def merged(params: dict, scale: float, dtype=None) -> dict:
+    """Parameters (a nested dict, as checkpoints and the trainer keep them) with every adapter folded into its
+    weight, W + scale A B computed in float32 and cast to `dtype` (default: W's), and the adapters left out: a
+    model without adapters that computes the same (up to rounding). `convert to-hf` writes it; a run started from
+    a LoRA run's checkpoint (checkpoint.init_from) takes it as its base."""
+    out = {}
+    for name, value in params.items():
+        if name.endswith(SUFFIX):
+            continue
+        adapter = params.get(name + SUFFIX)
+        if isinstance(value, dict):
+            out[name] = merged(value, scale, dtype)
+        elif adapter is None:
+            out[name] = value
+        else:
+            out[name] = _fold(value, adapter["a"], adapter["b"], scale, dtype or value.dtype)
+    return out
+
+
+def _fold(w, a, b, scale: float, dtype):
+    """w + scale (A B) for A [stack..., in..., rank], B [stack..., rank, out...] and w [stack..., in..., out...]
+    (stack: the layers, a mixture's experts)."""
+    stack = a.ndim + b.ndim - 2 - w.ndim
+    lead, rank = w.shape[:stack], a.shape[-1]
+    ab = jnp.matmul(jnp.asarray(a, jnp.float32).reshape(*lead, -1, rank),
+                    jnp.asarray(b, jnp.float32).reshape(*lead, rank, -1))
+    return (jnp.asarray(w, jnp.float32) + scale * ab.reshape(w.shape)).astype(dtype)
+
+
+def merge_trees(a: dict, b: dict) -> dict:
+    """Two nested dicts of parameters as one (a model's weights and a run's adapters)."""
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = merge_trees(out[key], value) if isinstance(value, dict) and key in out else value
+    return out
