@@ -493,6 +493,9 @@ def _check_post_training(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError("train.objective=dpo needs a reference model: checkpoint.init_from (the run whose "
                           "parameters both start the policy and are the reference) or dpo.reference=precomputed "
                           "(reference log-probs stored in a prepared dataset)")
+    if dpo.reference == "copy" and lora.rank:
+        raise ConfigError("dpo.reference=copy with lora.rank > 0: with LoRA the reference is the frozen base itself, "
+                          "the adapters off - no second copy of the model (dpo.reference=auto)")
     if not 0 <= dpo.label_smoothing < 0.5:
         raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5) (the share of pairs taken to be flipped), got "
                           f"{dpo.label_smoothing}")

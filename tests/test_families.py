@@ -118,8 +118,8 @@ def test_a_family_registered_from_outside_trains_and_evaluates(toy):
         state, metrics = step(state, batch, setup.loss_ceiling())
         losses.append(float(metrics["loss"]))
     assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]
-    eval_step = setup.eval_step.lower(setup.abstract_state.params, setup.abstract_batch()).compile(options)
-    total, tokens = eval_step(state.params, batches[-1])
+    eval_step = setup.eval_step.lower(setup.abstract_state.params, setup.abstract_batch(), None).compile(options)
+    total, tokens = eval_step(state.params, batches[-1], None)
     assert np.isfinite(float(total)) and float(tokens) > 0
     # The planner reads its inventory; to-hf has nothing to export it as.
     assert roofline.matmuls(cfg.model)["gate_up"].outputs == cfg.model.d_ff

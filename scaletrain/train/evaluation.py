@@ -28,7 +28,8 @@ class Evaluator:
         finally:
             reader.close()
         t0 = time.perf_counter()
-        self.step = setup.eval_step.lower(setup.abstract_state.params, setup.abstract_batch()).compile()
+        self.step = setup.eval_step.lower(setup.abstract_state.params, setup.abstract_batch(),
+                                          setup.abstract_state.reference).compile()
         if jax.process_index() == 0:
             if batches < cfg.train.eval_batches:
                 print(f"warning: the eval split holds {whole} batches; train.eval_batches={cfg.train.eval_batches} "
@@ -36,10 +37,11 @@ class Evaluator:
             print(f"compiled the eval step in {time.perf_counter() - t0:.1f} s; {batches} batches "
                   f"({batches * cfg.train.global_batch * cfg.data.seq_len:,} tokens) per evaluation", flush=True)
 
-    def __call__(self, params) -> jax.Array:
-        """The mean loss over the eval batches' tokens, as a replicated device scalar (read when logged)."""
+    def __call__(self, state) -> jax.Array:
+        """The mean loss over the eval batches' tokens (DPO's: pairs), as a replicated device scalar (read when
+        logged)."""
         total = count = jnp.zeros((), jnp.float32)
         for batch in self.batches:
-            loss_sum, tokens = self.step(params, batch)
+            loss_sum, tokens = self.step(state.params, batch, state.reference)
             total, count = total + loss_sum, count + tokens
         return total / jnp.maximum(count, 1.0)

@@ -240,7 +240,7 @@ class Loop:
         if evaluate:
             self.watchdog.enter("evaluation", step)
             t0 = time.perf_counter()
-            values["eval_loss"] = float(jax.block_until_ready(self.evaluator(self.state.params)))
+            values["eval_loss"] = float(jax.block_until_ready(self.evaluator(self.state)))
             timed["eval_time_s"] = time.perf_counter() - t0
             self.ledger.spend("evaluation", timed["eval_time_s"])
         if save:

@@ -232,6 +232,28 @@ def head_loss(graphdef: nnx.GraphDef, params: Any, x_btd: jax.Array, targets_bt:
     return total
 
 
+def token_losses(graphdef: nnx.GraphDef, params: Any, x_btd: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    """Each position's cross-entropy [b, t] of `hidden`'s stream (Llama.final_stream's) through the output
+    projection: what a loss that is not a masked sum of them (DPO's, per sequence) reads. With model.logits_block
+    the logits exist a block of positions at a time, each block recomputed in the backward pass."""
+    model = nnx.merge(graphdef, params)
+
+    def block_losses(params, x_btd, targets_bt):
+        return cross_entropy(nnx.merge(graphdef, params).logits(x_btd), targets_bt)
+
+    block, seq = model.cfg.logits_block, x_btd.shape[1] // ways("seq")
+    if not block or block >= seq:
+        return block_losses(params, x_btd, targets_bt)
+
+    def blocks(a):  # each step a block of every context shard's positions
+        return context.blocks(a, ways("seq"), block)
+
+    recomputed = jax.checkpoint(block_losses)
+    _, losses = jax.lax.scan(lambda _, xs: (None, recomputed(params, *xs)), None, (blocks(x_btd), blocks(targets_bt)),
+                             unroll=model.cfg.unroll_loops)
+    return context.unblocks(losses, ways("seq"))
+
+
 def projects_the_stream(cfg) -> bool:
     """Whether the logits are `hidden`'s stream times lm_head, nothing else (untied, the final norm applied
     before, the head not quantized: the fused losses multiply in the compute dtype): what the fused losses

@@ -27,7 +27,8 @@ from flax import nnx
 
 from scaletrain.parallel import pipeline, pipeline_1f1b, pipeline_zb
 from scaletrain.parallel.checks import microbatches
-from scaletrain.train.loss import head_loss
+from scaletrain.train import objective as objective_lib
+from scaletrain.train.loss import token_losses
 
 SCAN = "scan"
 
@@ -98,32 +99,47 @@ class Runner:
         return of(self.stages, self.microbatches, self.repeats)
 
     def loss(self, graphdef: nnx.GraphDef, params: Any, batch: Mapping[str, jax.Array],
-             penalty: Callable[[dict], jax.Array]) -> tuple[jax.Array, dict]:
-        """(The summed cross-entropy of `batch`, the layer stack's auxiliary sums [layers, ...]).
+             penalty: Callable[[dict], jax.Array],
+             objective: objective_lib.Objective = objective_lib.NEXT_TOKEN) -> tuple[jax.Array, dict, dict]:
+        """(The summed loss of `batch` - `objective`'s head over the final stream: the cross-entropy, or DPO's -,
+        the layer stack's auxiliary sums [layers, ...], the head's metric sums).
 
         `penalty(aux)` is what the caller's objective adds for the auxiliary sums, linear in them: the 1F1B
         schedule forms the gradients itself, inside its loop, so it pulls the penalty's through each stage there;
         the other runners leave it to the caller's differentiation."""
         model = nnx.merge(graphdef, params)
-        unroll = model.cfg.unroll_loops
-        x_btd, body, stacked, extras = model.stack_inputs(batch["tokens"], batch["positions"], batch["segment_ids"],
-                                                          remat_layers=not self.forms_gradients)
-        rows = (batch["targets"], batch["loss_mask"])
+        rows = objective.rows(batch)
         if self.forms_gradients:
-            return self._one_f_one_b(graphdef, params, x_btd, body, stacked, extras, rows, penalty, unroll)
-        if self.stages > 1:
-            x_btd, aux = pipeline.gpipe(body, x_btd, stacked, extras, self.stages, self.microbatches, unroll,
-                                        model.cfg.remat, model.cfg.remat_custom, self.repeats)
-        else:
-            x_btd, aux = pipeline.scan(body, x_btd, stacked, extras, unroll)
-        return head_loss(graphdef, params, model.final_stream(x_btd), *rows), aux
+            x_btd, body, stacked, extras = model.stack_inputs(batch["tokens"], batch["positions"],
+                                                              batch["segment_ids"], remat_layers=False)
+            total, aux = self._one_f_one_b(graphdef, params, x_btd, body, stacked, extras, rows, penalty,
+                                           objective, model.cfg.unroll_loops)
+            return total, aux, {}  # the head's sums: none (checks.py refuses an objective with some here)
+        x_btd, aux = self._stack(model, batch)
+        total, sums = objective.head(graphdef, params, model.final_stream(x_btd), rows)
+        return total, aux, sums
 
-    def _one_f_one_b(self, graphdef, params, x_btd, body, stacked, extras, rows, penalty, unroll):
+    def token_losses(self, graphdef: nnx.GraphDef, params: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
+        """Each position's cross-entropy [b, t] of `batch` - a forward pass alone, for DPO's reference. Through the
+        plain scan or GPipe's schedule (a 1F1B runner's program returns summed losses: checks.py refuses DPO
+        there)."""
+        model = nnx.merge(graphdef, params)
+        return token_losses(graphdef, params, model.final_stream(self._stack(model, batch)[0]), batch["targets"])
+
+    def _stack(self, model, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, dict]:
+        """The layer stack's output stream and auxiliary sums, through the plain scan or a GPipe schedule."""
+        x_btd, body, stacked, extras = model.stack_inputs(batch["tokens"], batch["positions"], batch["segment_ids"])
+        if self.stages > 1:
+            return pipeline.gpipe(body, x_btd, stacked, extras, self.stages, self.microbatches, model.cfg.unroll_loops,
+                                  model.cfg.remat, model.cfg.remat_custom, self.repeats)
+        return pipeline.scan(body, x_btd, stacked, extras, model.cfg.unroll_loops)
+
+    def _one_f_one_b(self, graphdef, params, x_btd, body, stacked, extras, rows, penalty, objective, unroll):
         """The layer stack as a 1F1B pipeline (interleaved: `repeats` blocks of layers per stage) or a
         zero-bubble one, which runs the head on each microbatch as it leaves the last stage."""
         def head(head_params, layers, x_btd, rows):
             p = {**head_params, "layers": nnx.to_pure_dict(layers)}
-            return head_loss(graphdef, p, nnx.merge(graphdef, p).final_stream(x_btd), *rows)
+            return objective.head(graphdef, p, nnx.merge(graphdef, p).final_stream(x_btd), rows)[0]
 
         # The penalty's gradient with respect to each layer's sums (constant: it is linear in them).
         rows_per_microbatch = x_btd.shape[0] // self.microbatches

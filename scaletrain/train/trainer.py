@@ -35,13 +35,14 @@ from scaletrain.store import storage
 from scaletrain.store.checkpoint import Checkpointer, check_resumable, params_source, read_metadata, restore_params
 from scaletrain.store.run_lock import RunLock
 from scaletrain.train import goodput, layout, offload, optim
+from scaletrain.train import objective as objective_lib
 from scaletrain.train.control import Control, Preemption
 from scaletrain.train.evaluation import Evaluator
 from scaletrain.train.loop import Loop
 from scaletrain.train.metrics import MetricsLog, summary
 from scaletrain.train.runner import Runner
 from scaletrain.train.spike import SpikeRule
-from scaletrain.train.step import TrainState, make_eval_step, make_train_step
+from scaletrain.train.step import TrainState, make_eval_step, make_train_step, with_reference
 from scaletrain.train.trainable import Partition
 from scaletrain.train.watchdog import Watchdog
 
@@ -49,6 +50,8 @@ EXIT_DIVERGED = 1
 
 BATCH_KEYS = {"tokens": jnp.int32, "targets": jnp.int32, "positions": jnp.int32, "segment_ids": jnp.int32,
               "loss_mask": jnp.float32}
+# DPO's reference log-probs per token, where the data carries them (dpo.reference precomputed).
+REFERENCE_KEYS = {"ref_logprobs": jnp.float32}
 
 
 @dataclasses.dataclass
@@ -64,7 +67,8 @@ class Setup:
     batch_sharding: NamedSharding
     init: Callable[[jax.Array], TrainState]
     step: Callable[[TrainState, dict, jax.Array], tuple[TrainState, dict]]  # (state, batch, loss ceiling)
-    eval_step: Callable[[Any, dict], tuple[jax.Array, jax.Array]]  # (params, batch) -> (loss sum, tokens)
+    # (params, batch, DPO's reference copy or None) -> (loss sum, what it is a mean over: tokens, pairs)
+    eval_step: Callable[[Any, dict, Any], tuple[jax.Array, jax.Array]]
     # The layer order checkpoints keep (canonical) <-> the one in memory (a circular pipeline's), of a state or of
     # its parameters alone, donating the reordered arrays; the identity for every other layout.
     to_disk: Callable[[Any], Any] = lambda tree: tree
@@ -77,17 +81,20 @@ class Setup:
     base_from: str = ""
 
     def saved(self, state: TrainState) -> TrainState:
-        """What a checkpoint holds of a state (in checkpoint order): all of it, or all but the base kept at
-        base_from."""
+        """What a checkpoint holds of a state (in checkpoint order): all of it but DPO's reference copy, and but
+        the base where it is kept at base_from - both read from checkpoint.init_from again on a resume."""
+        state = state.replace(reference=None)
         return state.replace(params=self.parts.trainable(state.params)) if self.base_from else state
 
     @property
     def abstract_saved(self) -> TrainState:
         return self.saved(self.abstract_state)
 
-    def with_base(self, saved: TrainState, base: Any) -> TrainState:
-        """The state from what a checkpoint holds of it (`saved`) and the frozen base (checkpoint order)."""
-        return saved.replace(params=self.parts.join(saved.params, base)) if self.base_from else saved
+    def with_base(self, saved: TrainState, base: Any, reference: Any) -> TrainState:
+        """The state from what a checkpoint holds of it (`saved`), the frozen base and DPO's reference copy
+        (checkpoint order; each None where the state has none)."""
+        state = saved.replace(reference=reference)
+        return state.replace(params=self.parts.join(saved.params, base)) if self.base_from else state
 
     def put_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows (data.process_rows) -> global batch arrays on the mesh, each sequence laid out for
@@ -97,7 +104,8 @@ class Setup:
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         shape = (self.cfg.train.global_batch, self.cfg.data.seq_len)
-        return {k: jax.ShapeDtypeStruct(shape, dt, sharding=self.batch_sharding) for k, dt in BATCH_KEYS.items()}
+        keys = BATCH_KEYS | (REFERENCE_KEYS if objective_lib.reference_kind(self.cfg) == "precomputed" else {})
+        return {k: jax.ShapeDtypeStruct(shape, dt, sharding=self.batch_sharding) for k, dt in keys.items()}
 
     def abstract_args(self) -> tuple:
         """The train step's arguments, as shapes: what it is lowered (compiled) for."""
@@ -118,9 +126,16 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
     lay = layout.of(cfg, mesh.shape, unroll_loops)
     model_cfg, tx, lr, rules = lay.model_cfg, lay.tx, lay.lr, lay.rules
     params_shardings, opt_shardings, grad_shardings = lay.shardings(mesh)
-    logical_state = TrainState(params=lay.logical, opt_state=lay.opt_logical, step=(), rng=(None,))
+    reference_kind = objective_lib.reference_kind(cfg)
+    copy = reference_kind == "copy"
+    logical_state = TrainState(params=lay.logical, opt_state=lay.opt_logical, step=(), rng=(None,),
+                               reference=lay.logical if copy else None)
+    # DPO's reference copy lies on the devices like the parameters, in the dtype each weight enters the
+    # forward pass in (the compute dtype; norm gains in the parameter dtype): it only runs forward.
+    reference_dtypes = model_lib.operand_dtypes(model_cfg, quantized=False)
     state_shardings = TrainState(params=params_shardings, opt_state=opt_shardings, step=sharding.replicated(mesh),
-                                 rng=sharding.replicated(mesh))
+                                 rng=sharding.replicated(mesh), reference=sharding.tree_shardings(
+                                     lay.params, lay.logical, rules.params, mesh) if copy else None)
 
     order = lay.runner.memory_order(model_cfg.num_layers)
 
@@ -130,8 +145,10 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
         params = lay.parts.store(params, jnp.dtype(cfg.lora.base_dtype))
         if order is not None:
             params = _layers_taken(lambda x, _: jnp.take(x, order, axis=0), lay.logical, params, lay.logical)
+        # The reference copy of the initial parameters; a run replaces it with checkpoint.init_from's.
+        reference = jax.tree.map(lambda p, dt: p.astype(dt), params, reference_dtypes) if copy else None
         return TrainState(params=params, opt_state=tx.init(lay.parts.trainable(params)),
-                          step=jnp.zeros((), jnp.int32), rng=rng)
+                          step=jnp.zeros((), jnp.int32), rng=rng, reference=reference)
 
     abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                   jax.eval_shape(init, jax.random.PRNGKey(0)), state_shardings)
@@ -139,8 +156,11 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
     update = optim.on_device(tx) if lay.opt_home is None else offload.streamed(
         tx, lay.parts.trainable(lay.logical), lay.opt_state, cfg.params.offload,
         fetch_layers_whole=not lay.runner.fetches_layers, logical_all=lay.logical)
+    objective = objective_lib.of(cfg)
+    reference = with_reference(reference_kind, lay.graphdef, lay.runner, lay.parts,
+                               update.fetch_params or (lambda p: p)) if reference_kind else None
     step = make_train_step(lay.graphdef, lay.runner, update, lr, cfg.optim.grad_clip_norm,
-                           cfg.train.grad_accum_steps, mesh, rules, grad_shardings, lay.parts)
+                           cfg.train.grad_accum_steps, mesh, rules, grad_shardings, lay.parts, objective, reference)
     return Setup(
         cfg=cfg, mesh=mesh, model_cfg=model_cfg, runner=lay.runner, state_shardings=state_shardings,
         grad_shardings=grad_shardings, logical_state=logical_state,
@@ -149,8 +169,9 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
         init=jax.jit(init, out_shardings=state_shardings),
         step=jax.jit(step, in_shardings=(state_shardings, batch_sharding, sharding.replicated(mesh)),
                      out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0),
-        eval_step=jax.jit(make_eval_step(lay.graphdef, lay.runner, update.fetch_params, mesh, rules),
-                          in_shardings=(state_shardings.params, batch_sharding),
+        eval_step=jax.jit(make_eval_step(lay.graphdef, lay.runner, update.fetch_params, mesh, rules, objective,
+                                         reference),
+                          in_shardings=(state_shardings.params, batch_sharding, state_shardings.reference),
                           out_shardings=sharding.replicated(mesh)),
         seq_order=context.order(cfg.data.seq_len, sharding.split_ways("seq", rules.activations, mesh.shape),
                                 rules.seq_layout), parts=lay.parts,
@@ -264,16 +285,24 @@ def _source_adapters(cfg, setup: Setup) -> tuple[Any, float]:
     return tree, section["alpha"] / section["rank"]
 
 
-def _init_params(cfg, setup: Setup) -> tuple[int, Any]:
+def _init_params(cfg, setup: Setup, wanted: Any = None) -> tuple[int, Any]:
     """(step, parameters) the run starts from, read from checkpoint.init_from in checkpoint order: every
-    parameter, or with LoRA the frozen base - a LoRA run's adapters folded into its weights (lora.merged) where
-    init_from is one."""
-    wanted = _from_init(cfg, setup)
+    parameter, or with LoRA the frozen base (or those of `wanted`, shapes) - a LoRA run's adapters folded into its
+    weights (lora.merged) where init_from is one."""
+    wanted = _from_init(cfg, setup) if wanted is None else wanted
     adapters, scale = _source_adapters(cfg, setup)
     if adapters is None:
         return restore_params(cfg.checkpoint.init_from, wanted)
     step, params = restore_params(cfg.checkpoint.init_from, lora.merge_trees(wanted, adapters))
     return step, lora.merged(params, scale)
+
+
+def _reference(cfg, setup: Setup) -> Any:
+    """DPO's frozen reference copy (dpo.reference copy): checkpoint.init_from's parameters, in checkpoint order and
+    the copy's dtypes; None for a run without one."""
+    if setup.abstract_state.reference is None:
+        return None
+    return _init_params(cfg, setup, setup.abstract_state.reference)[1]
 
 
 def _initial_state(cfg, setup: Setup) -> tuple[TrainState, str]:
@@ -284,7 +313,9 @@ def _initial_state(cfg, setup: Setup) -> tuple[TrainState, str]:
     if not setup.parts.everything:  # the fresh adapters, with the base read
         params = setup.parts.join(setup.parts.trainable(setup.to_disk(state.params)), params)
     origin = f"starting at step 0 from the parameters of {cfg.checkpoint.init_from} (step {step})"
-    return state.replace(params=setup.from_disk(params)), origin
+    reference = _reference(cfg, setup)
+    return state.replace(params=setup.from_disk(params),
+                         reference=None if reference is None else setup.from_disk(reference)), origin
 
 
 def _kept_base(cfg, setup: Setup) -> Setup:
@@ -375,9 +406,10 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     except BaseException:
         ckpt.close()
         raise
-    base = None
-    if restored is not None and setup.base_from:  # the frozen base, read where the checkpoints keep it
-        base = _init_params(cfg, setup)[1]
+    base = reference = None
+    if restored is not None:  # what checkpoints leave out, read from checkpoint.init_from
+        base = _init_params(cfg, setup)[1] if setup.base_from else None
+        reference = _reference(cfg, setup)
     rule = SpikeRule(cfg.train.spike.action, cfg.train.spike.factor, cfg.train.spike.window)
     if restored is None:
         start = 0
@@ -386,7 +418,7 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     else:
         start, state, data_state, saved_meta = restored
         origin_data = None  # never needed: a rollback finds the checkpoint resumed from, at the latest
-        state = setup.from_disk(setup.with_base(state, base))
+        state = setup.from_disk(setup.with_base(state, base, reference))
         iterator.set_state(data_state)
         rule.restore(saved_meta.get("spike"))
         origin = f"resumed at step {start}"
@@ -408,8 +440,8 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
         if found is None:
             return 0, _initial_state(cfg, setup)[0], origin_data, None
         step, state, data_state, saved = found
-        if setup.base_from:
-            state = setup.with_base(state, _init_params(cfg, setup)[1])
+        state = setup.with_base(state, _init_params(cfg, setup)[1] if setup.base_from else None,
+                                _reference(cfg, setup))
         return step, setup.from_disk(state), data_state, saved.get("spike")
 
     def ended(outcome: str, step: int, newest: int | None, evals: list) -> None:
