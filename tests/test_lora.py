@@ -1,0 +1,124 @@
+"""LoRA (models/lora.py, train/trainable.py): the adapters train alike on every mesh of 8 devices and on one (4
+updates: loss, gradient norm, the adapters and their Adam moments), the base stays bitwise what it was, and nothing
+but the adapters gets optimizer state. End to end from a converted Hugging Face Llama: checkpoints hold the
+adapters alone (the base is read back from checkpoint.init_from), a resumed run equals an uninterrupted one, and
+both exports - merged weights, a PEFT adapter - give transformers our logits."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from scaletrain.__main__ import main
+from scaletrain.store.checkpoint import read_metadata
+from tests import equivalence
+from tests.conftest import tiny_overrides
+
+STEPS = 4
+LORA = ["lora.rank=4", "lora.alpha=8", "lora.base_dtype=float32", "optim.weight_decay=0.01"]
+MOE = ["model.num_experts=4", "model.moe_d_ff=64"]
+MESHES = {
+    "fsdp=4 x tensor=2": ([], ["mesh.fsdp=4", "mesh.tensor=2"]),
+    "data=2 x fsdp=2 x tensor=2, zero1": ([], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+                                               "sharding.preset=zero1"]),
+    "pipeline=2 x fsdp=2 x tensor=2": ([], ["mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+    "1f1b pipeline=2 x data=4": ([], ["mesh.pipeline=2", "mesh.data=4", "pipeline.schedule=1f1b"]),
+    "context=2 x fsdp=4": ([], ["mesh.context=2", "mesh.fsdp=4"]),
+    "optimizer and parameters offloaded, fsdp=8": ([], ["mesh.fsdp=8", "params.offload=true"]),
+    "moe expert=2 x fsdp=2 x tensor=2": (MOE, ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+@equivalence.computed_once
+def references(batches):
+    return {"dense": equivalence.reference(batches, *LORA), "moe": equivalence.reference(batches, *LORA, *MOE)}
+
+
+def _leaves(tree) -> dict:
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_adapters_train_alike_on_every_mesh(mesh, batches, references):
+    model, layout = MESHES[mesh]
+    want = references["moe" if model else "dense"]
+    got = equivalence.run(batches, *LORA, *model, *layout)
+    equivalence.assert_same(got, want)  # every parameter (the base's too) and every Adam moment
+    assert set(_leaves(got.mu)) == {p.removeprefix(".params") for p in _leaves(got.params) if "_lora" in p}
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_the_base_is_unchanged_and_the_adapters_move(model, references):
+    trained = _leaves(references[model].params)
+    initial = _leaves(equivalence.initial_state(*LORA, *(MOE if model == "moe" else [])).params)
+    for path, value in trained.items():
+        if "_lora" in path:
+            assert not np.array_equal(value, initial[path]), f"{path} did not train"
+        else:
+            assert np.array_equal(value, initial[path]), f"{path} changed"
+    adapted = {p.split("'")[-4] for p in trained if "_lora" in p}
+    assert adapted == {"wq_lora", "wk_lora", "wv_lora", "wo_lora", "w_gate_lora", "w_up_lora", "w_down_lora"}
+
+
+def test_targets_choose_the_adapted_projections(batches):
+    run = equivalence.run(batches[:1], *LORA, "lora.targets=q_proj,down_proj")
+    adapted = {p.split("'")[-4] for p in _leaves(run.params) if "_lora" in p}
+    assert adapted == {"wq_lora", "w_down_lora"}
+
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory):
+    """(a tiny Hugging Face Llama's folder, its run directory from `convert from-hf`)."""
+    root = tmp_path_factory.mktemp("lora")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, bos_token_id=256, eos_token_id=257), dtype=torch.float32)
+    model.save_pretrained(root / "hf")
+    assert main(["convert", "from-hf", "--hf-dir", str(root / "hf"), "--out", str(root / "base")]) == 0
+    return root
+
+
+def _train(root, run, steps, *extra) -> list[float]:
+    overrides = tiny_overrides(root / run, steps=steps) + [
+        f"checkpoint.init_from={root / 'base'}", *LORA, "checkpoint.every_steps=2", "data.source=synthetic",
+        "model.vocab_size=384", "optim.schedule_steps=6", *extra]
+    assert main(["train", "--config", str(root / "base" / "config.yaml"),
+                 *[a for o in overrides for a in ("--set", o)]]) == 0
+    lines = (root / run / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines if "event" not in json.loads(line)]
+
+
+def test_lora_from_a_converted_model_end_to_end(hf_run, tmp_path):
+    root = hf_run
+    whole = _train(root, "whole", 6, "mesh.fsdp=4", "mesh.tensor=2")
+    first = _train(root, "resumed", 4, "mesh.fsdp=4", "mesh.tensor=2")
+    _, meta = read_metadata(root / "resumed" / "checkpoints")
+    saved = [p for p in meta["arrays"] if p.startswith(".params")]
+    assert saved and all("_lora" in p for p in saved)  # the base is at checkpoint.init_from
+    assert meta["base"] == str(root / "base")
+    assert first + _train(root, "resumed", 6, "mesh.fsdp=4", "mesh.tensor=2")[4:] == whole  # bitwise
+
+    tokens = np.random.RandomState(0).randint(0, 384, (2, 16)).astype(np.int32)
+    np.save(tmp_path / "tokens.npy", tokens)
+    assert main(["logits", "--run-dir", str(root / "resumed"), "--tokens", str(tmp_path / "tokens.npy"), "--out",
+                 str(tmp_path / "ours.npy")]) == 0
+    ours = np.load(tmp_path / "ours.npy")
+    assert main(["convert", "to-hf", "--run-dir", str(root / "resumed"), "--out", str(tmp_path / "merged")]) == 0
+    assert main(["convert", "to-hf", "--run-dir", str(root / "resumed"), "--out", str(tmp_path / "adapter"),
+                 "--peft"]) == 0
+    import peft
+
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+        base = transformers.AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
+        before = base(torch.tensor(tokens)).logits.numpy()
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+        for name, got in (("merged", merged(torch.tensor(tokens)).logits.numpy()),
+                          ("PEFT", adapted(torch.tensor(tokens)).logits.numpy())):
+            np.testing.assert_allclose(got, ours, rtol=0, atol=1e-5, err_msg=name)
+    assert np.abs(before - ours).max() > 1e-3  # the adapters changed the model
