@@ -101,7 +101,13 @@ def parser() -> argparse.ArgumentParser:
     prepare.add_argument("--input", required=True, nargs="+", metavar="PATH_OR_GLOB",
                          help=".txt, .jsonl or .parquet files, folders or globs, local or gs://")
     prepare.add_argument("--out", required=True, help="the new dataset folder (new or empty)")
-    prepare.add_argument("--field", default="text", help="the text field of JSONL and Parquet records")
+    prepare.add_argument("--format", default="text",
+                         help="what the inputs hold: documents (text, the default), or JSONL/Parquet rows of "
+                              "conversations (chat: messages), prompts and completions (prompt_completion) or "
+                              "preference pairs (preference: prompt, chosen, rejected); docs/post-training.md")
+    prepare.add_argument("--chat-template", default="", metavar="PATH",
+                         help="a .jinja chat template to render messages with (default: the tokenizer's)")
+    prepare.add_argument("--field", default="text", help="the text field of JSONL and Parquet records (--format text)")
     prepare.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
                          help="the fraction of documents held out for evaluation")
     prepare.add_argument("--workers", type=int, default=None, metavar="N",
@@ -332,14 +338,21 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def data(args: argparse.Namespace) -> int:
+    from scaletrain.config import DATA_FORMATS
     from scaletrain.data import prepare
 
+    if args.format not in DATA_FORMATS:
+        raise UserError(f"--format must be one of {', '.join(DATA_FORMATS)}; got '{args.format}'")
     if not 0 <= args.eval_fraction < 1:
         raise UserError(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
+    if args.chat_template and args.format == "text":
+        raise UserError("--chat-template renders conversations: it goes with --format chat, prompt_completion or "
+                        "preference")
     _check_out(args.out, existing="empty folder", local=prepare.LOCAL_OUT)
-    return prepare.main(args.tokenizer, args.input, args.out, args.field, args.eval_fraction, args.workers)
+    return prepare.main(args.tokenizer, args.input, args.out, args.field, args.eval_fraction, args.workers,
+                        args.format, args.chat_template)
 
 
 def logits(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""Training data: documents -> tokens -> packed windows -> a Grain dataset -> per-process global batches.
+"""Training data: documents -> tokens -> packed windows (or, for the post-training formats, rows -> examples ->
+rows of whole examples: examples.py, packing.py) -> a Grain dataset -> per-process global batches.
 
 The order of samples is a pure function of (seed, global sample index): batch `s` holds global samples
 [s*B, (s+1)*B) of a Grain `MapDataset` shuffled afresh each epoch, and each process reads only its own rows.
@@ -9,17 +10,13 @@ or in `data.workers` processes; the position counts those taken. docs/data.md ha
 
 from __future__ import annotations
 
-import fnmatch
 import functools
-import glob
 import itertools
 import json
 import os
-import sysconfig
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterator
 
 import grain
@@ -27,128 +24,15 @@ import jax
 import numpy as np
 from etils import epath
 
-from scaletrain.data import tokenizer
+from scaletrain import config
+from scaletrain.data import chat, examples, packing, tokenizer
+from scaletrain.data.files import file_documents, stdlib_documents
 from scaletrain.errors import ConfigError, DataError, first_line
 from scaletrain.store import storage
 
-SUFFIXES = (".txt", ".jsonl", ".parquet")  # the files a folder contributes
 METADATA = "metadata.json"  # a prepared dataset's description, written last (scaletrain/data/prepare.py)
 FORMAT, FORMAT_VERSION = "scaletrain-prepared", 1
 PREFETCH = 4  # batches made ahead: by the background thread, or by each worker process
-
-
-def stdlib_documents(errors: str) -> list[str]:
-    """The Python standard library's own source: present wherever Python is, identical for a given version. A few
-    of its test files are deliberately not UTF-8; `errors` (a codecs error handler) says how their bytes are read."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-    return [text for p in files if (text := p.read_bytes().decode("utf-8", errors))]
-
-
-def _glob(pattern: str) -> list[epath.Path]:
-    """Files matching a glob, local or gs://: the pattern's parts from the first wildcard on are matched
-    below the folder its earlier parts name; a `**` part stands for any number of folders (none included)."""
-    parts = pattern.split("/")
-    first = next(i for i, part in enumerate(parts) if glob.has_magic(part))
-    folder = epath.Path("/".join(parts[:first]) or ("/" if pattern.startswith("/") else "."))
-    rest = tuple(parts[first:])
-    if not any("**" in part for part in rest):
-        return [f for f in folder.glob("/".join(rest)) if f.is_file()]
-    # epath refuses `**` in bucket globs (and pathlib's differs from glob's): the folder's files are listed and
-    # matched here.
-    files = _files(folder) if folder.is_dir() else []
-    return [f for f in files if _matches(f.relative_to(folder).parts, rest)]
-
-
-def _matches(parts: tuple[str, ...], pattern: tuple[str, ...]) -> bool:
-    if not pattern:
-        return not parts
-    if pattern[0] == "**":
-        return any(_matches(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
-    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _matches(parts[1:], pattern[1:])
-
-
-def _files(folder: epath.Path) -> Iterator[epath.Path]:
-    """The files below a folder. Listed folder by folder: epath's rglob refuses buckets, and its walk drops the
-    gs:// of the paths it yields."""
-    for entry in folder.iterdir():
-        if entry.is_dir():
-            yield from _files(entry)
-        else:
-            yield entry
-
-
-def input_files(path: str, what: str = "data.path") -> list[epath.Path]:
-    """The files a path names, local or gs://: a glob's matches or a folder's .txt/.jsonl/.parquet files (sorted),
-    or the file itself. `what` names the setting in the error when there are none."""
-    p = epath.Path(path)
-    if glob.has_magic(path):
-        files = sorted(_glob(path))
-    elif p.is_dir():
-        files = sorted(f for f in _files(p) if f.suffix in SUFFIXES)
-    else:
-        files = [p] if p.is_file() else []
-    if not files:
-        raise DataError(f"{what} '{path}' matches no files; expected a .txt, .jsonl or .parquet file, a folder or a "
-                        f"glob")
-    return files
-
-
-def documents(f: epath.Path, text_field: str) -> Iterator[str]:
-    """A file's non-empty documents, streamed: each line's `text_field` of a .jsonl, each row's `text_field` column
-    of a .parquet (a batch of rows at a time), else the whole file. Text must be UTF-8."""
-    read = {".jsonl": _jsonl_documents, ".parquet": _parquet_documents}.get(f.suffix, _text_document)
-    return (text for text in read(f, text_field) if text)
-
-
-def _utf8(raw: bytes, where: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{where}: not UTF-8 text (byte {e.start})") from None
-
-
-def _text_document(f: epath.Path, _text_field: str) -> Iterator[str]:
-    yield _utf8(f.read_bytes(), str(f))
-
-
-def _jsonl_documents(f: epath.Path, text_field: str) -> Iterator[str]:
-    with f.open("rb") as lines:
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(_utf8(line, f"{f}:{n}"))[text_field]
-            except (json.JSONDecodeError, KeyError, TypeError, IndexError):
-                text = None
-            if not isinstance(text, str):
-                raise DataError(f"{f}:{n}: expected a JSON object with a string field '{text_field}'")
-            yield text
-
-
-def _parquet_documents(f: epath.Path, text_field: str) -> Iterator[str]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    with f.open("rb") as raw:
-        try:
-            table = pq.ParquetFile(raw)
-            if text_field not in table.schema_arrow.names:
-                raise DataError(f"{f}: no column '{text_field}'; its columns are {', '.join(table.schema_arrow.names)}")
-            row = 0
-            for batch in table.iter_batches(batch_size=1024, columns=[text_field]):
-                for text in batch.column(0).to_pylist():
-                    row += 1
-                    if not isinstance(text, str):
-                        raise DataError(f"{f}: row {row}: column '{text_field}' holds {text!r}, not a string")
-                    yield text
-        except (pa.ArrowException, OSError) as e:
-            raise DataError(f"{f}: not a readable Parquet file ({first_line(e)})") from None
-
-
-def file_documents(path: str, text_field: str) -> list[str]:
-    """Every document of the files `path` names (input_files)."""
-    return [text for f in input_files(path) for text in documents(f, text_field)]
 
 
 def pack(window: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
@@ -170,6 +54,8 @@ class PackedSource:
     [i*T, i*T + T + 1), inputs and next-token targets. The stream is an array, or a prepared dataset's split read
     from disk (RecordStream): anything that slices like an array."""
 
+    dropped = 0  # a stream leaves nothing out: documents are cut at window edges
+
     def __init__(self, stream, seq_len: int, eos_id: int, what: str = "the corpus"):
         self.stream, self.seq_len, self.eos_id = stream, seq_len, eos_id
         self.length = (len(stream) - 1) // seq_len
@@ -190,6 +76,8 @@ class PackedSource:
 class SyntheticSource:
     """Uniform random tokens, a pure function of (seed, index): for benchmarks, needs no corpus."""
 
+    dropped = 0
+
     def __init__(self, vocab_size: int, seq_len: int, seed: int):
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
 
@@ -202,8 +90,8 @@ class SyntheticSource:
                     segment_ids=np.ones(self.seq_len, np.int32), loss_mask=np.ones(self.seq_len, np.float32))
 
 
-def read_metadata(path: str, tok: tokenizer.Tokenizer) -> dict:
-    """A prepared dataset's metadata, refused unless its tokens are `tok`'s."""
+def read_metadata(path: str, tok: tokenizer.Tokenizer, data_format: str = "text") -> dict:
+    """A prepared dataset's metadata, refused unless its tokens are `tok`'s and its rows of `data_format`."""
     if storage.is_remote(path):
         raise DataError(f"prepared dataset '{path}': ArrayRecord files are read from a local disk; copy the dataset "
                         f"there (or mount the bucket)")
@@ -222,22 +110,27 @@ def read_metadata(path: str, tok: tokenizer.Tokenizer) -> dict:
         raise DataError(f"'{path}' was prepared with tokenizer '{made_with['spec']}', whose tokens differ from "
                         f"data.tokenizer '{tok.spec}''s (another digest); set data.tokenizer to the dataset's "
                         f"tokenizer or prepare the data again")
+    if dataset_format(meta) != data_format:
+        held = dataset_format(meta)
+        raise DataError(f"'{path}' holds {held} data (`data prepare --format {held}`), not data.format={data_format}; "
+                        f"set data.format={held} or prepare the data with --format {data_format}")
     return meta
+
+
+def dataset_format(meta: dict) -> str:
+    """A prepared dataset's data.format (text datasets, as first written, do not say)."""
+    return meta.get("data_format", "text")
 
 
 def split_tokens(meta: dict, split: str) -> int:
     return meta["splits"][split]["tokens"]
 
 
-class RecordStream:
-    """A prepared split's token stream, sliced like an array and read from its ArrayRecord shards (Grain's
-    ArrayRecordDataSource, random access) a record of `record_tokens` tokens at a time: host memory does not grow
-    with the corpus."""
+class Shards:
+    """A prepared split's ArrayRecord shards, each checked when opened, read a record at a time by random access
+    (Grain's ArrayRecordDataSource): host memory does not grow with the corpus."""
 
-    def __init__(self, folder: str, meta: dict, split: str):
-        shards = meta["splits"][split]["shards"]
-        self.tokens, self.record_tokens = split_tokens(meta, split), meta["record_tokens"]
-        self.dtype = np.dtype(meta["token_dtype"])
+    def __init__(self, folder: str, shards: list[dict]):
         self.paths = [os.path.join(folder, s["file"]) for s in shards]
         for path, shard in zip(self.paths, shards):
             _check_shard(path, shard["records"])
@@ -245,8 +138,28 @@ class RecordStream:
         # "[0:n]": the counts are known (and checked), so Grain need not open every shard to count them again.
         self.records = grain.sources.ArrayRecordDataSource(
             [f"{p}[0:{s['records']}]" for p, s in zip(self.paths, shards)]) if shards else None
+
+    def __len__(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def __getitem__(self, k: int) -> bytes:
+        try:
+            return self.records[k]
+        except RuntimeError as e:  # Riegeli's checksums: bytes changed on disk
+            shard = self.paths[next(i for i, end in enumerate(self.ends) if k < end)]
+            raise DataError(f"{shard}: corrupt ({first_line(e)}); prepare the dataset again") from None
+
+
+class RecordStream:
+    """A prepared text split's token stream, sliced like an array and read from its shards a record of
+    `record_tokens` tokens at a time."""
+
+    def __init__(self, folder: str, meta: dict, split: str):
+        self.tokens, self.record_tokens = split_tokens(meta, split), meta["record_tokens"]
+        self.dtype = np.dtype(meta["token_dtype"])
+        self.shards = Shards(folder, meta["splits"][split]["shards"])
         last = -(-self.tokens // self.record_tokens) - 1
-        if self.tokens and (self.ends[-1:] != [last + 1]
+        if self.tokens and (len(self.shards) != last + 1
                             or len(self._record(last)) != self.tokens - last * self.record_tokens):
             raise DataError(f"{folder}: the {split} split's shards do not hold the {self.tokens} tokens its "
                             f"{METADATA} counts; prepare the dataset again")
@@ -260,11 +173,32 @@ class RecordStream:
         return chunk[s.start - first * self.record_tokens: s.stop - first * self.record_tokens]
 
     def _record(self, k: int) -> np.ndarray:
+        return np.frombuffer(self.shards[k], self.dtype)
+
+
+class ExampleRecords:
+    """A prepared split of examples (chat, prompt_completion, preference): example i read from record i of its
+    shards, and every example's sequence lengths, from the split's lengths file, held in memory (packing needs
+    them all; 4 bytes a sequence)."""
+
+    def __init__(self, folder: str, meta: dict, split: str):
+        info = meta["splits"][split]
+        self.dtype, self.extras = np.dtype(meta["token_dtype"]), tuple(meta["extras"])
+        self.shards = Shards(folder, info["shards"])
+        path = os.path.join(folder, info["lengths"])
         try:
-            return np.frombuffer(self.records[k], self.dtype)
-        except RuntimeError as e:  # Riegeli's checksums: bytes changed on disk
-            shard = self.paths[next(i for i, end in enumerate(self.ends) if k < end)]
-            raise DataError(f"{shard}: corrupt ({first_line(e)}); prepare the dataset again") from None
+            self.sizes = np.load(path).astype(np.int32)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path}: unreadable ({first_line(e)}); prepare the dataset again") from None
+        if len(self.sizes) != info["examples"] or len(self.shards) != info["examples"]:
+            raise DataError(f"{folder}: the {split} split's shards and lengths do not hold the {info['examples']} "
+                            f"examples its {METADATA} counts; prepare the dataset again")
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: int) -> examples.Example:
+        return examples.from_record(self.shards[i], self.sizes[i], self.dtype, self.extras)
 
 
 def _check_shard(path: str, records: int) -> None:
@@ -282,13 +216,41 @@ def _check_shard(path: str, records: int) -> None:
         raise DataError(f"{path}: {found} records, not the {records} of {METADATA}; prepare the dataset again")
 
 
-def prepared_source(path: str, split: str, meta: dict, cfg) -> PackedSource:
-    return PackedSource(RecordStream(path, meta, split), cfg.data.seq_len, meta["tokenizer"]["eos_id"],
-                        f"the {split} split of '{path}'")
+def prepared_source(path: str, split: str, meta: dict, cfg) -> PackedSource | packing.PackedRows:
+    what = f"the {split} split of '{path}'"
+    if dataset_format(meta) == "text":
+        return PackedSource(RecordStream(path, meta, split), cfg.data.seq_len, meta["tokenizer"]["eos_id"], what)
+    template = meta["chat_template"]
+    if cfg.data.chat_template and template:
+        given = chat.template_text(cfg.data.chat_template, tokenizer.load(cfg.data.tokenizer))
+        if chat.digest(given[0]) != template["sha256"]:
+            raise DataError(f"'{path}' was rendered with another chat template ({template['spec']}) than "
+                            f"data.chat_template '{cfg.data.chat_template}'; leave data.chat_template empty (the "
+                            f"dataset's tokens are rendered already) or prepare the data again with it")
+    records = ExampleRecords(path, meta, split)
+    return _rows(cfg, records, records.sizes, meta["tokenizer"]["eos_id"], what, records.extras)
 
 
-def make_source(cfg) -> PackedSource | SyntheticSource:
+def extras(cfg) -> tuple[str, ...]:
+    """The per-token arrays a run's rows carry beside the tokens: DPO's reference log-probs, where they come from
+    the data (dpo.reference=precomputed)."""
+    return ("ref_logprobs",) if cfg.train.objective == "dpo" and cfg.dpo.reference == "precomputed" else ()
+
+
+def _rows(cfg, made, sizes: np.ndarray, pad_id: int, what: str, stored: tuple[str, ...] = ()) -> packing.PackedRows:
+    if missing := [name for name in extras(cfg) if name not in stored]:
+        raise DataError(f"dpo.reference=precomputed reads the reference's log-probs from the data, but {what} carries "
+                        f"no {', '.join(missing)}; compute them into a prepared dataset, or set dpo.reference=auto")
+    return packing.PackedRows(made, sizes, cfg.data.seq_len, config.loss_on(cfg.data) == "all", pad_id,
+                              pairs=cfg.data.format == "preference", what=what, extras=extras(cfg))
+
+
+def make_source(cfg) -> PackedSource | SyntheticSource | packing.PackedRows | packing.SyntheticPairs:
+    """The training rows of cfg.data, in order: windows of a text stream, or examples packed into rows. Its
+    `dropped`: the examples too long for data.seq_len, left out."""
     data = cfg.data
+    if data.source == "synthetic" and data.format == "preference":
+        return packing.SyntheticPairs(cfg.model.vocab_size, data.seq_len, cfg.seed, extras(cfg))
     if data.source == "synthetic":
         return SyntheticSource(cfg.model.vocab_size, data.seq_len, cfg.seed)
     tok = tokenizer.load(data.tokenizer)
@@ -298,7 +260,12 @@ def make_source(cfg) -> PackedSource | SyntheticSource:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {tok.name}'s {tok.vocab_size} "
                           f"ids")
     if data.source == "prepared":
-        return prepared_source(data.path, "train", read_metadata(data.path, tok), cfg)
+        return prepared_source(data.path, "train", read_metadata(data.path, tok, data.format), cfg)
+    if data.format != "text":
+        maker = examples.Maker(data.format, data.tokenizer, data.chat_template,
+                               assistant=config.loss_on(data) == "assistant")
+        made = examples.made(maker, examples.rows(data.path, data.format))
+        return _rows(cfg, made, examples.lengths(made, data.format), tok.eos_id, f"data.path '{data.path}'")
     if data.source == "stdlib":
         # The byte tokenizer sees the non-UTF-8 files' exact bytes; the others, text with U+FFFD for them.
         docs = stdlib_documents("surrogateescape" if data.tokenizer == "bytes" else "replace")
@@ -308,21 +275,25 @@ def make_source(cfg) -> PackedSource | SyntheticSource:
     return PackedSource(stream, data.seq_len, tok.eos_id)
 
 
-def make_dataset(cfg) -> grain.MapDataset:
+def _shuffled(source, seed: int) -> grain.MapDataset:
     """Shuffled afresh every epoch (Grain reseeds per epoch), infinitely repeated, randomly accessible."""
-    return grain.MapDataset.source(make_source(cfg)).shuffle(seed=cfg.seed).repeat()
+    return grain.MapDataset.source(source).shuffle(seed=seed).repeat()
+
+
+def make_dataset(cfg) -> grain.MapDataset:
+    return _shuffled(make_source(cfg), cfg.seed)
 
 
 def make_eval_dataset(cfg) -> grain.MapDataset | None:
-    """The evaluation windows, in order: not shuffled, not repeated (len() of them). Those of data.eval_path (its
+    """The evaluation rows, in order: not shuffled, not repeated (len() of them). Those of data.eval_path (its
     eval split; its train split when the eval split is empty), else, with data.source prepared, data.path's eval
     split. None when there are none (an empty eval split is an error when train.eval_every_steps asks for
-    evaluation)."""
+    evaluation). Examples are packed and masked as for training."""
     data = cfg.data
     if not data.eval_path and data.source != "prepared":
         return None
     path = data.eval_path or data.path
-    meta = read_metadata(path, tokenizer.load(data.tokenizer))
+    meta = read_metadata(path, tokenizer.load(data.tokenizer), data.format)
     split = "eval" if split_tokens(meta, "eval") or not data.eval_path else "train"
     if not split_tokens(meta, split):
         if not cfg.train.eval_every_steps:
@@ -386,6 +357,7 @@ class BatchIterator:
     rows: np.ndarray | None = None  # rows of each global batch to load; None: all of them
     next_sample: int = 0
     workers: int = 0  # processes making batches ahead; 0: a background thread
+    dropped: int = 0  # examples longer than data.seq_len the training rows leave out (make_source's `dropped`)
     _ahead: grain.DatasetIterator | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
@@ -427,9 +399,12 @@ def make_iterator(cfg, batch_sharding, dataset: grain.MapDataset | None = None,
                   workers: int | None = None) -> BatchIterator:
     """This process's batches of `dataset` (the training data by default) from sample 0, made ahead in `workers`
     processes (default data.workers)."""
-    return BatchIterator(dataset if dataset is not None else make_dataset(cfg), cfg.train.global_batch,
-                         process_rows(batch_sharding, cfg.train.global_batch),
-                         workers=cfg.data.workers if workers is None else workers)
+    dropped = 0
+    if dataset is None:
+        source = make_source(cfg)
+        dataset, dropped = _shuffled(source, cfg.seed), source.dropped
+    return BatchIterator(dataset, cfg.train.global_batch, process_rows(batch_sharding, cfg.train.global_batch),
+                         workers=cfg.data.workers if workers is None else workers, dropped=dropped)
 
 
 def to_global(local: dict[str, np.ndarray], sharding, global_batch: int) -> dict[str, jax.Array]:

@@ -2,7 +2,9 @@
 
 `load(spec)` takes `bytes`, a tokenizer.json, a folder holding one (or a tokenizer.model), or a SentencePiece
 `.model`, local or gs://. Every tokenizer has an EOS; BOS is optional (Qwen's has none). A training stream is
-documents, each `document(text)` = [BOS] + ids + [EOS], so the EOS alone marks where documents end.
+documents, each `document(text)` = [BOS] + ids + [EOS], so the EOS alone marks where documents end. A Hugging Face
+tokenizer also carries what its chat template needs (scaletrain/data/chat.py): the template, the special tokens it
+names, and an encoding of rendered conversations in which the special tokens the template writes are parsed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ VOCAB_SIZE = 259
 # Looked up in this order in a tokenizer.json's vocabulary when no tokenizer_config.json beside it names them.
 KNOWN_BOS = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 KNOWN_EOS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+# The special tokens transformers hands a chat template as variables (its SPECIAL_TOKENS_ATTRIBUTES), from
+# tokenizer_config.json.
+TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves a tokenizer's chat template
 
 SPECS = "bytes, a tokenizer.json, a folder holding one (or a tokenizer.model), or a SentencePiece .model"
 
@@ -73,26 +79,49 @@ class ByteTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    """A Hugging Face tokenizer.json; BOS and EOS from the tokenizer_config.json beside it, else well-known names."""
+    """A Hugging Face tokenizer.json; BOS and EOS from the tokenizer_config.json beside it, else well-known names.
+    Its chat template: chat_template.jinja beside it, else tokenizer_config.json's `chat_template` (a string, or a
+    list of named templates: the one named `default`), as transformers loads it; None when there is none."""
+
+    special_tokens: dict[str, str]  # tokenizer_config.json's TEMPLATE_TOKENS, by name: a chat template's variables
+    chat_template: str | None
 
     def __init__(self, spec: str, path: epath.Path):
-        import tokenizers
-
         raw = _read(spec, path)
-        try:
-            self._tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
-        except Exception as e:  # noqa: BLE001 - the library raises plain Exceptions for bad files
-            raise UserError(f"tokenizer '{spec}': {path} is not a tokenizer.json ({first_line(e)})") from None
+        self._raw = raw.decode("utf-8", errors="replace")
+        self._tok = self._parsed(spec, path)
         # A document's text never becomes special tokens: an EOS in a stream must mean a document's end.
         self._tok.encode_special_tokens = True
         config = _config(spec, path.parent / "tokenizer_config.json")
         bos = _special_id(spec, config, "bos_token", KNOWN_BOS, self._tok.token_to_id)
         eos = _special_id(spec, config, "eos_token", KNOWN_EOS, self._tok.token_to_id)
-        files = (path, path.parent / "tokenizer_config.json") if config else (path,)
+        template_file = path.parent / CHAT_TEMPLATE_FILE
+        self.special_tokens = {key: token for key in TEMPLATE_TOKENS if (token := _token_text(config.get(key)))}
+        self.chat_template = _chat_template(spec, template_file, config)
+        files = (path, *(f for f in (path.parent / "tokenizer_config.json", template_file) if f.is_file()))
         _set_up(self, spec, raw, max(self._tok.get_vocab(with_added_tokens=True).values()) + 1, bos, eos, files)
+
+    def _parsed(self, spec: str, path: epath.Path):
+        import tokenizers
+
+        try:
+            return tokenizers.Tokenizer.from_str(self._raw)
+        except Exception as e:  # noqa: BLE001 - the library raises plain Exceptions for bad files
+            raise UserError(f"tokenizer '{spec}': {path} is not a tokenizer.json ({first_line(e)})") from None
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
+
+    def encode_rendered(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """The ids of a rendered chat template - the special tokens it writes parsed as such, as transformers
+        tokenizes it - and each token's character span in `text` (to find the tokens of a span of the text)."""
+        encoding = self._rendered.encode(text, add_special_tokens=False)
+        return np.asarray(encoding.ids, np.int32), encoding.offsets
+
+    @functools.cached_property
+    def _rendered(self):
+        """A second instance that parses special tokens (the first one never does): made when first needed."""
+        return self._parsed(self.spec, self.files[0])
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
@@ -147,15 +176,31 @@ def _config(spec: str, path: epath.Path) -> dict:
     return config if isinstance(config, dict) else {}
 
 
+def _token_text(token):
+    """A special token as tokenizer_config.json names it: a string, {"content": ...} (an AddedToken) or null."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _chat_template(spec: str, file: epath.Path, config: dict) -> str | None:
+    if file.is_file():
+        try:
+            return _read(spec, file).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"tokenizer '{spec}': {file} is not UTF-8 text (byte {e.start})") from None
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) else None
+
+
 def _special_id(spec: str, config: dict, key: str, known: tuple[str, ...],
                 token_to_id: Callable[[str], int | None]) -> int | None:
     """The id of tokenizer_config.json's `key` (a string, {"content": ...} or null: none); without the key, of the
     first well-known token in the vocabulary."""
     if key not in config:
         return next((i for token in known if (i := token_to_id(token)) is not None), None)
-    token = config[key]
-    if isinstance(token, dict):
-        token = token.get("content")
+    token = _token_text(config[key])
     if token is None:
         return None
     if not isinstance(token, str) or token_to_id(token) is None:
