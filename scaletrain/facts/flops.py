@@ -5,7 +5,8 @@ attention is counted as the useful half of the full T x T score and value matmul
 and the embedding lookup are not counted (well under 1% at Llama sizes). A mixture of experts counts the
 weights a token is multiplied with - its router and the k experts it is routed to, not all E: the "active
 parameters" MoE models are compared by. Remat recomputation is not useful work and is not counted: MFU is model
-FLOPs utilisation.
+FLOPs utilisation. Post-training changes the passes (`passes`): a frozen base (LoRA) has no weight gradient, its
+adapters train in full; DPO's reference runs one more forward pass of the whole model.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import jax
 
 from scaletrain import models as model_lib
-from scaletrain.models import quantize
+from scaletrain.models import lora, quantize
 from scaletrain.parallel.sharding import is_logical
 
 # The logical dims of a layer stack (models/transformer.py): the layers, and the dense layers within a group.
@@ -34,15 +35,18 @@ class ParamCount:
     final_norm: int
     lm_head: int  # 0 when tied to the embedding
     quantized: int = 0  # of `matmul`, the weights a token multiplies in int8 or fp8 (model.quantization)
+    adapters: int = 0  # LoRA's A and B (models/lora.py), every layer's (an expert's: E of them)
+    active_adapters: int = 0  # of those, the ones a token multiplies (of a mixture's experts: k of E)
 
     @property
     def total(self) -> int:
-        return self.embedding + self.attention + self.mlp + self.norms + self.final_norm + self.lm_head
+        return (self.embedding + self.attention + self.mlp + self.norms + self.final_norm + self.lm_head
+                + self.adapters)
 
     @property
     def active(self) -> int:
         """Parameters one token uses: all but the experts it is not routed to (Mixtral's "active parameters")."""
-        return self.total - self.mlp + self.active_mlp
+        return self.total - self.mlp + self.active_mlp - self.adapters + self.active_adapters
 
     @property
     def matmul(self) -> int:
@@ -60,15 +64,19 @@ def param_count(model_cfg) -> ParamCount:
     E experts of which a token uses k."""
     _, params, logical = model_lib.abstract(model_cfg)
     low = model_lib.quantized(model_cfg)
-    sizes = dict.fromkeys(("attention", "mlp", "active_mlp", "norms", "quantized"), 0)
+    sizes = dict.fromkeys(("attention", "mlp", "active_mlp", "norms", "quantized", "adapters", "active_adapters"), 0)
     flat = jax.tree_util.tree_flatten_with_path(params.get("layers", {}))[0]
     for (path, x), names, rounded in zip(flat, jax.tree.leaves(logical.get("layers", {}), is_leaf=is_logical),
                                          jax.tree.leaves(low.get("layers", {}))):
         own = [n for n in names if n not in _STACKED]
+        used = x.size // model_cfg.num_experts * model_cfg.experts_per_token if "experts" in names else x.size
+        if lora.is_adapter(path):
+            sizes["adapters"] += x.size
+            sizes["active_adapters"] += used
+            continue
         if len(own) == 1:
             sizes["norms"] += x.size
             continue
-        used = x.size // model_cfg.num_experts * model_cfg.experts_per_token if "experts" in names else x.size
         if any(getattr(k, "key", None) == "mlp" for k in path):
             sizes["mlp"] += x.size
             sizes["active_mlp"] += used
@@ -91,13 +99,23 @@ def attention_flops_per_token(m, seq_len: int) -> float:
     return 6.0 * seq_len * m.num_heads * m.head_dim * m.num_layers
 
 
-def flops_per_token(m, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per matmul weight the token is multiplied with (ParamCount.matmul: a mixture
-    of experts' active weights), plus causal attention."""
-    return 6.0 * param_count(m).matmul + attention_flops_per_token(m, seq_len)
+def passes(m, reference: bool = False) -> int:
+    """Passes a training step makes over each weight matrix of the model per token: the forward pass, the input
+    gradient, the weight gradient (none where the base is frozen: LoRA, model.lora_rank > 0) and, with
+    `reference`, DPO's reference forward (objective.runs_reference). 3 for pretraining."""
+    return 2 + (not m.lora_rank) + reference
 
 
-def quantized_share(m, seq_len: int) -> float:
+def flops_per_token(m, seq_len: int, reference: bool = False) -> float:
+    """Training FLOPs per token: 2 x `passes` per matmul weight the token is multiplied with (ParamCount.matmul: a
+    mixture of experts' active weights; 6 for pretraining), 6 per adapter weight (trained in full), plus causal
+    attention (a fourth pass with `reference`)."""
+    count = param_count(m)
+    return (2.0 * passes(m, reference) * count.matmul + 6.0 * count.active_adapters
+            + attention_flops_per_token(m, seq_len) * (3 + reference) / 3)
+
+
+def quantized_share(m, seq_len: int, reference: bool = False) -> float:
     """The share of flops_per_token that model.quantization runs in int8 or fp8 (0 without): the weight in MFU's
     peak of the chip's low-precision rate (hardware.Chip.mixed_peak)."""
-    return 6.0 * param_count(m).quantized / flops_per_token(m, seq_len)
+    return 2.0 * passes(m, reference) * param_count(m).quantized / flops_per_token(m, seq_len, reference)

@@ -13,7 +13,6 @@ from typing import Iterator
 
 from scaletrain.config import MESH_AXES
 from scaletrain.errors import ConfigError
-from scaletrain.facts import flops
 from scaletrain.facts import hardware as hw
 from scaletrain.planner import memory, roofline
 
@@ -28,7 +27,7 @@ def training(cfg, result: dict, tokens: float, mfu: float | None = None) -> dict
     model FLOPs utilisation `mfu`, or at the plan's predicted step time when None. Says whether `mfu` exceeds
     what the plan predicts the mesh can reach, and whether the trainer would refuse the mesh at all."""
     total = result["flops_per_token"] * tokens
-    matmul = total - flops.attention_flops_per_token(cfg.model, cfg.data.seq_len) * tokens
+    matmul = total - result["attention_flops_per_token"] * tokens
     bound = result["mfu_upper_bound"]
     used = bound if mfu is None else mfu
     peak = result["step_flops"] / (result["step_time_s"] * bound)  # all chips' FLOP/s

@@ -72,7 +72,7 @@ def update_bytes(state: memory.State, layers: float) -> float:
     """HBM bytes of the optimizer's update on one device, whose stage holds `layers` layers: it reads the
     parameters and gradients and writes the parameters on its shard of the optimizer state, and reads and writes
     both moments."""
-    layer_params, outside = state.weights(state.layout.rules.opt_state)
+    layer_params, outside = state.weights(state.layout.rules.opt_state, trained=True)
     return 3 * (layer_params * layers + outside) + 2 * state.optimizer
 
 
@@ -82,9 +82,10 @@ def weight_pass_bytes(cfg, state: memory.State) -> float:
     the batch axes shard them), and the weight gradient, written whole in the parameters' dtype and read by its
     reduction."""
     gathered = memory.gathered_layer(state)
-    whole = gathered or state.weights(state.layout.rules.params)[0] * state.mesh.shape["pipeline"]
+    gradient = memory.gathered_layer(state, trained=True) or (
+        state.weights(state.layout.rules.params, trained=True)[0] * state.mesh.shape["pipeline"])
     gathers = 2 * memory.DTYPE_BYTES[cfg.model.dtype] / memory.DTYPE_BYTES[cfg.model.param_dtype]
-    return whole * 2 + gathered * gathers
+    return gradient * 2 + gathered * gathers
 
 
 # Mesh axes whose collectives carry activations the next operation waits for - tensor parallelism's gathers and

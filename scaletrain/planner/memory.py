@@ -23,6 +23,7 @@ from scaletrain.parallel import pipeline_1f1b, pipeline_zb, sharding
 from scaletrain.parallel.checks import microbatches, shards_kv_heads
 from scaletrain.planner import residuals
 from scaletrain.train import layout as layout_lib
+from scaletrain.train import objective
 from scaletrain.train.runner import Runner
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -44,26 +45,32 @@ class State:
 
     layout: layout_lib.StateLayout
     mesh: AbstractMesh
-    params: int
+    params: int  # every parameter, a frozen base (LoRA's) in lora.base_dtype
     optimizer: int
-    gradients: int
+    gradients: int  # of the trained parameters
     refused: str | None  # why the trainer could not place these arrays on this mesh (a dim it does not divide)
+    trained: int = 0  # of `params`, the trained ones' (all but LoRA's base)
+    reference: int = 0  # DPO's frozen copy of the model (dpo.reference copy), in the dtypes its forward reads
 
     def weights(self, table: sharding.RuleTable, gathered: Sequence[str] = (),
-                experts: bool | None = None, dtypes: Any = None) -> tuple[float, float]:
+                experts: bool | None = None, dtypes: Any = None, trained: bool = False) -> tuple[float, float]:
         """Bytes one device holds of the parameters placed by `table`, gathered over the mesh axes `gathered`
         (sharded over none of them): (one layer's - the stack's over its layers -, those outside the layers).
         `experts`: of the arrays with an `experts` dim only (True), of the others only (False), or of all.
-        `dtypes`: each parameter's dtype (a tree like the parameters', models.operand_dtypes), else as stored."""
+        `dtypes`: each parameter's dtype (a tree like the parameters', models.operand_dtypes), else as stored.
+        `trained`: of the trained parameters only (what has gradients and optimizer state)."""
         table = {k: tuple(a for a in sharding.mesh_axes(v) if a not in gathered) for k, v in table.items()}
         lay = self.layout
         params = lay.params if dtypes is None else jax.tree.map(
             lambda x, d: jax.ShapeDtypeStruct(x.shape, d), lay.params, dtypes)
+        logical = lay.logical
+        if trained:
+            params, logical = lay.parts.trainable(params), lay.parts.trainable(logical)
 
         def part(inside: bool) -> int:
             pairs = [(x, names) for k in params if (k == "layers") == inside
                      for x, names in zip(jax.tree.leaves(params[k]),
-                                         jax.tree.leaves(lay.logical[k], is_leaf=sharding.is_logical))
+                                         jax.tree.leaves(logical[k], is_leaf=sharding.is_logical))
                      if experts is None or ("experts" in names) == experts]
             return layout_lib.device_bytes([x for x, _ in pairs], [names for _, names in pairs], table, self.mesh)
 
@@ -81,10 +88,18 @@ def state(cfg, axes: Mapping[str, int]) -> State:
         refused = None
     except ConfigError as e:
         refused = str(e)
+    trained, trained_logical = lay.parts.trainable(lay.params), lay.parts.trainable(lay.logical)
+    reference = 0
+    if objective.reference_kind(cfg) == "copy":  # laid out as the trainer lays it (trainer.build)
+        copy = jax.tree.map(lambda x, d: jax.ShapeDtypeStruct(x.shape, d), lay.params,
+                            model_lib.operand_dtypes(lay.model_cfg, quantized=False))
+        reference = layout_lib.device_bytes(copy, lay.logical, lay.rules.params, mesh)
     return State(layout=lay, mesh=mesh, refused=refused,
                  params=layout_lib.device_bytes(lay.params, lay.logical, lay.rules.params, mesh),
                  optimizer=layout_lib.device_bytes(lay.opt_state, lay.opt_logical, lay.rules.opt_state, mesh),
-                 gradients=layout_lib.device_bytes(lay.params, lay.logical, lay.rules.grads, mesh))
+                 gradients=layout_lib.device_bytes(trained, trained_logical, lay.rules.grads, mesh),
+                 trained=layout_lib.device_bytes(trained, trained_logical, lay.rules.params, mesh),
+                 reference=reference)
 
 
 def kept(policy: str, custom: Mapping[str, str]) -> dict[str, str]:
@@ -276,20 +291,22 @@ def unscattered_gradients(cfg, s: State) -> float:
     shards what the parameter rule does not, and train/step.py places them after the backward pass): laid out as
     the parameters, in the compute dtype the weights were cast to (their gradients are cast back per array as they
     are placed). None where gradients and parameters are split alike."""
-    if s.gradients >= s.params:
+    if s.gradients >= s.trained:
         return 0.0
-    return s.params * DTYPE_BYTES[cfg.model.dtype] / DTYPE_BYTES[cfg.model.param_dtype]
+    return s.trained * DTYPE_BYTES[cfg.model.dtype] / DTYPE_BYTES[cfg.model.param_dtype]
 
 
-def gathered_layer(s: State, dtypes: Any = None) -> float:
+def gathered_layer(s: State, dtypes: Any = None, trained: bool = False) -> float:
     """Bytes (in the parameters' dtype, or in `dtypes`: State.weights') of one layer's weights as its matmuls use
     them - gathered over the batch axes that shard them (FSDP; an expert's weights stay on their `expert`
-    devices) -, or 0 where no batch axis shards them (they are used where they lie)."""
+    devices) -, or 0 where no batch axis shards them (they are used where they lie). `trained`: of the trained
+    weights only (those whose gradients the layer forms)."""
     batch = sharding.mesh_axes(s.layout.rules.activations["batch"])
     table = s.layout.rules.params
-    held, _ = s.weights(table)
-    whole = (s.weights(table, batch, experts=False, dtypes=dtypes)[0]
-             + s.weights(table, tuple(a for a in batch if a != "expert"), experts=True, dtypes=dtypes)[0])
+    held, _ = s.weights(table, trained=trained)
+    whole = (s.weights(table, batch, experts=False, dtypes=dtypes, trained=trained)[0]
+             + s.weights(table, tuple(a for a in batch if a != "expert"), experts=True, dtypes=dtypes,
+                         trained=trained)[0])
     stages = s.mesh.shape["pipeline"]  # State.weights averages a stage's layers over the whole stack
     return whole * stages if whole > held else 0.0
 
@@ -334,8 +351,10 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     """Bytes per device of a train step for config `cfg` on a mesh whose axis sizes (ICI x DCN) are `axes`.
 
     State: the bytes of the trainer's own arrays on that mesh (`state`): parameters in model.param_dtype (the
-    master copy: no other is kept), Adam's two moments in optim.moment_dtype, gradients in the parameters'
-    dtype - twice over with gradient accumulation or a pipeline (the running sum and a microbatch's) -, and under
+    master copy: no other is kept; LoRA's frozen base in lora.base_dtype), Adam's two moments in
+    optim.moment_dtype and gradients in the parameters' dtype, of the trained parameters only (LoRA's adapters) -
+    the gradients twice over with gradient accumulation or a pipeline (the running sum and a microbatch's) -, DPO's
+    reference copy in `params` (in the dtypes its forward pass reads: State.reference), and under
     ZeRO-2 the whole gradient the backward pass forms before scattering it (`unscattered_gradients`). With
     pipeline.gather_weights=once, each device also holds its stage's weights gathered and two whole gradients
     (the sum, a backward slot's). optim.offload moves the moments to host memory, params.offload parameters,
@@ -420,7 +439,7 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     # layer's gathered while it runs; its weight gradient formed whole before it is scattered (the 70B's
     # full-remat compile holds them beside the recomputed layer: 41.6 GiB compiled, 32.7 planned without them).
     if not runner.gather_once:
-        working += 2 * gathered_layer(s, model_lib.operand_dtypes(s.layout.model_cfg)) + gathered_layer(s)
+        working += 2 * gathered_layer(s, model_lib.operand_dtypes(s.layout.model_cfg)) + gathered_layer(s, trained=True)
     # Context parallelism: one layer's keys and values gathered whole, and their gradient formed whole before it
     # is scattered back; or the ring's blocks: the one worked on and the one in flight, each with its float32
     # gradient backward.
@@ -429,7 +448,7 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     if runner.gather_once:  # a whole stage's weights and gradient sums on every device
         batch = sharding.mesh_axes(s.layout.rules.activations["batch"])
         for table, role in ((s.layout.rules.params, "params"), (s.layout.rules.grads, "grads")):
-            layer, rest = s.weights(table, batch)
+            layer, rest = s.weights(table, batch, trained=role == "grads")
             whole = layer * m.num_layers + rest
             params, grads = (params + whole, grads) if role == "params" else (params, grads + 2 * whole)
     on_host = s.layout.params_home is not None
@@ -437,9 +456,10 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     # them and their gradients, as without params.offload.
     on_device = not on_host or not runner.fetches_layers
     moments_on_host = s.layout.opt_home is not None
+    params += s.reference  # DPO's reference copy: always on the device
     return Prediction(
-        params=params if on_device else 0.0, optimizer=0.0 if moments_on_host else moments,
+        params=params if on_device else s.reference, optimizer=0.0 if moments_on_host else moments,
         gradients=grads if on_device else 0.0, activations=saved + working + logits, saved_activations=saved,
-        layer_working_set=working, logits=logits, host_params=params if on_host else 0.0,
+        layer_working_set=working, logits=logits, host_params=params - s.reference if on_host else 0.0,
         host_optimizer=moments if moments_on_host else 0.0, host_gradients=grads if on_host else 0.0,
         host_activations=offloaded)

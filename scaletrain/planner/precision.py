@@ -14,14 +14,16 @@ QUANTIZED_GROUPS = {"qkv": "attention", "out": "attention", "gate_up": "mlp", "d
                     "expert_gate_up": "experts", "expert_down": "experts"}
 
 
-def quantized_flops(cfg, forward: Mapping[str, float], recompute: frozenset[str], logits_recomputed: bool) -> float:
-    """Training FLOPs per token of the matmuls model.quantization runs in int8 or fp8 - forward, both backward
+def quantized_flops(cfg, forward: Mapping[str, float], recompute: frozenset[str], logits_recomputed: bool,
+                    passes: int = 3) -> float:
+    """Training FLOPs per token of the matmuls model.quantization runs in int8 or fp8 - forward, the backward
     matmuls and any recomputation -, from a layer's forward FLOPs per group (roofline.forward_flops), the groups
-    the backward pass recomputes, and the output head (recomputed too where `logits_recomputed`)."""
+    the backward pass recomputes, and the output head (recomputed too where `logits_recomputed`). `passes`: over
+    each weight per token (flops.passes: 3, or fewer for a frozen base, one more for DPO's reference)."""
     m = cfg.model
     if m.quantization == "none":
         return 0.0
     groups = set(config.quantized_groups(m.quantized_matmuls))
-    layer = sum(f * (3 + (g in recompute)) for g, f in forward.items() if QUANTIZED_GROUPS.get(g) in groups)
-    head = (3 + logits_recomputed) * 2 * m.d_model * m.vocab_size if "output" in groups else 0.0
+    layer = sum(f * (passes + (g in recompute)) for g, f in forward.items() if QUANTIZED_GROUPS.get(g) in groups)
+    head = (passes + logits_recomputed) * 2 * m.d_model * m.vocab_size if "output" in groups else 0.0
     return m.num_layers * layer + head

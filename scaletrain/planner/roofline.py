@@ -27,6 +27,7 @@ from scaletrain.parallel import mesh as mesh_lib
 from scaletrain.parallel.checks import microbatches
 from scaletrain.planner import comms, estimate, memory, precision, schedule
 from scaletrain.planner.thresholds import critical_batches, fsdp_tensor_split
+from scaletrain.train import objective as objective_lib
 from scaletrain.train.loss import projects_the_stream
 from scaletrain.train.runner import Runner, choose
 
@@ -154,15 +155,17 @@ def hbm_bytes(cfg, axes: Mapping[str, int], recompute: frozenset[str], state: me
     t, stages = axes["tensor"], axes["pipeline"]
     ab = memory.DTYPE_BYTES[m.dtype]
     tokens = memory.replica_tokens(cfg, axes)
-    layer = sum((3 + (g in recompute)) * matmul.hbm_bytes(tokens, ab)
+    reference = objective_lib.runs_reference(cfg)
+    passes = flops.passes(state.layout.model_cfg, reference)  # 3: forward and both gradients (flops.py)
+    layer = sum((passes + (g in recompute)) * matmul.hbm_bytes(tokens, ab)
                 for g, matmul in matmuls(m, t, axes["expert"]).items())
     elements = memory.tensor_elements(m, memory.activation_rules(cfg, axes, sequence_parallel=False), axes)
     qkvo = 2 * elements["query_proj"] + 2 * elements["key_proj"]
-    layer += (3 + ("attention" in recompute)) * ab * tokens * qkvo
-    layer += xla_score_bytes(cfg, tokens, t)
+    layer += (3 + reference + ("attention" in recompute)) * ab * tokens * qkvo
+    layer += xla_score_bytes(cfg, tokens, t) * (1 + reference / 3)
     vocab = m.vocab_size / t
-    passes = 3 + recomputed_logits(cfg)
-    head = passes * ab * (tokens * m.d_model + m.d_model * vocab) + logits_passes(cfg) * 4 * tokens * vocab
+    head = ((passes + recomputed_logits(cfg)) * ab * (tokens * m.d_model + m.d_model * vocab)
+            + (logits_passes(cfg) + 2 * reference) * 4 * tokens * vocab)
     update = estimate.update_bytes(state, m.num_layers / stages)
     return microbatches(cfg, axes) * (layer * m.num_layers + head) / stages + update
 
@@ -224,7 +227,9 @@ def data_parallel_transfers(state: memory.State, layers: int, microbatches: int,
         if not axes_:
             return []
         names = _innermost_first(axes_)
-        layer, rest = state.weights(table, names, of_experts, dtypes)
+        # Gradients, and the weights an update writes, are the trained parameters' alone (not LoRA's base).
+        trained = table is rules.grads or what == "updated weights"
+        layer, rest = state.weights(table, names, of_experts, dtypes, trained=trained)
         if not layer + rest:  # no array of the kind `of_experts` asks for
             return []
         return (comms.collective(kind, f"layer {what}", layer, layers * count, levels(names))
@@ -330,7 +335,8 @@ def plan(cfg, hardware: str, dcn_bandwidth: float | None = None) -> dict:
     count = flops.param_count(state.layout.model_cfg)
 
     tokens = cfg.train.global_batch * cfg.data.seq_len
-    per_token = flops.flops_per_token(state.layout.model_cfg, cfg.data.seq_len)
+    reference = objective_lib.runs_reference(cfg)
+    per_token = flops.flops_per_token(state.layout.model_cfg, cfg.data.seq_len, reference)
     step_flops = per_token * tokens
     forward = forward_flops(m, cfg.data.seq_len)
     forward["attention"] *= attention_pass(cfg, chip.name)  # as executed
@@ -350,7 +356,7 @@ def plan(cfg, hardware: str, dcn_bandwidth: float | None = None) -> dict:
     hbm = hbm_bytes(cfg, axes, recompute, state)
     # Every chip has its share of the work: the expert axis splits the batch (each device routes its own tokens).
     low = tokens * precision.quantized_flops(cfg, forward_flops(m, cfg.data.seq_len), recompute,
-                                             recomputed_logits(cfg))
+                                             recomputed_logits(cfg), flops.passes(state.layout.model_cfg, reference))
     times = {"compute": ((step_flops + recompute_flops + extra_flops - low) / chip.bf16_flops
                          + low / chip.matmul_peak(m.quantization))
              / topo.num_chips / (1 - bubble),
@@ -383,6 +389,7 @@ def plan(cfg, hardware: str, dcn_bandwidth: float | None = None) -> dict:
         "params": count.total,
         "active_params": count.active,
         "flops_per_token": per_token,
+        "attention_flops_per_token": flops.attention_flops_per_token(m, cfg.data.seq_len) * (3 + reference) / 3,
         "tokens_per_step": tokens,
         "tokens_per_chip": tokens / topo.num_chips,
         "tokens_per_replica": memory.replica_tokens(cfg, axes),
@@ -402,7 +409,7 @@ def plan(cfg, hardware: str, dcn_bandwidth: float | None = None) -> dict:
         "pipeline": schedule.timeline(state.layout.runner, bubble),
         "tokens_per_second": tokens / step_time,
         "mfu_upper_bound": step_flops / (topo.num_chips * step_time * chip.mixed_peak(
-            m.quantization, flops.quantized_share(state.layout.model_cfg, cfg.data.seq_len))),
+            m.quantization, flops.quantized_share(state.layout.model_cfg, cfg.data.seq_len, reference))),
         "memory_per_device_bytes": {k: detail[k] for k in ("params", "optimizer", "gradients", "activations",
                                                            "total")},
         "memory_detail_bytes": detail,

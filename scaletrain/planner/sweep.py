@@ -173,7 +173,7 @@ def _run(cfg, sweep: Sweep) -> dict:
 
     from scaletrain.data import loader as data
     from scaletrain.facts import fit, flops, hardware
-    from scaletrain.train import trainer
+    from scaletrain.train import objective, trainer
 
     setup = trainer.build(cfg, jax.devices())
     compiled = setup.step.lower(*setup.abstract_args()).compile()
@@ -188,9 +188,10 @@ def _run(cfg, sweep: Sweep) -> dict:
         seconds.append(time.perf_counter() - start)
     step_time = statistics.median(seconds[1:])
     tokens = cfg.train.global_batch * cfg.data.seq_len
+    reference = objective.runs_reference(cfg)
     peak = hardware.peak_flops(jax.devices(), cfg.hardware.peak_flops_per_device, cfg.model.quantization,
-                               flops.quantized_share(setup.model_cfg, cfg.data.seq_len))
-    model_flops = flops.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens
+                               flops.quantized_share(setup.model_cfg, cfg.data.seq_len, reference))
+    model_flops = flops.flops_per_token(setup.model_cfg, cfg.data.seq_len, reference) * tokens
     device = jax.devices()[0]
     return {"devices": len(jax.devices()), "device_kind": device.device_kind,
             "chip": "cpu" if device.platform == "cpu" else hardware.chip(device.device_kind), "step_time_s": step_time,

@@ -109,6 +109,12 @@ def of(cfg) -> Objective:
     return LM()
 
 
+def runs_reference(cfg) -> bool:
+    """Whether the step runs a reference forward pass (DPO, its log-probs not precomputed): the cost model counts
+    it (facts/flops.py)."""
+    return reference_kind(cfg) in ("copy", "adapters_off")
+
+
 def reference_kind(cfg) -> str:
     """Where DPO's reference log-probs come from: "precomputed" (the data's), "adapters_off" (LoRA's base: the
     policy's own parameters with the adapters at zero) or "copy" (a frozen copy of checkpoint.init_from's

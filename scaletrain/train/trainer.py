@@ -464,8 +464,9 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
             print(f"preempted before step {start + 1}; rerun the same command to resume", flush=True)
         return 0
 
-    flops_per_step = flops.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens_per_step
-    mix = (cfg.model.quantization, flops.quantized_share(setup.model_cfg, cfg.data.seq_len))
+    reference = objective_lib.runs_reference(cfg)
+    flops_per_step = flops.flops_per_token(setup.model_cfg, cfg.data.seq_len, reference) * tokens_per_step
+    mix = (cfg.model.quantization, flops.quantized_share(setup.model_cfg, cfg.data.seq_len, reference))
     peak = hardware.peak_flops(jax.devices(), cfg.hardware.peak_flops_per_device, *mix)
     if main:  # which peak MFU divides by: measured now, or cached and when
         print(f"scaletrain: {hardware.peak_note(jax.devices(), cfg.hardware.peak_flops_per_device, *mix)}", flush=True)
