@@ -9,7 +9,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Bottom to top (docs/design.md, "The layers"); a module may import its own layer and those below. The first
 # matching prefix decides.
 LAYERS = (
-    ("base", ("scaletrain.errors", "scaletrain.config", "scaletrain.remat", "scaletrain.runtime")),
+    ("base", ("scaletrain.errors", "scaletrain.config", "scaletrain.config_bounds", "scaletrain.remat",
+              "scaletrain.runtime")),
     ("hardware", ("scaletrain.facts.hardware",)),
     ("parallel", ("scaletrain.parallel",)),
     ("kernels", ("scaletrain.kernels",)),

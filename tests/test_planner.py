@@ -15,7 +15,7 @@ from scaletrain import config, models, remat
 from scaletrain.errors import ConfigError
 from scaletrain.facts import fit, flops, hardware
 from scaletrain.models import ModelConfig
-from scaletrain.planner import budget, comms, hlo, memory, residuals, roofline
+from scaletrain.planner import budget, comms, data_parallel, hlo, memory, residuals, roofline
 from tests.conftest import ROOT
 
 # A model small enough to count by hand: per layer attention 2*64*(4+2)*16 = 12288 (Q and O 8192, K and V 4096),
@@ -219,7 +219,7 @@ def _data_parallel(preset: str, microbatches: int, **sizes) -> list[comms.Transf
     axes = _axes(**sizes)
     cfg = _cfg(**{"sharding.preset": preset, "train.grad_accum_steps": microbatches, "train.global_batch": 24})
     state = memory.state(cfg, axes)
-    return roofline.data_parallel_transfers(state, 2, microbatches,
+    return data_parallel.transfers(state, 2, microbatches,
                                             lambda names: [_ring(axes[n], True) for n in names])
 
 

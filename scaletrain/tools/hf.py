@@ -22,17 +22,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from etils import epath
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from scaletrain import config as config_lib
 from scaletrain import models
-from scaletrain.errors import UserError, first_line
+from scaletrain.errors import UserError
 from scaletrain.models.family import Architecture
 from scaletrain.store import storage
-
-# Buffers some checkpoints carry that the model recomputes: skipped on the way in.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+from scaletrain.tools.hf_files import INDEX_FILE, SINGLE_FILE, Reader, read_json
 
 # rope_parameters / rope_scaling key -> model.* key, for rope_type llama3.
 LLAMA3_ROPE_KEYS = (("factor", "rope_scaling_factor"), ("low_freq_factor", "rope_low_freq_factor"),
@@ -41,12 +38,11 @@ LLAMA3_ROPE_KEYS = (("factor", "rope_scaling_factor"), ("low_freq_factor", "rope
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Copied into <run>/tokenizer/ and back: whichever exist.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "generation_config.json")
+                   "chat_template.jinja", "generation_config.json")
 # Why to-hf's --out is a local path: the command line refuses a gs:// one before it asks the bucket anything.
 LOCAL_OUT = "to-hf writes a local folder"
 HF_CONFIG = "hf"  # the folder of the run directory that keeps the original config.json, for to-hf
 SHARD_BYTES = 5 * 10**9
-SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +215,7 @@ def from_hf(hf_dir: str, out: str) -> int:
     cfg = _run_config(keys, out, _tokenizer(source))
     setup = inference.one_device_setup(cfg)
     with ExitStack() as stack:
-        reader = _Reader(source, stack)
+        reader = Reader(source, stack)
         layout = tensors(setup.abstract_state.params, arch)
         reader.check(layout)
         params = _read_params(reader, layout, setup.abstract_state.params, setup.state_shardings.params)
@@ -240,20 +236,8 @@ def from_hf(hf_dir: str, out: str) -> int:
 def read_source(hf_dir: str) -> tuple[dict[str, Any], str]:
     """The model.* keys and the architecture a Hugging Face folder's config.json describes. Raises UserError."""
     source = Path(hf_dir)
-    config_json = _read_json(source / "config.json", f"--hf-dir {hf_dir}")
+    config_json = read_json(source / "config.json", f"--hf-dir {hf_dir}")
     return model_keys(config_json, f"{source / 'config.json'}"), _architecture(config_json, hf_dir)
-
-
-def _read_json(path: Path, what: str) -> dict:
-    if not path.is_file():
-        raise UserError(f"{what}: {path} not found")
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{what}: {path} is not readable JSON ({first_line(e)})") from None
-    if not isinstance(value, dict):
-        raise UserError(f"{what}: {path} holds no JSON object")
-    return value
 
 
 def _tokenizer(folder: Path | epath.Path, relative_to: Path | epath.Path | None = None) -> str:
@@ -278,68 +262,7 @@ def _run_config(model: dict[str, Any], run_dir: str, tokenizer: str):
     return config_lib.load(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
 
 
-class _Reader:
-    """The safetensors files of a Hugging Face folder, single or sharded (model.safetensors.index.json), each
-    opened once (memory-mapped: a tensor is read when asked for)."""
-
-    def __init__(self, source: Path, stack: ExitStack):
-        self.source, self._stack, self._handles = source, stack, {}
-        if (source / INDEX_FILE).is_file():
-            weight_map = _read_json(source / INDEX_FILE, "--hf-dir").get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise UserError(f"{source / INDEX_FILE} has no weight_map")
-            self.location = dict(weight_map)
-        elif (source / SINGLE_FILE).is_file():
-            self.location = {name: SINGLE_FILE for name in self._file(SINGLE_FILE).keys()}
-        else:
-            raise UserError(f"--hf-dir {source}: neither {SINGLE_FILE} nor {INDEX_FILE} found (only safetensors "
-                            f"checkpoints are read)")
-        self.files = sorted(set(self.location.values()))
-
-    def _file(self, name: str):
-        if name not in self._handles:
-            if not (self.source / name).is_file():
-                raise UserError(f"{self.source / INDEX_FILE} names {name}, which is not in {self.source}")
-            try:
-                self._handles[name] = self._stack.enter_context(safe_open(self.source / name, framework="numpy"))
-            except Exception as e:  # noqa: BLE001 - safetensors' and the OS's errors alike: one line
-                raise UserError(f"{self.source / name}: cannot read it as safetensors ({first_line(e)})") from None
-        return self._handles[name]
-
-    def check(self, layout: list[Tensor]) -> None:
-        """Every tensor present with its shape and a float dtype, and no tensor left without a place: checked
-        from the files' headers, before anything is read."""
-        expected = {t.name for t in layout}
-        for t in layout:
-            if t.name not in self.location:
-                raise UserError(f"{self.source}: no tensor {t.name} (expected {list(t.hf_shape)}) in "
-                                f"{', '.join(self.files)}")
-            file = self.location[t.name]
-            if t.name not in self._file(file).keys():
-                raise UserError(f"{self.source / file} lacks tensor {t.name} (expected {list(t.hf_shape)}), "
-                                f"which {INDEX_FILE} places there")
-            piece = self._file(file).get_slice(t.name)
-            shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
-            if shape != t.hf_shape or dtype not in ("F32", "BF16", "F16"):
-                raise UserError(f"{self.source / file}: tensor {t.name} is {dtype} {list(shape)}; expected "
-                                f"{list(t.hf_shape)} (from config.json) in F32, BF16 or F16")
-        # A tied checkpoint may still carry lm_head.weight: transformers ignores it too.
-        extra = [n for n in self.location if n not in expected and not n.endswith(IGNORED_SUFFIXES)
-                 and n != "lm_head.weight"]
-        if extra:
-            raise UserError(f"{self.source}: tensor {extra[0]} has no place in scaletrain's model"
-                            f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}; its config.json "
-                            f"describes another model")
-
-    def read(self, t: Tensor) -> np.ndarray:
-        try:
-            return self._file(self.location[t.name]).get_tensor(t.name)
-        except Exception as e:  # noqa: BLE001 - a file truncated or damaged past its header
-            raise UserError(f"{self.source / self.location[t.name]}: cannot read tensor {t.name} "
-                            f"({first_line(e)})") from None
-
-
-def _read_params(reader: _Reader, layout: list[Tensor], abstract_params: dict, shardings: dict) -> dict:
+def _read_params(reader: Reader, layout: list[Tensor], abstract_params: dict, shardings: dict) -> dict:
     """The parameters, one scaletrain array at a time: each filled tensor by tensor on the host, then handed to
     the device (here the host too) and dropped, so that host memory holds the model about once."""
     by_path: dict[tuple[str, ...], list[Tensor]] = {}

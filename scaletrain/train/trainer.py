@@ -345,6 +345,9 @@ def _run(cfg, preemption: Preemption, began: float) -> int:
     if cfg.checkpoint.init_from:
         setup = _kept_base(cfg, setup)
     iterator = data_lib.make_iterator(cfg, setup.batch_sharding)  # bad data fails here, before any write
+    if iterator.dropped and jax.process_index() == 0:
+        what = "pairs" if cfg.data.format == "preference" else "examples"
+        print(f"data: {iterator.dropped} {what} longer than data.seq_len={cfg.data.seq_len} left out", flush=True)
     evaluator = Evaluator(cfg, setup) if cfg.train.eval_every_steps else None
     lock = _lock_run_dir(cfg)
     try:

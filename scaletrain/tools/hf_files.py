@@ -1,0 +1,94 @@
+"""The safetensors files of a Hugging Face folder, read for `convert from-hf` (tools/hf.py): a single
+model.safetensors or shards named by model.safetensors.index.json, each file memory-mapped and opened once, every
+tensor's shape and dtype checked from the headers before anything is read."""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+
+from scaletrain.errors import UserError, first_line
+
+# Buffers some checkpoints carry that the model recomputes: skipped on the way in.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+
+
+def read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise UserError(f"{what}: {path} not found")
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{what}: {path} is not readable JSON ({first_line(e)})") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{what}: {path} holds no JSON object")
+    return value
+
+
+class Reader:
+    """The safetensors files of a Hugging Face folder, single or sharded (model.safetensors.index.json), each
+    opened once (memory-mapped: a tensor is read when asked for)."""
+
+    def __init__(self, source: Path, stack: ExitStack):
+        self.source, self._stack, self._handles = source, stack, {}
+        if (source / INDEX_FILE).is_file():
+            weight_map = read_json(source / INDEX_FILE, "--hf-dir").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise UserError(f"{source / INDEX_FILE} has no weight_map")
+            self.location = dict(weight_map)
+        elif (source / SINGLE_FILE).is_file():
+            self.location = {name: SINGLE_FILE for name in self._file(SINGLE_FILE).keys()}
+        else:
+            raise UserError(f"--hf-dir {source}: neither {SINGLE_FILE} nor {INDEX_FILE} found (only safetensors "
+                            f"checkpoints are read)")
+        self.files = sorted(set(self.location.values()))
+
+    def _file(self, name: str):
+        if name not in self._handles:
+            if not (self.source / name).is_file():
+                raise UserError(f"{self.source / INDEX_FILE} names {name}, which is not in {self.source}")
+            try:
+                self._handles[name] = self._stack.enter_context(safe_open(self.source / name, framework="numpy"))
+            except Exception as e:  # noqa: BLE001 - safetensors' and the OS's errors alike: one line
+                raise UserError(f"{self.source / name}: cannot read it as safetensors ({first_line(e)})") from None
+        return self._handles[name]
+
+    def check(self, layout: list) -> None:  # tools/hf.py's Tensors
+        """Every tensor present with its shape and a float dtype, and no tensor left without a place: checked
+        from the files' headers, before anything is read."""
+        expected = {t.name for t in layout}
+        for t in layout:
+            if t.name not in self.location:
+                raise UserError(f"{self.source}: no tensor {t.name} (expected {list(t.hf_shape)}) in "
+                                f"{', '.join(self.files)}")
+            file = self.location[t.name]
+            if t.name not in self._file(file).keys():
+                raise UserError(f"{self.source / file} lacks tensor {t.name} (expected {list(t.hf_shape)}), "
+                                f"which {INDEX_FILE} places there")
+            piece = self._file(file).get_slice(t.name)
+            shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
+            if shape != t.hf_shape or dtype not in ("F32", "BF16", "F16"):
+                raise UserError(f"{self.source / file}: tensor {t.name} is {dtype} {list(shape)}; expected "
+                                f"{list(t.hf_shape)} (from config.json) in F32, BF16 or F16")
+        # A tied checkpoint may still carry lm_head.weight: transformers ignores it too.
+        extra = [n for n in self.location if n not in expected and not n.endswith(IGNORED_SUFFIXES)
+                 and n != "lm_head.weight"]
+        if extra:
+            raise UserError(f"{self.source}: tensor {extra[0]} has no place in scaletrain's model"
+                            f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}; its config.json "
+                            f"describes another model")
+
+    def read(self, t) -> np.ndarray:
+        """Tensor `t`'s values (a tools/hf.py Tensor: its name), as stored."""
+        try:
+            return self._file(self.location[t.name]).get_tensor(t.name)
+        except Exception as e:  # noqa: BLE001 - a file truncated or damaged past its header
+            raise UserError(f"{self.source / self.location[t.name]}: cannot read tensor {t.name} "
+                            f"({first_line(e)})") from None
+
+
