@@ -112,6 +112,15 @@ def parser() -> argparse.ArgumentParser:
                          help="the fraction of documents held out for evaluation")
     prepare.add_argument("--workers", type=int, default=None, metavar="N",
                          help="tokenizing processes (default: one per core)")
+    reference = data_sub.add_parser("reference", help="a prepared preference dataset with DPO's reference "
+                                    "log-probs stored (dpo.reference: precomputed)")
+    reference.add_argument("--run-dir", required=True, help="the reference model's run (its newest checkpoint)")
+    reference.add_argument("--data", required=True, help="a dataset `data prepare --format preference` wrote")
+    reference.add_argument("--out", required=True, help="the new dataset folder (new or empty)")
+    reference.add_argument("--rows", type=int, default=0, metavar="N",
+                           help="pairs per forward pass (default: one per device)")
+    reference.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                           help="override the run's config, e.g. --set mesh.fsdp=8")
     plan = sub.add_parser("plan", help="predict step time, memory and communication for a mesh (no compile)")
     _add_config_args(plan)
     plan.add_argument("--hardware", required=True, help="chip and slice, e.g. v5p:16x16x16 or v5e:16x16")
@@ -341,6 +350,8 @@ def data(args: argparse.Namespace) -> int:
     from scaletrain.config import DATA_FORMATS
     from scaletrain.data import prepare
 
+    if args.data_command == "reference":
+        return _reference(args)
     if args.format not in DATA_FORMATS:
         raise UserError(f"--format must be one of {', '.join(DATA_FORMATS)}; got '{args.format}'")
     if not 0 <= args.eval_fraction < 1:
@@ -353,6 +364,21 @@ def data(args: argparse.Namespace) -> int:
     _check_out(args.out, existing="empty folder", local=prepare.LOCAL_OUT)
     return prepare.main(args.tokenizer, args.input, args.out, args.field, args.eval_fraction, args.workers,
                         args.format, args.chat_template)
+
+
+def _reference(args: argparse.Namespace) -> int:
+    from scaletrain import runtime
+    from scaletrain.data import prepare
+
+    if args.rows < 0:
+        raise UserError(f"--rows must be >= 1 (or 0: one per device), got {args.rows}")
+    _check_out(args.out, existing="empty folder", local=prepare.LOCAL_OUT)
+    runtime.configure(None)
+    import jax
+
+    from scaletrain.tools import reference
+
+    return reference.main(args.run_dir, args.data, args.out, args.rows or jax.device_count(), args.set)
 
 
 def logits(args: argparse.Namespace) -> int:

@@ -337,3 +337,40 @@ def test_dpo_with_a_1f1b_pipeline_is_refused():
     cfg = config.load(None, [*DPO_TINY, "mesh.pipeline=2", "pipeline.schedule=1f1b"])
     with pytest.raises(config.ConfigError, match="returns summed losses"):
         trainer.build(cfg, jax.devices()[:2])
+
+
+def test_precomputed_reference_log_probs_train_as_the_copy_does(tmp_path):
+    """`data reference` stores the reference's log-probs in a prepared preference dataset; DPO trained from them
+    (dpo.reference=precomputed: no copy, no reference forward) takes the steps a copy of the same run takes."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, bos_token_id=256, eos_token_id=257), dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "hf")
+    assert main(["convert", "from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "base")]) == 0
+    rng = np.random.RandomState(0)
+    words = ["alpha", "beta", "gamma", "delta", "kappa", "omega"]
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        for _ in range(20):
+            f.write(json.dumps({k: " ".join(rng.choice(words, rng.randint(1, 4))) for k in
+                                ("prompt", "chosen", "rejected")}) + "\n")
+    assert main(["data", "prepare", "--format", "preference", "--tokenizer", "bytes", "--input",
+                 str(tmp_path / "pairs.jsonl"), "--out", str(tmp_path / "pairs"), "--workers", "1"]) == 0
+    assert main(["data", "reference", "--run-dir", str(tmp_path / "base"), "--data", str(tmp_path / "pairs"),
+                 "--out", str(tmp_path / "with_reference"), "--set", "model.dtype=float32"]) == 0
+
+    def train(run, reference):
+        overrides = ["steps=2", f"run_dir={tmp_path / run}", f"checkpoint.init_from={tmp_path / 'base'}",
+                     "train.objective=dpo", "data.format=preference", "data.source=prepared",
+                     f"data.path={tmp_path / 'with_reference'}", "data.seq_len=64", "train.global_batch=8",
+                     "model.dtype=float32", "optim.warmup_steps=0", f"dpo.reference={reference}"]
+        assert main(["train", "--config", str(tmp_path / "base" / "config.yaml"),
+                     *[a for o in overrides for a in ("--set", o)]]) == 0
+        return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    copy_, precomputed = train("copy", "copy"), train("precomputed", "precomputed")
+    assert copy_[0]["loss"] == pytest.approx(np.log(2), rel=1e-6)
+    for a, b in zip(precomputed, copy_):
+        for key in ("loss", "grad_norm", "dpo_margin"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    assert copy_[1]["dpo_margin"] != 0

@@ -127,7 +127,7 @@ def _write_examples(tok: tokenizer.Tokenizer, matched: list[epath.Path], folder:
     from tqdm import tqdm
 
     template = chat.template_text(template_spec, tok)  # a missing file is refused before any work
-    splits = {name: _ExampleWriter(folder, name, tok.dtype, examples.SEQUENCES[data_format], records_per_shard)
+    splits = {name: ExampleWriter(folder, name, tok.dtype, examples.SEQUENCES[data_format], records_per_shard)
               for name in ("train", "eval")}
     located = (item for f in matched for item in files.rows(f, examples.FIELDS[data_format]))
     work = functools.partial(_make_examples, data_format, tok.spec, template_spec)
@@ -296,16 +296,18 @@ class _SplitWriter:
         return {"documents": self.documents, "tokens": self.tokens, "shards": self.shards.close()}
 
 
-class _ExampleWriter:
-    """One split's examples, a record each, and their sequences' lengths (the split's lengths file)."""
+class ExampleWriter:
+    """One split's examples, a record each (with their per-token `extras`), and their sequences' lengths (the
+    split's lengths file)."""
 
-    def __init__(self, folder: str, name: str, dtype: np.dtype, sequences: int, records_per_shard: int):
-        self.folder, self.name, self.dtype, self.sequences = folder, name, dtype, sequences
+    def __init__(self, folder: str, name: str, dtype: np.dtype, sequences: int, records_per_shard: int,
+                 extras: tuple[str, ...] = ()):
+        self.folder, self.name, self.dtype, self.sequences, self.extras = folder, name, dtype, sequences, extras
         self.shards = _Shards(folder, name, records_per_shard)
         self.sizes: list[list[int]] = []
 
     def add(self, example: examples.Example) -> None:
-        self.shards.write(examples.to_record(example, self.dtype))
+        self.shards.write(examples.to_record(example, self.dtype, self.extras))
         self.sizes.append([len(s) for s in example])
 
     def close(self) -> dict:

@@ -88,6 +88,18 @@ def make_eval_step(graphdef: nnx.GraphDef, runner: Runner, fetch_params: Callabl
     return eval_step
 
 
+def make_logprobs(graphdef: nnx.GraphDef, runner: Runner, fetch_params: Callable | None, mesh, rules) -> Callable:
+    """(params, batch) -> each position's log-prob of its target [b, t], a forward pass alone: what `data
+    reference` stores as DPO's reference log-probs (tools/reference.py), computed as the step computes them."""
+    fetch = fetch_params or (lambda p: p)
+
+    def logprobs(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        with use_rules(mesh, rules):
+            return -runner.token_losses(graphdef, fetch(params), batch)
+
+    return logprobs
+
+
 def make_train_step(graphdef: nnx.GraphDef, runner: Runner, update: optim.Update, lr: optax.Schedule,
                     grad_clip_norm: float, grad_accum_steps: int, mesh, rules, grad_shardings: Any,
                     parts: Partition = Partition(), objective: Objective = objective_lib.NEXT_TOKEN,

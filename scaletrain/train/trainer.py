@@ -42,7 +42,7 @@ from scaletrain.train.loop import Loop
 from scaletrain.train.metrics import MetricsLog, summary
 from scaletrain.train.runner import Runner
 from scaletrain.train.spike import SpikeRule
-from scaletrain.train.step import TrainState, make_eval_step, make_train_step, with_reference
+from scaletrain.train.step import TrainState, make_eval_step, make_logprobs, make_train_step, with_reference
 from scaletrain.train.trainable import Partition
 from scaletrain.train.watchdog import Watchdog
 
@@ -69,6 +69,7 @@ class Setup:
     step: Callable[[TrainState, dict, jax.Array], tuple[TrainState, dict]]  # (state, batch, loss ceiling)
     # (params, batch, DPO's reference copy or None) -> (loss sum, what it is a mean over: tokens, pairs)
     eval_step: Callable[[Any, dict, Any], tuple[jax.Array, jax.Array]]
+    logprobs: Callable[[Any, dict], jax.Array]  # (params, batch) -> each target's log-prob [batch, seq]
     # The layer order checkpoints keep (canonical) <-> the one in memory (a circular pipeline's), of a state or of
     # its parameters alone, donating the reordered arrays; the identity for every other layout.
     to_disk: Callable[[Any], Any] = lambda tree: tree
@@ -173,6 +174,8 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
                                          reference),
                           in_shardings=(state_shardings.params, batch_sharding, state_shardings.reference),
                           out_shardings=sharding.replicated(mesh)),
+        logprobs=jax.jit(make_logprobs(lay.graphdef, lay.runner, update.fetch_params, mesh, rules),
+                         in_shardings=(state_shardings.params, batch_sharding), out_shardings=batch_sharding),
         seq_order=context.order(cfg.data.seq_len, sharding.split_ways("seq", rules.activations, mesh.shape),
                                 rules.seq_layout), parts=lay.parts,
         **({} if order is None else {"to_disk": _reorder(np.argsort(order), logical_state, state_shardings),
