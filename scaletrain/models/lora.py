@@ -17,8 +17,10 @@ base keeps its paths (checkpoints, Hugging Face tables) and the trainer tells th
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,14 +59,15 @@ class Adapter(nnx.Module):
     experts) that A and B keep as W does, then `in_dims` input dims, then the output dims."""
 
     def __init__(self, shape: tuple[int, ...], logical: tuple[str | None, ...], rank: int, alpha: float,
-                 rngs: nnx.Rngs, dtype, in_dims: int = 1, lead: int = 0):
+                 rngs: nnx.Rngs, dtype, in_dims: int = 1, lead: int = 0, site: int = 0):
         split = lead + in_dims
         bound = 1 / math.sqrt(math.prod(shape[lead:split]))
         a = jax.random.uniform(rngs.params(), (*shape[:split], rank), dtype, -bound, bound)
         self.a = nnx.Param(a, out_sharding=(*logical[:split], None))
         self.b = nnx.Param(jnp.zeros((*shape[:lead], rank, *shape[split:]), dtype),
                            out_sharding=(*logical[:lead], None, *logical[split:]))
-        self.scale, self.in_dims = alpha / rank, in_dims
+        # site: which projection (its index in TARGETS), so that its dropout masks differ from the others'
+        self.scale, self.in_dims, self.site = alpha / rank, in_dims, site
 
 
 def adapter(cfg, name: str, shape: tuple[int, ...], logical: tuple[str | None, ...], rngs: nnx.Rngs,
@@ -72,14 +75,82 @@ def adapter(cfg, name: str, shape: tuple[int, ...], logical: tuple[str | None, .
     """Projection `name`'s adapter where the model config's lora targets it, else None."""
     if not cfg.lora_rank or name not in cfg.lora_targets:
         return None
-    return Adapter(shape, logical, cfg.lora_rank, cfg.lora_alpha, rngs, cfg.param_dtype, in_dims, lead)
+    return Adapter(shape, logical, cfg.lora_rank, cfg.lora_alpha, rngs, cfg.param_dtype, in_dims, lead,
+                   TARGETS.index(name))
+
+
+# lora.dropout: the adapters' input is dropped (PEFT's dropout(x) before A) in training steps, each element kept with
+# probability 1 - rate and scaled by 1 / (1 - rate). The mask is a hash of the token's seed (`token_seeds`: the
+# step's key, the token's row, segment and position), the layer, the projection and the feature: a pure function
+# of them, so it is the same on every mesh, in a microbatch or a pipeline stage, and again where remat recomputes.
+@dataclasses.dataclass(frozen=True)
+class Dropout:
+    seeds: jax.Array  # [b, t] uint32, each token's
+    layer: jax.Array  # uint32: the layer's index in the stack (within a group of layers: times the group, plus its own)
+    rate: float
+
+
+_ACTIVE: list[Dropout] = []  # the dropout of the layer being traced (`dropping`), innermost last
+
+
+@contextlib.contextmanager
+def dropping(dropout: Dropout | None) -> Iterator[None]:
+    """The adapters traced inside drop their input by `dropout` (None: they do not)."""
+    if dropout is None:
+        yield
+        return
+    _ACTIVE.append(dropout)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+def within(group: int, index) -> contextlib.AbstractContextManager:
+    """Inside a layer that holds a group of `group` layers (models.mixtral's MoEGroup), layer `index` of it: its
+    own masks."""
+    if not _ACTIVE:
+        return contextlib.nullcontext()
+    outer = _ACTIVE[-1]
+    return dropping(dataclasses.replace(outer, layer=outer.layer * group + jnp.asarray(index, jnp.uint32)))
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    """A bijective mix of uint32 values (lowbias32: every output bit depends on every input bit)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def token_seeds(key: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+    """Each token's dropout seed [b, t] uint32 for a step's batch: its row, segment and position under the step's
+    `key` (uint32) - not its slot, which the context axis's layout moves."""
+    rows = jax.lax.broadcasted_iota(jnp.uint32, segment_ids.shape, 0)
+    token = _mix(rows * jnp.uint32(0x9E3779B1) ^ _mix(segment_ids.astype(jnp.uint32) * jnp.uint32(0x85EBCA77)
+                                                       ^ positions.astype(jnp.uint32)))
+    return _mix(token ^ key.astype(jnp.uint32))
+
+
+def _dropped(x: jax.Array, site: int) -> jax.Array:
+    """x [b, t, in...] with the active dropout applied (x itself outside a training step's layer)."""
+    if not _ACTIVE:
+        return x
+    d = _ACTIVE[-1]
+    features = jnp.arange(math.prod(x.shape[2:]), dtype=jnp.uint32).reshape(x.shape[2:])
+    salt = _mix(d.layer.astype(jnp.uint32) * jnp.uint32(len(TARGETS)) + jnp.uint32(site))
+    bits = _mix(d.seeds.reshape(*d.seeds.shape, *(1,) * (x.ndim - 2)) ^ _mix(features ^ salt))
+    keep = bits >= jnp.uint32(min(int(d.rate * 2**32), 2**32 - 1))
+    return jnp.where(keep, x / (1 - d.rate), 0).astype(x.dtype)
 
 
 def delta(adapter: Adapter | None, x: jax.Array, like: jax.Array) -> jax.Array:
-    """`like` (the base projection of x) plus the adapter's (alpha / rank) (x A) B, in like's dtype; `like`
+    """`like` (the base projection of x) plus the adapter's (alpha / rank) (dropout(x) A) B, in like's dtype; `like`
     itself without an adapter."""
     if adapter is None:
         return like
+    x = _dropped(x, adapter.site)
     low = project(x, adapter.a[...], adapter.in_dims)
     return (like + project(low, adapter.b[...]) * jnp.asarray(adapter.scale, low.dtype)).astype(like.dtype)
 

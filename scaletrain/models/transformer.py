@@ -12,11 +12,12 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain import config, remat
-from scaletrain.models import quantize, rope
+from scaletrain.models import lora, quantize, rope
 from scaletrain.models.attention import Attention
 from scaletrain.models.layers import Embed, RMSNorm, param, project
 from scaletrain.models.mlp import MLP
@@ -187,24 +188,38 @@ class Decoder(nnx.Module):
         return self.final_stream(pipeline.scan(body, x_btd, stacked, extras, self.cfg.unroll_loops)[0])
 
     def stack_inputs(self, tokens_bt: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array,
-                     remat_layers: bool = True):
+                     remat_layers: bool = True, dropout_seeds: jax.Array | None = None,
+                     layer_ids: np.ndarray | None = None):
         """The model's pieces as a runner of the layer stack (runner.py) takes them: the embedded stream
         [b, t, d], the layer body `body(x, layer_params, *extras) -> (x, aux)` (`aux` the layer's auxiliary sums,
         Block's), the stacked layer weights [layers, ...] and the per-row arrays every layer reads (RoPE's tables,
         the segment ids). The body has the config's remat policy applied, unless `remat_layers` is False: for a
-        runner that takes each layer's vjp itself, where the layer's forward runs again anyway (1F1B)."""
+        runner that takes each layer's vjp itself, where the layer's forward runs again anyway (1F1B).
+        `dropout_seeds` [b, t] (a training step's, lora.token_seeds) turn LoRA's dropout on: they join the per-row
+        arrays, and each layer's canonical index (`layer_ids`, in the order the stack is kept: default in order)
+        joins its weights, so that each layer drops its own elements (models/lora.py)."""
         cfg = self.cfg
         x_btd = self.embed(tokens_bt, cfg.dtype)
         sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies())
         graphdef, stacked = nnx.split(self.layers)
         placed = functools.partial(_placed, cfg)
+        extras = (sin_bth, cos_bth, segment_ids_bt)
 
-        def layer(x_btd, layer_params, sin_bth, cos_bth, segment_ids_bt):
+        def layer(x_btd, layer_params, sin_bth, cos_bth, segment_ids_bt, seeds=None):
             x_btd = checkpoint_name(constrain(x_btd, ("batch", "residual_seq", "embed")), "decoder_layer_input")
-            return nnx.merge(graphdef, placed(layer_params))(x_btd, sin_bth, cos_bth, segment_ids_bt)
+            dropout = None
+            if seeds is not None:
+                layer_params, index = layer_params
+                dropout = lora.Dropout(seeds, index, cfg.lora_dropout)
+            with lora.dropping(dropout):
+                return nnx.merge(graphdef, placed(layer_params))(x_btd, sin_bth, cos_bth, segment_ids_bt)
 
+        if dropout_seeds is not None and cfg.lora_dropout:
+            units = cfg.num_layers // self.unit_layers(cfg)
+            ids = np.arange(units) if layer_ids is None else layer_ids
+            stacked, extras = (stacked, jnp.asarray(ids, jnp.uint32)), (*extras, dropout_seeds)
         body = remat.apply(layer, cfg.remat, cfg.remat_custom, cfg.unroll_loops) if remat_layers else layer
-        return x_btd, body, stacked, (sin_bth, cos_bth, segment_ids_bt)
+        return x_btd, body, stacked, extras
 
     def final_stream(self, x_btd: jax.Array) -> jax.Array:
         # Gathered along the sequence for the vocab-parallel output projection. The standard norm runs before

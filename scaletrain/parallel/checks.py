@@ -74,6 +74,10 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
         if cfg.train.grad_accum_steps > 1:
             out.append("with mesh.pipeline > 1 the pipeline's microbatches replace gradient accumulation: set "
                        "pipeline.microbatches and train.grad_accum_steps=1")
+        if cfg.lora.rank and cfg.lora.dropout and schedule in pipeline_1f1b.OWN_GRADIENTS:
+            out.append(f"lora.dropout={cfg.lora.dropout} with pipeline.schedule={schedule}: its program takes each "
+                       f"layer's vjp itself and does not carry the layers' dropout seeds; use pipeline.schedule=gpipe "
+                       f"or circular, or lora.dropout=0")
         if cfg.train.objective == "dpo" and schedule in pipeline_1f1b.OWN_GRADIENTS:
             out.append(f"train.objective=dpo with pipeline.schedule={schedule}: its program returns summed losses, "
                        f"not the per-token log-probs of the reference's forward pass nor the rewards DPO logs; use "

@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from scaletrain import models as model_lib
 from scaletrain.config import MESH_AXES
+from scaletrain.errors import ConfigError
 from scaletrain.models import lora
 from scaletrain.parallel import sharding
 from scaletrain.parallel.checks import shards_kv_heads
@@ -84,8 +85,15 @@ def lora_keys(cfg) -> dict:
     if not cfg.lora.rank:
         return {}
     known = model_lib.family_of(cfg.model).adapters
+    targets = lora.targets(cfg.lora.targets, known)
+    experts = [t for t in targets if t in lora.MLP] if cfg.model.num_experts else []
+    if cfg.lora.dropout and experts:
+        named = ", ".join(experts)
+        raise ConfigError(f"lora.dropout={cfg.lora.dropout} with adapters on a mixture's experts ({named}): their "
+                          f"rows are routed, and dropping an expert's input is not supported; set lora.dropout=0 or "
+                          f"leave {named} out of lora.targets")
     return {"lora_rank": cfg.lora.rank, "lora_alpha": cfg.lora.alpha, "lora_dropout": cfg.lora.dropout,
-            "lora_targets": lora.targets(cfg.lora.targets, known)}
+            "lora_targets": targets}
 
 
 def abstract_mesh(axis_sizes: Mapping[str, int]) -> AbstractMesh:

@@ -31,6 +31,7 @@ from scaletrain.train import objective as objective_lib
 from scaletrain.train.loss import token_losses
 
 SCAN = "scan"
+DROPOUT_SEEDS = "lora_seeds"  # the batch key of a training step's dropout seeds (lora.token_seeds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +128,12 @@ class Runner:
         return token_losses(graphdef, params, model.final_stream(self._stack(model, batch)[0]), batch["targets"])
 
     def _stack(self, model, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, dict]:
-        """The layer stack's output stream and auxiliary sums, through the plain scan or a GPipe schedule."""
-        x_btd, body, stacked, extras = model.stack_inputs(batch["tokens"], batch["positions"], batch["segment_ids"])
+        """The layer stack's output stream and auxiliary sums, through the plain scan or a GPipe schedule (with
+        LoRA's dropout where a training step's batch carries its seeds: models/lora.py)."""
+        units = model.cfg.num_layers // model.unit_layers(model.cfg)
+        x_btd, body, stacked, extras = model.stack_inputs(
+            batch["tokens"], batch["positions"], batch["segment_ids"], dropout_seeds=batch.get(DROPOUT_SEEDS),
+            layer_ids=self.memory_order(units))
         if self.stages > 1:
             return pipeline.gpipe(body, x_btd, stacked, extras, self.stages, self.microbatches, model.cfg.unroll_loops,
                                   model.cfg.remat, model.cfg.remat_custom, self.repeats)

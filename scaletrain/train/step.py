@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from scaletrain.models import lora
 from scaletrain.parallel.pipeline import split_microbatches
 from scaletrain.parallel.sharding import use_rules
 from scaletrain.train import objective as objective_lib
 from scaletrain.train import optim
-from scaletrain.train.runner import Runner
+from scaletrain.train.runner import DROPOUT_SEEDS, Runner
 from scaletrain.train.trainable import Partition
 
 
@@ -103,11 +104,12 @@ def make_logprobs(graphdef: nnx.GraphDef, runner: Runner, fetch_params: Callable
 def make_train_step(graphdef: nnx.GraphDef, runner: Runner, update: optim.Update, lr: optax.Schedule,
                     grad_clip_norm: float, grad_accum_steps: int, mesh, rules, grad_shardings: Any,
                     parts: Partition = Partition(), objective: Objective = objective_lib.NEXT_TOKEN,
-                    reference: Callable | None = None) -> Callable:
+                    reference: Callable | None = None, dropout: bool = False) -> Callable:
     """(state, batch, loss ceiling) -> (state, metrics). `rules` is a sharding.Rules; `grad_shardings` places
     gradients per the preset (ZeRO-2: scattered). `parts` splits the parameters into those trained - the only
     ones differentiated, the optimizer's - and the frozen (LoRA's base). `reference` adds DPO's reference
-    log-probs to each microbatch (with_reference)."""
+    log-probs to each microbatch (with_reference). `dropout`: LoRA's adapters drop their input (lora.dropout):
+    each token's seed, from the state's key and step, joins the batch."""
     fetch_params = update.fetch_params or (lambda p: p)
     grad_fn = jax.value_and_grad(
         lambda trained, frozen, b: terms(graphdef, fetch_params(parts.join(trained, frozen)), b, runner, objective),
@@ -118,6 +120,9 @@ def make_train_step(graphdef: nnx.GraphDef, runner: Runner, update: optim.Update
 
     def step(state: TrainState, batch: dict[str, jax.Array], loss_ceiling: jax.Array) -> tuple[TrainState, dict]:
         trained, frozen = parts.split(state.params)
+        if dropout:
+            key = jax.random.bits(jax.random.fold_in(state.rng, state.step), (), jnp.uint32)
+            batch = batch | {DROPOUT_SEEDS: lora.token_seeds(key, batch["segment_ids"], batch["positions"])}
 
         def referenced(b):
             return b if reference is None else reference(state.params, state.reference, b)

@@ -161,7 +161,8 @@ def build(cfg, devices: Sequence[jax.Device] | None = None, unroll_loops: bool =
     reference = with_reference(reference_kind, lay.graphdef, lay.runner, lay.parts,
                                update.fetch_params or (lambda p: p)) if reference_kind else None
     step = make_train_step(lay.graphdef, lay.runner, update, lr, cfg.optim.grad_clip_norm,
-                           cfg.train.grad_accum_steps, mesh, rules, grad_shardings, lay.parts, objective, reference)
+                           cfg.train.grad_accum_steps, mesh, rules, grad_shardings, lay.parts, objective, reference,
+                           dropout=bool(cfg.lora.rank and cfg.lora.dropout))
     return Setup(
         cfg=cfg, mesh=mesh, model_cfg=model_cfg, runner=lay.runner, state_shardings=state_shardings,
         grad_shardings=grad_shardings, logical_state=logical_state,

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from scaletrain.models import lora
 from scaletrain.models.llama import Block, Llama
 from scaletrain.models.mixtral import moe
 from scaletrain.models.transformer import ModelConfig
@@ -40,6 +41,7 @@ class MoEGroup(nnx.Module):
 
         self.dense = make_dense(rngs)
         self.moe = RoutedBlock(cfg, rngs)
+        self.dense_layers = cfg.moe_every - 1
         self.unroll = cfg.unroll_loops
 
     def _dense_scan(self, step, x_btd, xs=None):
@@ -48,9 +50,17 @@ class MoEGroup(nnx.Module):
                             unroll=self.unroll)
 
     def __call__(self, x_btd, sin_bth, cos_bth, segment_ids_bt) -> tuple[jax.Array, dict]:
-        """The stream and the group's auxiliary sums: its MoE block's (the dense blocks have none)."""
-        x_btd, _ = self._dense_scan(lambda block, x, _: block(x, sin_bth, cos_bth, segment_ids_bt), x_btd)
-        return self.moe(x_btd, sin_bth, cos_bth, segment_ids_bt)
+        """The stream and the group's auxiliary sums: its MoE block's (the dense blocks have none). Each of its
+        layers drops its own elements under LoRA's dropout (lora.within)."""
+        group = self.dense_layers + 1
+
+        def dense(block, x, i):
+            with lora.within(group, i):
+                return block(x, sin_bth, cos_bth, segment_ids_bt)
+
+        x_btd, _ = self._dense_scan(dense, x_btd, jnp.arange(self.dense_layers))
+        with lora.within(group, self.dense_layers):
+            return self.moe(x_btd, sin_bth, cos_bth, segment_ids_bt)
 
     def decode(self, x_btd, sin_bth, cos_bth, start, cache):
         """Block.decode through the group; `cache` holds the group's layers [moe_every, ...]."""
