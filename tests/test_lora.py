@@ -26,6 +26,9 @@ MESHES = {
                                                "sharding.preset=zero1"]),
     "pipeline=2 x fsdp=2 x tensor=2": ([], ["mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2"]),
     "1f1b pipeline=2 x data=4": ([], ["mesh.pipeline=2", "mesh.data=4", "pipeline.schedule=1f1b"]),
+    "1f1b pipeline=2 x fsdp=2 x tensor=2, gathered once": ([], ["mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2",
+                                                                "pipeline.schedule=1f1b",
+                                                                "pipeline.gather_weights=once"]),
     "context=2 x fsdp=4": ([], ["mesh.context=2", "mesh.fsdp=4"]),
     "optimizer and parameters offloaded, fsdp=8": ([], ["mesh.fsdp=8", "params.offload=true"]),
     "moe expert=2 x fsdp=2 x tensor=2": (MOE, ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]),
@@ -163,11 +166,25 @@ def test_dropout_masks():
 @pytest.mark.parametrize("overrides, says", [
     (MOE + ["lora.dropout=0.1"], "a mixture's experts"),
     (["lora.dropout=0.1", "mesh.pipeline=2", "pipeline.schedule=1f1b"], "does not carry the layers' dropout seeds"),
+    (["mesh.pipeline=2", "pipeline.schedule=zero_bubble"], "LoRA's frozen base has none"),
 ])
-def test_dropout_refusals(overrides, says):
+def test_refusals(overrides, says):
     from scaletrain.errors import ConfigError
     from scaletrain.train import trainer
 
     cfg = equivalence.load_config(1, *LORA, *overrides)
     with pytest.raises(ConfigError, match=says):
         trainer.build(cfg, jax.devices()[:2 if "mesh.pipeline=2" in overrides else 1])
+
+
+def test_a_1f1b_pipeline_forms_no_gradient_of_the_base(batches):
+    """The 1F1B program differentiates the adapters alone: its compiled step holds no gradient buffer of the base
+    (the full fine-tuning step's temporaries are several times larger)."""
+    layout = ["mesh.pipeline=2", "mesh.data=4", "pipeline.schedule=1f1b", "model.d_model=128", "model.d_ff=512",
+              "model.vocab_size=2048"]
+
+    def temporaries(*overrides):
+        setup = equivalence.run(batches[:1], *overrides, *layout).setup
+        return equivalence.compiled_step(setup).memory_analysis().temp_size_in_bytes
+
+    assert temporaries(*LORA) < 0.5 * temporaries()

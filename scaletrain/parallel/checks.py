@@ -74,6 +74,9 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
         if cfg.train.grad_accum_steps > 1:
             out.append("with mesh.pipeline > 1 the pipeline's microbatches replace gradient accumulation: set "
                        "pipeline.microbatches and train.grad_accum_steps=1")
+        if cfg.lora.rank and schedule == "zero_bubble":
+            out.append("lora.rank > 0 with pipeline.schedule=zero_bubble: zero-bubble fills its bubble with the "
+                       "weights' gradients, which LoRA's frozen base has none of; use pipeline.schedule=1f1b")
         if cfg.lora.rank and cfg.lora.dropout and schedule in pipeline_1f1b.OWN_GRADIENTS:
             out.append(f"lora.dropout={cfg.lora.dropout} with pipeline.schedule={schedule}: its program takes each "
                        f"layer's vjp itself and does not carry the layers' dropout seeds; use pipeline.schedule=gpipe "
