@@ -333,13 +333,15 @@ def to_hf(run_dir: str, out: str, step: int | None = None, shard_bytes: int = SH
     step, params = restore_params(run_dir, setup.abstract_state.params, what="convert to-hf", step=step)
     layout = tensors(setup.abstract_state.params, _architecture(hf, run_dir))
     target = Path(out)
-    target.mkdir(exist_ok=True)
     if peft:
-        count = peft_lib.write(cfg, params, layout, target, hf.get("_name_or_path", ""))
+        adapters = peft_lib.adapters(cfg, params, layout)  # refused before anything is written
+        target.mkdir(exist_ok=True)
+        peft_lib.write(cfg, adapters, target, hf.get("_name_or_path", ""))
         copied = _copy_tokenizer(run_dir, cfg.data.tokenizer, target)
-        print(f"wrote the adapters of step {step} of {run_dir} to {out}: {peft_lib.ADAPTER_FILE} ({count} tensors), "
-              f"{peft_lib.ADAPTER_CONFIG}{', ' + ', '.join(copied) if copied else ''}")
+        print(f"wrote the adapters of step {step} of {run_dir} to {out}: {peft_lib.ADAPTER_FILE} ({len(adapters)} "
+              f"tensors), {peft_lib.ADAPTER_CONFIG}{', ' + ', '.join(copied) if copied else ''}")
         return 0
+    target.mkdir(exist_ok=True)
     if cfg.lora.rank:  # in float32: the export's dtype is applied once, when written
         params = lora.merged(params, cfg.lora.alpha / cfg.lora.rank, np.float32)
     files = _write_safetensors(params, layout, dtype, target, shard_bytes)

@@ -25,9 +25,9 @@ ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json
 PREFIX = "base_model.model."  # PeftModel's wrapping of the model's own names
 
 
-def write(cfg, params: dict, layout: list, target: Path, base_model: str) -> int:
-    """Writes the adapters of `params` (a run's, its base included) into `target`, named after the base weights of
-    `layout` (tools/hf.py's Tensors). Returns the number of adapter tensors written."""
+def adapters(cfg, params: dict, layout: list) -> dict[str, np.ndarray]:
+    """The adapters of `params` (a run's, its base included) as PEFT's tensors, named after the base weights of
+    `layout` (tools/hf.py's Tensors). UserError where PEFT has no place for one (an expert's)."""
     host = {}
     for t in layout:
         node = params
@@ -47,6 +47,11 @@ def write(cfg, params: dict, layout: list, target: Path, base_model: str) -> int
         host[f"{name}.lora_B.weight"] = np.ascontiguousarray(b.T)
     if not host:
         raise UserError("convert to-hf --peft: the run has no adapters (lora.rank is 0); export it without --peft")
+    return host
+
+
+def write(cfg, host: dict[str, np.ndarray], target: Path, base_model: str) -> None:
+    """adapter_model.safetensors (`adapters`' tensors) and adapter_config.json, into `target`."""
     save_file(host, target / ADAPTER_FILE, metadata={"format": "pt"})
     modules = sorted({name.split(".")[-3] for name in host})
     (target / ADAPTER_CONFIG).write_text(json.dumps({
@@ -55,4 +60,3 @@ def write(cfg, params: dict, layout: list, target: Path, base_model: str) -> int
         "target_modules": modules, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
         "init_lora_weights": True, "modules_to_save": None, "inference_mode": True,
     }, indent=2) + "\n")
-    return len(host)
