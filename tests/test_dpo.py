@@ -325,6 +325,8 @@ def test_label_smoothing_is_conservative_dpo():
       "lora.rank=4", "dpo.reference=copy"], "no second copy"),
     (["dpo.label_smoothing=0.5"], "dpo.label_smoothing must be in"),
     (["lora.rank=4", "lora.targets=q_proj,query"], "lora.targets names no matmul 'query'"),
+    (["train.objective=dpo", "data.format=preference", "data.source=synthetic", "checkpoint.init_from=runs/none"],
+     "runs/none' is not a run directory"),
 ])
 def test_bad_post_training_configs_are_one_error_line(overrides, says, capsys, tmp_path):
     code = main(["train", "--config", "configs/llama_tiny.yaml", "--set", f"run_dir={tmp_path}",

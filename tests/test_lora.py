@@ -129,14 +129,14 @@ def test_lora_from_a_converted_model_end_to_end(hf_run, tmp_path):
 
 def test_dropout_trains_alike_on_a_mesh_and_drops_each_layer_its_own(batches):
     """lora.dropout's masks are a hash of the token (row, segment, position), the layer and the projection: the same
-    on every mesh and every pipeline layout (a circular one keeps its layers out of order), changed training."""
+    on every mesh and pipeline layout - here a circular one over fsdp, which keeps its layers out of order -, and
+    they change training."""
     cfg = [*LORA, "lora.dropout=0.3", "model.num_layers=4"]
     want = equivalence.reference(batches, *cfg)
-    for layout in (["mesh.fsdp=4", "mesh.tensor=2"], ["mesh.fsdp=2", "mesh.pipeline=2", "pipeline.schedule=circular",
-                                                      "pipeline.repeats=2"]):
-        # A mask that differed would move the parameters by O(1e-1); on fsdp x tensor the reduction order's
-        # rounding leaves B of the query's adapter (from zero, through Adam) 2.4e-5 apart after 4 updates.
-        equivalence.assert_same(equivalence.run(batches, *cfg, *layout), want, params=5e-5)
+    # A mask that differed would move the parameters by O(1e-1); the reduction order's rounding leaves B of an
+    # adapter (from zero, through Adam) up to 2.4e-5 apart after 4 updates.
+    equivalence.assert_same(equivalence.run(batches, *cfg, "mesh.fsdp=2", "mesh.pipeline=2",
+                                            "pipeline.schedule=circular", "pipeline.repeats=2"), want, params=5e-5)
     plain = equivalence.reference(batches, *LORA, "model.num_layers=4")
     assert want.losses[0] == plain.losses[0]  # B = 0: the adapters add nothing yet
     assert want.losses[1] != plain.losses[1]
@@ -178,13 +178,11 @@ def test_refusals(overrides, says):
 
 
 def test_a_1f1b_pipeline_forms_no_gradient_of_the_base(batches):
-    """The 1F1B program differentiates the adapters alone: its compiled step holds no gradient buffer of the base
-    (the full fine-tuning step's temporaries are several times larger)."""
-    layout = ["mesh.pipeline=2", "mesh.data=4", "pipeline.schedule=1f1b", "model.d_model=128", "model.d_ff=512",
-              "model.vocab_size=2048"]
-
-    def temporaries(*overrides):
-        setup = equivalence.run(batches[:1], *overrides, *layout).setup
-        return equivalence.compiled_step(setup).memory_analysis().temp_size_in_bytes
-
-    assert temporaries(*LORA) < 0.5 * temporaries()
+    """The 1F1B program differentiates the adapters alone: its compiled step's temporaries are fewer bytes than the
+    base's float32 gradient would take (wide MLPs make the weights outweigh the tiny batch's activations)."""
+    overrides = [*LORA, "mesh.pipeline=2", "mesh.data=4", "pipeline.schedule=1f1b", "model.d_model=256",
+                 "model.d_ff=1024"]
+    setup = equivalence.run(batches[:1], *overrides).setup
+    temporaries = equivalence.compiled_step(setup).memory_analysis().temp_size_in_bytes
+    base = sum(x.size * 4 for x in jax.tree.leaves(setup.parts.split(setup.abstract_state.params)[1]))
+    assert temporaries < 0.5 * base, (temporaries, base)

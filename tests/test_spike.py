@@ -21,6 +21,7 @@ class _Stream:
 
     def __init__(self, inner, positions, drop=False):
         self.inner, self.positions, self.drop, self.position = inner, positions, drop, 0
+        self.dropped = inner.dropped  # the examples the source left out (none: a text stream)
 
     def __iter__(self):
         return self

@@ -123,7 +123,7 @@ def timeline(stages: int, microbatches: int, repeats: int = 1) -> list[list[str]
 
 def loss(body: Callable, head: Callable, stages: int, microbatches: int, repeats: int, gather_once: bool,
          keep_layers: bool, zero_bubble: bool, unroll: bool, x: jax.Array, stacked: Any, head_params: Any,
-         extras: tuple, rows: tuple, aux_weights: Any, frozen: tuple[Any, Any] | None = None) -> tuple[jax.Array, Any]:
+         extras: tuple, rows: tuple, aux_weights: Any) -> tuple[jax.Array, Any]:
     """(The summed loss of a batch through the layer stack as a 1F1B pipeline and the head, the stack's auxiliary
     sums [layers, ...] summed over the microbatches).
 
@@ -146,33 +146,27 @@ def loss(body: Callable, head: Callable, stages: int, microbatches: int, repeats
     backward slot runs the block's forward again from it first (pipeline.keep=stage_inputs: less memory, a
     forward of every layer more work). `zero_bubble` runs pipeline_zb's schedule instead (one block a stage; the
     eval step's forward slots are 1F1B's). `unroll` unrolls the ticks (for XLA's cost estimate only, as
-    model.unroll_loops).
-
-    `frozen` (frozen_stacked, frozen_head_params): weights that take no gradient (LoRA's base), split off
-    `stacked` and `head_params`, which then hold the trained ones alone: sliced by stage and layer beside them, never
-    differentiated, and no gradient buffer kept for them. `body` then takes (trained, frozen) layer weights and
-    `head(head_params, frozen_head, stacked, frozen_stacked, x, rows)`; without `frozen` (None), `body` takes the
-    layer's weights and `head(head_params, stacked, x, rows)`. Not with `zero_bubble`."""
+    model.unroll_loops)."""
     return _loss((body, head, stages, microbatches, repeats, gather_once, keep_layers, zero_bubble, unroll), x,
-                 stacked, head_params, extras, rows, aux_weights, frozen)
+                 stacked, head_params, extras, rows, aux_weights)
 
 
 # The static arguments travel as one tuple: (body, head, stages, microbatches, repeats, gather_once, keep_layers,
 # zero_bubble, unroll).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _loss(static, x, stacked, head_params, extras, rows, aux_weights, frozen):
-    return _program(*static, False, x, stacked, head_params, extras, rows, aux_weights, frozen)
+def _loss(static, x, stacked, head_params, extras, rows, aux_weights):
+    return _program(*static, False, x, stacked, head_params, extras, rows, aux_weights)
 
 
-def _loss_forward(static, x, stacked, head_params, extras, rows, aux_weights, frozen):
-    (total, aux), grads = _program(*static, True, x, stacked, head_params, extras, rows, aux_weights, frozen)
+def _loss_forward(static, x, stacked, head_params, extras, rows, aux_weights):
+    (total, aux), grads = _program(*static, True, x, stacked, head_params, extras, rows, aux_weights)
     return (total, aux), (grads, aux_weights)
 
 
 def _loss_backward(static, residuals, g):
     (grads, aux_weights), (g_total, _) = residuals, g
     dx, dstacked, dhead = jax.tree.map(lambda a: (g_total * a).astype(a.dtype), grads)
-    return dx, dstacked, dhead, None, None, jax.tree.map(jnp.zeros_like, aux_weights), None
+    return dx, dstacked, dhead, None, None, jax.tree.map(jnp.zeros_like, aux_weights)
 
 
 _loss.defvjp(_loss_forward, _loss_backward)
@@ -185,7 +179,7 @@ def _zeros(a: jax.Array) -> jax.Array:
 
 
 def _program(body, head, stages, microbatches, repeats, gather_once, keep_layers, zero_bubble, unroll, with_grads,
-             x, stacked, head_params, extras, rows, aux_weights, frozen):
+             x, stacked, head_params, extras, rows, aux_weights):
     axis = active_axes("stage")
     own = active_axes("batch") if gather_once else replica_axes()  # batch axes along which each device sums
     everywhere = axis + own
@@ -208,33 +202,29 @@ def _program(body, head, stages, microbatches, repeats, gather_once, keep_layers
         return jax.tree.map(lambda a, d: jax.lax.dynamic_update_slice_in_dim(
             a, jax.lax.dynamic_slice_in_dim(a, b * d.shape[0], d.shape[0]) + d, b * d.shape[0], 0), tree, part)
 
-    def call(x, p, f, extras):  # one layer, its trained weights `p` (with `frozen`, and its frozen ones `f`)
-        return body(x, p, *extras) if frozen is None else body(x, (p, f), *extras)
-
-    def run_block(params, fixed, x, extras):
+    def run_block(params, x, extras):
         """A block of layers forward: (its output, each layer's input [layers, b, T, D], its auxiliary sums)."""
-        def one(x, pf):
-            y, aux = call(x, *pf, extras)
+        def one(x, p):
+            y, aux = body(x, p, *extras)
             return y, (x, aux)
 
-        out, (inputs, aux) = jax.lax.scan(one, x, (params, fixed), unroll=unroll)
+        out, (inputs, aux) = jax.lax.scan(one, x, params, unroll=unroll)
         return out, inputs, aux
 
-    def pull_block(params, fixed, layer_inputs, extras, dy, aux_weights):
-        """A block of layers backward from each layer's kept input, the last first: (its trained weights'
-        gradient, the cotangent of its input). Each layer's forward runs again here, as under full remat, and never
-        the whole block's: its layers' inputs were kept."""
+    def pull_block(params, layer_inputs, extras, dy, aux_weights):
+        """A block of layers backward from each layer's kept input, the last first: (its weights' gradient, the
+        cotangent of its input). Each layer's forward runs again here, as under full remat, and never the
+        whole block's: its layers' inputs were kept."""
         def one(dy, kept):
-            p, f, x, w = kept
-            _, pull = jax.vjp(lambda p, x: call(x, p, f, extras), p, x)
+            p, x, w = kept
+            _, pull = jax.vjp(lambda p, x: body(x, p, *extras), p, x)
             dp, dx = pull((dy.astype(x.dtype), w))
             return dx, dp
 
-        dx, dp = jax.lax.scan(one, dy, (params, fixed, layer_inputs, aux_weights), reverse=True, unroll=unroll)
+        dx, dp = jax.lax.scan(one, dy, (params, layer_inputs, aux_weights), reverse=True, unroll=unroll)
         return dp, dx
 
-    def per_stage(x, stacked, head_params, extras, rows, aux_weights, fixed):
-        fixed_stacked, fixed_head = fixed
+    def per_stage(x, stacked, head_params, extras, rows, aux_weights):
         s = jax.lax.axis_index(axis)
         first, last = s == 0, s == stages - 1
         # Microbatch i is rows i, m + i, 2m + i, ... (pipeline.split_microbatches'), read and written in place
@@ -246,10 +236,7 @@ def _program(body, head, stages, microbatches, repeats, gather_once, keep_layers
             return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, jnp.clip(i, 0, m - 1), 1, False), tree)
 
         def run_head(y, i):
-            if frozen is None:
-                return jax.vjp(lambda hp, y: head(hp, stacked, y, at(rows_m, i)), head_params, y)
-            return jax.vjp(lambda hp, y: head(hp, fixed_head, stacked, fixed_stacked, y, at(rows_m, i)),
-                           head_params, y)
+            return jax.vjp(lambda hp, y: head(hp, stacked, y, at(rows_m, i)), head_params, y)
 
         def head_loss(y, i):  # the loss and its gradients at the last stage; nothing elsewhere
             def go(y):
@@ -267,8 +254,7 @@ def _program(body, head, stages, microbatches, repeats, gather_once, keep_layers
             valid = (0 <= i) & (i < v * m)
             block, f = work(i, stages, v)
             inputs = jnp.where(valid, jnp.where(first & (block == 0), at(xs, f), c["from_before"]), 0)
-            out, layer_inputs, aux = run_block(block_of(stacked, block), block_of(fixed_stacked, block), inputs,
-                                               at(extras_m, f))
+            out, layer_inputs, aux = run_block(block_of(stacked, block), inputs, at(extras_m, f))
             c = dict(c, aux=add_to_block(c["aux"], block, jax.tree.map(lambda a: jnp.where(valid, a, 0), aux)))
             if with_grads:  # each layer's input (or the block's), for the backward slot
                 slot = kept_slot(block, f, stages, v, keep)
@@ -287,11 +273,10 @@ def _program(body, head, stages, microbatches, repeats, gather_once, keep_layers
             at_head = last & (block == v - 1)  # its cotangent is the head's, from this tick's forward slot
             kept = jax.lax.dynamic_index_in_dim(c["kept"], kept_slot(block, b, stages, v, keep), keepdims=False)
             if not keep_layers:  # the block's input kept: its layers' inputs again, from a forward
-                kept = run_block(block_of(stacked, block), block_of(fixed_stacked, block), kept, at(extras_m, b))[1]
+                kept = run_block(block_of(stacked, block), kept, at(extras_m, b))[1]
             layer_inputs = jnp.where(valid, jnp.where(at_head, fresh, kept), 0)
             cotangent = jnp.where(valid, jnp.where(at_head, dy, c["from_after"]), 0)
-            dstacked, dx = pull_block(block_of(stacked, block), block_of(fixed_stacked, block), layer_inputs,
-                                      at(extras_m, b), cotangent,
+            dstacked, dx = pull_block(block_of(stacked, block), layer_inputs, at(extras_m, b), cotangent,
                                       jax.tree.map(lambda w: jnp.where(valid, w, 0), block_of(aux_weights, block)))
             i = jnp.clip(b, 0, m - 1)
             dxs = c["dxs"]
@@ -360,12 +345,11 @@ def _program(body, head, stages, microbatches, repeats, gather_once, keep_layers
     def by_stage(tree):
         return jax.tree.map(lambda _: P(axis), tree)
 
-    fixed = frozen if frozen is not None else ({}, {})
     in_specs = (P(own or None), by_stage(stacked), jax.tree.map(lambda _: P(), head_params), rows_spec(extras),
-                rows_spec(rows), by_stage(aux_weights), (by_stage(fixed[0]), jax.tree.map(lambda _: P(), fixed[1])))
+                rows_spec(rows), by_stage(aux_weights))
     out_specs = (P(), by_stage(aux_weights))
     if with_grads:
         out_specs = (out_specs, (in_specs[0], in_specs[1], in_specs[2]))
     return jax.shard_map(per_stage, mesh=active_mesh(), in_specs=in_specs, out_specs=out_specs,
                          axis_names=set(everywhere), check_vma=False)(x, stacked, head_params, extras, rows,
-                                                                      aux_weights, fixed)
+                                                                      aux_weights)

@@ -306,7 +306,10 @@ def params_source(path: str | os.PathLike, abstract_params: Any, what: str = "ch
     alone, so a mismatched model is one clear error (starting with `what`), found before anything is compiled.
     Parameters the checkpoint leaves out because its run keeps them elsewhere (a LoRA run's base: metadata
     `base`) are checked there."""
-    directory, found = locate(path)
+    try:
+        directory, found = locate(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{what}: {e}") from None
     step = found if step is None else step
     manager = _read_only(directory)
     step, meta = _metadata(manager, directory, step)

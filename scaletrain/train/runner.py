@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from scaletrain.models import lora
 from scaletrain.parallel import pipeline, pipeline_1f1b, pipeline_zb
 from scaletrain.parallel.checks import microbatches
 from scaletrain.train import objective as objective_lib
@@ -154,20 +153,9 @@ class Runner:
         # (A block's sums are a slice of these: the penalty's gradient is the same per layer.)
         aux_weights = jax.grad(penalty)(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape))
         head_params = {k: v for k, v in params.items() if k != "layers"}
-        if not nnx.merge(graphdef, params).cfg.lora_rank:
-            return pipeline_1f1b.loss(body, head, self.stages, self.microbatches, self.repeats, self.gather_once,
-                                      not self.keep_stage_inputs, self.schedule == pipeline_zb.SCHEDULE, unroll, x_btd,
-                                      stacked, head_params, extras, rows, aux_weights)
-        # LoRA: the program differentiates the adapters alone (no gradient buffer for the frozen base, which
-        # outside the layers is all of the head's weights).
-        adapters, base = stacked.split(lambda path, _: lora.is_adapter(path), ...)
-
-        def split_head(trained, frozen, layers, frozen_layers, x_btd, rows):
-            return head({**trained, **frozen}, nnx.merge_state(layers, frozen_layers), x_btd, rows)
-
-        return pipeline_1f1b.loss(lambda x, p, *e: body(x, nnx.merge_state(*p), *e), split_head, self.stages,
-                                  self.microbatches, self.repeats, self.gather_once, not self.keep_stage_inputs,
-                                  False, unroll, x_btd, adapters, {}, extras, rows, aux_weights, (base, head_params))
+        return pipeline_1f1b.loss(body, head, self.stages, self.microbatches, self.repeats, self.gather_once,
+                                  not self.keep_stage_inputs, self.schedule == pipeline_zb.SCHEDULE, unroll, x_btd,
+                                  stacked, head_params, extras, rows, aux_weights)
 
 
 def choose(cfg, axis_sizes: Mapping[str, int]) -> Runner:
