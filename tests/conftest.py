@@ -51,6 +51,24 @@ def tiny_overrides(run_dir: Path | str, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in values.items()]
 
 
+def converted_llama(root: Path) -> Path:
+    """A tiny random Hugging Face Llama (float32, the byte tokenizer's 384-id vocabulary: BOS 256, EOS 257) saved in
+    root/hf and converted by `convert from-hf` into root/base, which it returns: a run to start from
+    (checkpoint.init_from)."""
+    import torch
+    import transformers
+
+    from scaletrain.__main__ import main
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, bos_token_id=256, eos_token_id=257), dtype=torch.float32)
+    model.save_pretrained(root / "hf")
+    assert main(["convert", "from-hf", "--hf-dir", str(root / "hf"), "--out", str(root / "base")]) == 0
+    return root / "base"
+
+
 def lower_for_cuda(fn, *shapes) -> str:
     """`fn` lowered for `shapes` on a GPU with no GPU here: Pallas writes the Triton IR for the GPU the program is
     lowered for, here an abstract H100 (compute capability 9.0). The program's StableHLO text."""

@@ -26,6 +26,7 @@ from scaletrain.train import objective as objective_lib
 from scaletrain.train import trainer
 from scaletrain.train.step import terms, with_reference
 from tests import equivalence
+from tests.conftest import converted_llama
 
 WORDS = [f"w{i}" for i in range(60)]
 VOCAB = 64  # [UNK], <s>, </s>, then the words
@@ -344,12 +345,7 @@ def test_dpo_with_a_1f1b_pipeline_is_refused():
 def test_precomputed_reference_log_probs_train_as_the_copy_does(tmp_path):
     """`data reference` stores the reference's log-probs in a prepared preference dataset; DPO trained from them
     (dpo.reference=precomputed: no copy, no reference forward) takes the steps a copy of the same run takes."""
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
-        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, bos_token_id=256, eos_token_id=257), dtype=torch.float32)
-    hf.save_pretrained(tmp_path / "hf")
-    assert main(["convert", "from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "base")]) == 0
+    converted_llama(tmp_path)
     rng = np.random.RandomState(0)
     words = ["alpha", "beta", "gamma", "delta", "kappa", "omega"]
     with open(tmp_path / "pairs.jsonl", "w") as f:

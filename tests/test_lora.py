@@ -15,7 +15,7 @@ import transformers
 from scaletrain.__main__ import main
 from scaletrain.store.checkpoint import read_metadata
 from tests import equivalence
-from tests.conftest import tiny_overrides
+from tests.conftest import converted_llama, tiny_overrides
 
 STEPS = 4
 LORA = ["lora.rank=4", "lora.alpha=8", "lora.base_dtype=float32", "optim.weight_decay=0.01"]
@@ -77,12 +77,7 @@ def test_targets_choose_the_adapted_projections(batches):
 def hf_run(tmp_path_factory):
     """(a tiny Hugging Face Llama's folder, its run directory from `convert from-hf`)."""
     root = tmp_path_factory.mktemp("lora")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
-        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, bos_token_id=256, eos_token_id=257), dtype=torch.float32)
-    model.save_pretrained(root / "hf")
-    assert main(["convert", "from-hf", "--hf-dir", str(root / "hf"), "--out", str(root / "base")]) == 0
+    converted_llama(root)
     return root
 
 
