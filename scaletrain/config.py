@@ -176,7 +176,7 @@ CHOICES = {
     "train.objective": ("lm", "dpo"),
     "dpo.loss": ("sigmoid", "ipo", "hinge"),
     "dpo.reference": ("auto", "copy", "precomputed"),
-    "lora.base_dtype": ("float32", "bfloat16"),
+    "lora.base_dtype": ("float32", "bfloat16", "int8"),
     "train.on_nonfinite": ("skip", "stop"),
     "train.spike.action": ("off", "warn", "skip", "rollback"),
     "sharding.preset": ("fsdp", "dp", "zero1", "zero2"),

@@ -122,6 +122,23 @@ def test_lora_from_a_converted_model_end_to_end(hf_run, tmp_path):
     assert np.abs(before - ours).max() > 1e-3  # the adapters changed the model
 
 
+def test_an_int8_base_is_read_back_rounded_and_exports_merged(hf_run, tmp_path):
+    """An int8 base left out of the checkpoints is read from checkpoint.init_from and rounded again, as the run
+    rounded it: `logits` computes what the run trained, and the merged export (int8 base x scale + the adapters)
+    gives transformers the same logits."""
+    root = hf_run
+    _train(root, "int8", 2, "lora.base_dtype=int8")
+    tokens = np.random.RandomState(1).randint(0, 384, (2, 16)).astype(np.int32)
+    np.save(tmp_path / "tokens.npy", tokens)
+    assert main(["logits", "--run-dir", str(root / "int8"), "--tokens", str(tmp_path / "tokens.npy"), "--out",
+                 str(tmp_path / "ours.npy")]) == 0
+    assert main(["convert", "to-hf", "--run-dir", str(root / "int8"), "--out", str(tmp_path / "merged")]) == 0
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+        np.testing.assert_allclose(merged(torch.tensor(tokens)).logits.numpy(), np.load(tmp_path / "ours.npy"),
+                                   rtol=0, atol=1e-5)
+
+
 def test_dropout_trains_alike_on_a_mesh_and_drops_each_layer_its_own(batches):
     """lora.dropout's masks are a hash of the token (row, segment, position), the layer and the projection: the same
     on every mesh and pipeline layout - here a circular one over fsdp, which keeps its layers out of order -, and
@@ -181,3 +198,29 @@ def test_a_1f1b_pipeline_forms_no_gradient_of_the_base(batches):
     temporaries = equivalence.compiled_step(setup).memory_analysis().temp_size_in_bytes
     base = sum(x.size * 4 for x in jax.tree.leaves(setup.parts.split(setup.abstract_state.params)[1]))
     assert temporaries < 0.5 * base, (temporaries, base)
+
+
+INT8 = ["lora.rank=4", "lora.alpha=8", "lora.base_dtype=int8"]
+
+
+def test_an_int8_base_is_rounded_per_column_and_trains_alike_on_a_mesh(batches, references):
+    """lora.base_dtype int8: the stack's projections stored as int8 beside per-column float32 scales (a byte a
+    weight), dequantized as each layer runs - the same training on every mesh, and within rounding of a float32
+    base's."""
+    import jax.numpy as jnp
+
+    from scaletrain.models import lora
+
+    w = np.random.RandomState(0).normal(size=(2, 64, 4, 16)).astype(np.float32)
+    q = lora.quantized({"wq": w, "wq_scale": np.ones((2, 1, 4, 16), np.float32)})
+    assert q["wq"].dtype == jnp.int8 and np.abs(np.asarray(q["wq"])).max() == 127
+    back = np.asarray(lora.dequantized(q, jnp.float32)["wq"])
+    assert np.all(np.abs(back - w) <= np.asarray(q["wq_scale"]) / 2 + 1e-7)
+
+    want = equivalence.reference(batches, *INT8)
+    equivalence.assert_same(equivalence.run(batches, *INT8, "mesh.fsdp=4", "mesh.tensor=2"), want)
+    stored = _leaves(want.params)
+    assert stored["['layers']['attn']['wq']"].dtype == np.int8
+    assert stored["['embed']['table']"].dtype == jnp.bfloat16  # the rest of the base: bfloat16
+    float_base = references["dense"].losses
+    np.testing.assert_allclose(want.losses, float_base, rtol=1e-3)

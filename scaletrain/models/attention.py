@@ -80,6 +80,11 @@ class Attention(nnx.Module):
         self.wk_lora = lora.adapter(cfg, "k_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), rngs)
         self.wv_lora = lora.adapter(cfg, "v_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), rngs)
         self.wo_lora = lora.adapter(cfg, "o_proj", (n, h, d), ("heads", "head_dim", "embed"), rngs, in_dims=2)
+        for name, shape, logical, in_dims in (("wq", (d, n, h), ("embed", "heads", "head_dim"), 1),
+                                              ("wk", (d, k, h), ("embed", "kv_heads", "head_dim"), 1),
+                                              ("wv", (d, k, h), ("embed", "kv_heads", "head_dim"), 1),
+                                              ("wo", (n, h, d), ("heads", "head_dim", "embed"), 2)):
+            lora.base_scale(cfg, self, name, shape, logical, in_dims)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")
             self.k_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")

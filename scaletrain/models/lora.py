@@ -206,6 +206,85 @@ def _fold(w, a, b, scale: float, dtype):
     return (jnp.asarray(w, jnp.float32) + scale * ab.reshape(w.shape)).astype(dtype)
 
 
+# lora.base_dtype int8 (QLoRA's idea, with this project's own rounding): each frozen projection weight of the layer
+# stack is stored as int8 with one float32 scale per output column - absmax over its input dims / 127, the rounding
+# model.quantization=int8 gives a weight - in a Param named `<weight>_scale` beside it, and dequantized per layer as
+# the layer runs (transformer._placed), so the stack's base takes a byte a weight. The embedding, the output
+# projection, the router and the norms stay in bfloat16.
+BASE_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+SCALE = "_scale"
+
+
+def base_scale(cfg, module, name: str, shape: tuple[int, ...], logical: tuple[str | None, ...], in_dims: int = 1,
+               lead: int = 0) -> None:
+    """With an int8 base (model config lora_int8_base): `module.<name>_scale`, weight `name`'s per-column scales
+    [lead..., 1 per input dim, out...] (ones until the base is quantized: `quantized`)."""
+    if not cfg.lora_int8_base:
+        return
+    split = lead + in_dims
+    scale = nnx.Param(jnp.ones((*shape[:lead], *(1,) * in_dims, *shape[split:]), jnp.float32),
+                      out_sharding=(*logical[:lead], *(None,) * in_dims, *logical[split:]))
+    setattr(module, name + SCALE, scale)
+
+
+def quantized(params: dict) -> dict:
+    """Parameters (a nested dict of arrays, or of ShapeDtypeStructs) with every weight that has a `_scale` beside it
+    rounded to int8 and the scale filled in: absmax over the dims the scale keeps at 1, over 127."""
+    out = {}
+    for name, value in params.items():
+        if isinstance(value, dict):
+            out[name] = quantized(value)
+        elif name + SCALE in params:
+            like = params[name + SCALE]
+            if isinstance(value, jax.ShapeDtypeStruct):
+                out[name] = jax.ShapeDtypeStruct(value.shape, jnp.int8, sharding=value.sharding)
+                out[name + SCALE] = jax.ShapeDtypeStruct(like.shape, jnp.float32, sharding=like.sharding)
+                continue
+            axes = tuple(i for i, (w, k) in enumerate(zip(value.shape, like.shape)) if k == 1 and w != 1)
+            w = jnp.asarray(value, jnp.float32)
+            peak = jnp.max(jnp.abs(w), axis=axes, keepdims=True)
+            scale = jnp.where(peak > 0, peak / 127.0, 1.0)
+            out[name], out[name + SCALE] = jnp.round(w / scale).astype(jnp.int8), scale
+        elif not name.endswith(SCALE) or name.removesuffix(SCALE) not in params:
+            out[name] = value
+    return out
+
+
+def as_read(shapes: dict) -> dict:
+    """An int8 base's shapes as a checkpoint without one holds them (checkpoint.init_from's, a converted model's):
+    the scales left out, the int8 weights float32. `quantized` of what is read, with scales beside the weights again
+    (`scales`), is the base."""
+    return {name: as_read(value) if isinstance(value, dict) else
+            jax.ShapeDtypeStruct(value.shape, jnp.float32, sharding=value.sharding) if name + SCALE in shapes else value
+            for name, value in shapes.items() if not (name.endswith(SCALE) and name.removesuffix(SCALE) in shapes)}
+
+
+def scales(shapes: dict) -> dict:
+    """The scales of an int8 base's shapes, alone (ones: placeholders `quantized` fills in)."""
+    out = {}
+    for name, value in shapes.items():
+        if isinstance(value, dict):
+            if inner := scales(value):
+                out[name] = inner
+        elif name.endswith(SCALE) and name.removesuffix(SCALE) in shapes:
+            out[name] = jnp.ones(value.shape, value.dtype)
+    return out
+
+
+def dequantized(params: dict, dtype) -> dict:
+    """Parameters with every int8 weight that has a `_scale` beside it as weight x scale in `dtype` (computed in
+    float32); the scales stay."""
+    out = {}
+    for name, value in params.items():
+        if isinstance(value, dict):
+            out[name] = dequantized(value, dtype)
+        elif name + SCALE in params and value.dtype == jnp.int8:
+            out[name] = (value.astype(jnp.float32) * params[name + SCALE].astype(jnp.float32)).astype(dtype)
+        else:
+            out[name] = value
+    return out
+
+
 def merge_trees(a: dict, b: dict) -> dict:
     """Two nested dicts of parameters as one (a model's weights and a run's adapters)."""
     out = dict(a)

@@ -22,6 +22,9 @@ class MLP(nnx.Module):
         self.w_gate_lora = lora.adapter(cfg, "gate_proj", (d, f), ("embed", "mlp"), rngs)
         self.w_up_lora = lora.adapter(cfg, "up_proj", (d, f), ("embed", "mlp"), rngs)
         self.w_down_lora = lora.adapter(cfg, "down_proj", (f, d), ("mlp", "embed"), rngs)
+        for name, shape, logical in (("w_gate", (d, f), ("embed", "mlp")), ("w_up", (d, f), ("embed", "mlp")),
+                                     ("w_down", (f, d), ("mlp", "embed"))):
+            lora.base_scale(cfg, self, name, shape, logical)
 
     def __call__(self, x_btd: jax.Array, norm, one_matmul: bool = True) -> jax.Array:
         """The MLP of norm(x): the norm is applied with the gate/up projection (model.norm). Split over

@@ -74,6 +74,7 @@ class ModelConfig:
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ()  # the projections adapted (lora.targets resolved)
     lora_dropout: float = 0.0
+    lora_int8_base: bool = False  # lora.base_dtype int8: the stack's frozen projections in int8 (models/lora.py)
     remat: str = "none"  # a remat.POLICIES name
     remat_custom: tuple[tuple[str, str], ...] = ()  # (checkpoint name, remat|device|offload) for "custom"
     fuse_qkv: bool = True  # False where kv heads are replicated over `tensor`
@@ -280,9 +281,14 @@ class Decoder(nnx.Module):
 
 def _placed(cfg: ModelConfig, layer_params):
     """One layer's parameters, placed; matmul weights in the compute dtype from here on (norm gains stay in
-    float32: the norms compute in it). A function of the config alone: pipeline runners call the layer body
+    float32: the norms compute in it). An int8 base weight (lora.base_dtype int8) is gathered as it is stored, a
+    byte a weight, and dequantized after. A function of the config alone: pipeline runners call the layer body
     inside their own transformations, where it must close over no traced value."""
     def place(v):
-        return v.replace(constrain_param(v[...], v.out_sharding[1:], cfg.dtype if v[...].ndim > 1 else None))
+        cast = v[...].ndim > 1 and v[...].dtype != jnp.int8
+        return v.replace(constrain_param(v[...], v.out_sharding[1:], cfg.dtype if cast else None))
 
-    return jax.tree.map(place, layer_params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    placed = jax.tree.map(place, layer_params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    if cfg.lora_int8_base:
+        nnx.replace_by_pure_dict(placed, lora.dequantized(nnx.to_pure_dict(placed), cfg.dtype))
+    return placed

@@ -80,7 +80,7 @@ def main(run_dir: str, step: int | None, prompt: str, max_new_tokens: int, tempe
          seed: int, overrides: list[str] = ()) -> int:
     """The `generate` command; `overrides` change how the model computes (model.norm, model.dtype), not its
     shapes."""
-    from scaletrain.store.checkpoint import restore_params
+    from scaletrain.train import init_from
 
     cfg = inference.load_config(run_dir, overrides)
     tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
@@ -90,7 +90,7 @@ def main(run_dir: str, step: int | None, prompt: str, max_new_tokens: int, tempe
     if len(prompt_ids) == 0:
         raise UserError("--prompt is empty and the tokenizer has no BOS token to start from; give some text")
     setup = inference.one_device_setup(cfg)
-    step, params = restore_params(run_dir, setup.abstract_state.params, what="generate", step=step)
+    step, params = init_from.restore_run_params(run_dir, setup, "generate", step)
     graphdef = model_lib.abstract(setup.model_cfg)[0]
     tokens, n = generate_tokens(graphdef, compute_dtype_params(params, setup.model_cfg.dtype),
                                 jnp.asarray(prompt_ids, jnp.int32)[None], jax.random.PRNGKey(seed),

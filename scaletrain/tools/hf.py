@@ -316,9 +316,9 @@ def to_hf(run_dir: str, out: str, step: int | None = None, shard_bytes: int = SH
     from the run's config. A LoRA run's adapters are folded into the weights (models/lora.py's `merged`); with
     `peft`, OUT gets them as a PEFT adapter instead (tools/peft.py), beside the tokenizer files."""
     from scaletrain.models import lora
-    from scaletrain.store.checkpoint import restore_params
     from scaletrain.tools import inference
     from scaletrain.tools import peft as peft_lib
+    from scaletrain.train import init_from
 
     if storage.is_remote(out):
         raise UserError(f"--out {out}: {LOCAL_OUT}; expected a local path (copy it to the bucket afterwards)")
@@ -330,7 +330,7 @@ def to_hf(run_dir: str, out: str, step: int | None = None, shard_bytes: int = SH
     setup = inference.one_device_setup(cfg)
     if peft and not cfg.lora.rank:
         raise UserError(f"convert to-hf --peft: {run_dir} has no adapters (lora.rank is 0); export it without --peft")
-    step, params = restore_params(run_dir, setup.abstract_state.params, what="convert to-hf", step=step)
+    step, params = init_from.restore_run_params(run_dir, setup, "convert to-hf", step)
     layout = tensors(setup.abstract_state.params, _architecture(hf, run_dir))
     target = Path(out)
     if peft:
@@ -343,7 +343,7 @@ def to_hf(run_dir: str, out: str, step: int | None = None, shard_bytes: int = SH
         return 0
     target.mkdir(exist_ok=True)
     if cfg.lora.rank:  # in float32: the export's dtype is applied once, when written
-        params = lora.merged(params, cfg.lora.alpha / cfg.lora.rank, np.float32)
+        params = lora.merged(lora.dequantized(params, np.float32), cfg.lora.alpha / cfg.lora.rank, np.float32)
     files = _write_safetensors(params, layout, dtype, target, shard_bytes)
     (target / "config.json").write_text(kept or json.dumps(built, indent=2) + "\n")
     copied = _copy_tokenizer(run_dir, cfg.data.tokenizer, target)

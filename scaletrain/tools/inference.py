@@ -126,12 +126,12 @@ def logits(run_dir: str, step: int | None, tokens_path: str, out_path: str, over
     from flax import nnx
 
     from scaletrain import models as model_lib
-    from scaletrain.store.checkpoint import restore_params
+    from scaletrain.train import init_from
 
     cfg = load_config(run_dir, overrides)
     tokens = read_tokens(tokens_path, cfg.model.vocab_size)
     setup = one_device_setup(cfg)
-    step, params = restore_params(run_dir, setup.abstract_state.params, what="logits", step=step)
+    step, params = init_from.restore_run_params(run_dir, setup, "logits", step)
     graphdef = model_lib.abstract(setup.model_cfg)[0]
 
     @jax.jit

@@ -23,7 +23,6 @@ from scaletrain.data import examples, packing
 from scaletrain.data import loader as data
 from scaletrain.data.prepare import RECORDS_PER_SHARD, ExampleWriter
 from scaletrain.errors import UserError
-from scaletrain.store.checkpoint import restore_params
 
 EXTRA = "ref_logprobs"
 ROW_MULTIPLE = 128
@@ -31,7 +30,7 @@ ROW_MULTIPLE = 128
 
 def main(run_dir: str, source: str, out: str, rows: int, overrides: list[str]) -> int:
     from scaletrain.tools import inference
-    from scaletrain.train import trainer
+    from scaletrain.train import init_from, trainer
 
     meta = _preference_meta(source)
     longest = max(int(np.load(os.path.join(source, s["lengths"])).sum(axis=1).max(initial=0))
@@ -43,7 +42,7 @@ def main(run_dir: str, source: str, out: str, rows: int, overrides: list[str]) -
     if jax.process_count() > 1:
         raise UserError("data reference runs on one host (its local devices); run it there, then copy the dataset")
     setup = trainer.build(cfg)
-    step, params = restore_params(run_dir, setup.abstract_state.params, what="data reference")
+    step, params = init_from.restore_run_params(run_dir, setup, "data reference")
     params = setup.from_disk(params)
     pad = meta["tokenizer"]["eos_id"]
     final = os.path.abspath(out)

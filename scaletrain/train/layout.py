@@ -93,7 +93,7 @@ def lora_keys(cfg) -> dict:
                           f"rows are routed, and dropping an expert's input is not supported; set lora.dropout=0 or "
                           f"leave {named} out of lora.targets")
     return {"lora_rank": cfg.lora.rank, "lora_alpha": cfg.lora.alpha, "lora_dropout": cfg.lora.dropout,
-            "lora_targets": targets}
+            "lora_targets": targets, "lora_int8_base": cfg.lora.base_dtype == "int8"}
 
 
 def abstract_mesh(axis_sizes: Mapping[str, int]) -> AbstractMesh:

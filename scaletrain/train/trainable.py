@@ -66,14 +66,19 @@ class Partition:
         return traverse_util.unflatten_dict(_flat(trainable) | _flat(frozen))
 
     def store(self, params: Any, base_dtype: Any) -> Any:
-        """The parameters (arrays or ShapeDtypeStructs) with every frozen floating leaf in `base_dtype`: how the
-        state keeps them."""
-        def cast(x):
-            if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == base_dtype:
+        """The parameters (arrays or ShapeDtypeStructs, all of them or the frozen ones) with every frozen floating
+        leaf in `base_dtype`: how the state keeps them. int8: the layer stack's projections rounded to int8 beside
+        their float32 scales (lora.quantized), every other frozen leaf in bfloat16."""
+        int8 = base_dtype == jnp.int8
+        floats = jnp.dtype(jnp.bfloat16) if int8 else base_dtype
+
+        def cast(path, x):
+            name = str(getattr(path[-1], "key", ""))
+            if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == floats or (int8 and name.endswith(lora.SCALE)):
                 return x
             if isinstance(x, jax.ShapeDtypeStruct):
-                return jax.ShapeDtypeStruct(x.shape, base_dtype, sharding=x.sharding)
-            return x.astype(base_dtype)
+                return jax.ShapeDtypeStruct(x.shape, floats, sharding=x.sharding)
+            return x.astype(floats)
 
-        trainable, frozen = self.split(params)
-        return self.join(trainable, jax.tree.map(cast, frozen))
+        trainable, frozen = self.split(lora.quantized(params) if int8 else params)
+        return self.join(trainable, jax.tree_util.tree_map_with_path(cast, frozen))

@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import importlib.metadata
 import math
-import re
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -32,9 +31,9 @@ from scaletrain.models import lora
 from scaletrain.parallel import checks, context, sharding
 from scaletrain.parallel import mesh as mesh_lib
 from scaletrain.store import storage
-from scaletrain.store.checkpoint import Checkpointer, check_resumable, params_source, read_metadata, restore_params
+from scaletrain.store.checkpoint import Checkpointer, check_resumable, params_source, read_metadata
 from scaletrain.store.run_lock import RunLock
-from scaletrain.train import goodput, layout, offload, optim
+from scaletrain.train import goodput, init_from, layout, offload, optim
 from scaletrain.train import objective as objective_lib
 from scaletrain.train.control import Control, Preemption
 from scaletrain.train.evaluation import Evaluator
@@ -263,71 +262,17 @@ def _lock_run_dir(cfg) -> RunLock | None:
     return lock
 
 
-def _from_init(cfg, setup: Setup) -> Any:
-    """What the run takes from checkpoint.init_from, as shapes: every parameter, or with LoRA the frozen base
-    (the adapters start afresh)."""
-    frozen = setup.parts.split(setup.abstract_state.params)[1]
-    return frozen if frozen else setup.abstract_state.params
-
-
-def _source_adapters(cfg, setup: Setup) -> tuple[Any, float]:
-    """checkpoint.init_from's own adapters, as shapes (replicated: they are small), and their scale: (None, 0)
-    where it has none (not a LoRA run)."""
-    _, _, _, meta, saved = params_source(cfg.checkpoint.init_from, {})
-    names = [name for name in saved if lora.SUFFIX in name]
-    if not names:
-        return None, 0.0
-    tree: dict = {}
-    for name in names:
-        *parents, leaf = re.findall(r"\['([^']*)'\]", name)
-        node = tree
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = jax.ShapeDtypeStruct(tuple(saved[name]["shape"]), saved[name]["dtype"],
-                                          sharding=sharding.replicated(setup.mesh))
-    section = meta["config"]["lora"]
-    return tree, section["alpha"] / section["rank"]
-
-
-def _init_params(cfg, setup: Setup, wanted: Any = None) -> tuple[int, Any]:
-    """(step, parameters) the run starts from, read from checkpoint.init_from in checkpoint order: every
-    parameter, or with LoRA the frozen base (or those of `wanted`, shapes) - a LoRA run's adapters folded into its
-    weights (lora.merged) where init_from is one."""
-    wanted = _from_init(cfg, setup) if wanted is None else wanted
-    adapters, scale = _source_adapters(cfg, setup)
-    if adapters is None:
-        return restore_params(cfg.checkpoint.init_from, wanted)
-    step, params = restore_params(cfg.checkpoint.init_from, lora.merge_trees(wanted, adapters))
-    return step, lora.merged(params, scale)
-
-
-def _reference(cfg, setup: Setup) -> Any:
-    """DPO's frozen reference copy (dpo.reference copy): checkpoint.init_from's parameters, in checkpoint order and
-    the copy's dtypes; None for a run without one."""
-    if setup.abstract_state.reference is None:
-        return None
-    return _init_params(cfg, setup, setup.abstract_state.reference)[1]
-
-
 def _initial_state(cfg, setup: Setup) -> tuple[TrainState, str]:
     state = setup.init(jax.random.PRNGKey(cfg.seed))
     if not cfg.checkpoint.init_from:
         return state, "starting at step 0"
-    step, params = _init_params(cfg, setup)
+    step, params = init_from.params(cfg, setup)
     if not setup.parts.everything:  # the fresh adapters, with the base read
         params = setup.parts.join(setup.parts.trainable(setup.to_disk(state.params)), params)
     origin = f"starting at step 0 from the parameters of {cfg.checkpoint.init_from} (step {step})"
-    reference = _reference(cfg, setup)
+    reference = init_from.reference(cfg, setup)
     return state.replace(params=setup.from_disk(params),
                          reference=None if reference is None else setup.from_disk(reference)), origin
-
-
-def _kept_base(cfg, setup: Setup) -> Setup:
-    """The setup, with checkpoints leaving the frozen base out where it is checkpoint.init_from's parameters as
-    they are (not where a LoRA run's adapters were folded into them: that base is this run's own)."""
-    if setup.parts.everything or not cfg.checkpoint.init_from or _source_adapters(cfg, setup)[0] is not None:
-        return setup
-    return dataclasses.replace(setup, base_from=cfg.checkpoint.init_from)
 
 
 def _keeping_tokenizer(cfg, run_dir):
@@ -347,7 +292,7 @@ def _keeping_tokenizer(cfg, run_dir):
 def _run(cfg, preemption: Preemption, began: float) -> int:
     setup = build(cfg)
     if cfg.checkpoint.init_from:
-        setup = _kept_base(cfg, setup)
+        setup = init_from.kept_base(cfg, setup)
     iterator = data_lib.make_iterator(cfg, setup.batch_sharding)  # bad data fails here, before any write
     if iterator.dropped and jax.process_index() == 0:
         what = "pairs" if cfg.data.format == "preference" else "examples"
@@ -394,7 +339,8 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
     run_dir = storage.path(cfg.run_dir)
     meta = checkpoint_metadata(setup)
     if not check_resumable(run_dir / "checkpoints", meta, cfg.run_dir) and cfg.checkpoint.init_from:
-        params_source(cfg.checkpoint.init_from, _from_init(cfg, setup))  # its shapes, before compiling
+        # its shapes, before compiling (an int8 base as init_from holds it: float, no scales)
+        params_source(cfg.checkpoint.init_from, lora.as_read(init_from.wanted(cfg, setup)))
 
     ledger = goodput.Ledger(cfg.run_dir, jax.process_index(), began)  # reads the run's earlier attempts; writes later
     ledger.started("startup")
@@ -415,8 +361,8 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
         raise
     base = reference = None
     if restored is not None:  # what checkpoints leave out, read from checkpoint.init_from
-        base = _init_params(cfg, setup)[1] if setup.base_from else None
-        reference = _reference(cfg, setup)
+        base = init_from.params(cfg, setup)[1] if setup.base_from else None
+        reference = init_from.reference(cfg, setup)
     rule = SpikeRule(cfg.train.spike.action, cfg.train.spike.factor, cfg.train.spike.window)
     if restored is None:
         start = 0
@@ -447,8 +393,8 @@ def _run_locked(cfg, preemption: Preemption, lock: RunLock | None, setup: Setup,
         if found is None:
             return 0, _initial_state(cfg, setup)[0], origin_data, None
         step, state, data_state, saved = found
-        state = setup.with_base(state, _init_params(cfg, setup)[1] if setup.base_from else None,
-                                _reference(cfg, setup))
+        state = setup.with_base(state, init_from.params(cfg, setup)[1] if setup.base_from else None,
+                                init_from.reference(cfg, setup))
         return step, setup.from_disk(state), data_state, saved.get("spike")
 
     def ended(outcome: str, step: int, newest: int | None, evals: list) -> None:

@@ -96,6 +96,9 @@ class MoE(nnx.Module):
         self.w_gate_lora = lora.adapter(cfg, "gate_proj", (e, d, f), ("experts", "embed", "moe_mlp"), rngs, lead=1)
         self.w_up_lora = lora.adapter(cfg, "up_proj", (e, d, f), ("experts", "embed", "moe_mlp"), rngs, lead=1)
         self.w_down_lora = lora.adapter(cfg, "down_proj", (e, f, d), ("experts", "moe_mlp", "embed"), rngs, lead=1)
+        for name, logical in (("w_gate", ("experts", "embed", "moe_mlp")), ("w_up", ("experts", "embed", "moe_mlp")),
+                              ("w_down", ("experts", "moe_mlp", "embed"))):
+            lora.base_scale(cfg, self, name, getattr(self, name).shape, logical, lead=1)
 
     def __call__(self, x_btd: jax.Array, norm) -> tuple[jax.Array, dict]:
         """(the block's output [b, t, d] for norm(x), the router's `sums` over these rows)."""
