@@ -211,7 +211,6 @@ def _fold(w, a, b, scale: float, dtype):
 # model.quantization=int8 gives a weight - in a Param named `<weight>_scale` beside it, and dequantized per layer as
 # the layer runs (transformer._placed), so the stack's base takes a byte a weight. The embedding, the output
 # projection, the router and the norms stay in bfloat16.
-BASE_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 SCALE = "_scale"
 
 
@@ -282,12 +281,4 @@ def dequantized(params: dict, dtype) -> dict:
             out[name] = (value.astype(jnp.float32) * params[name + SCALE].astype(jnp.float32)).astype(dtype)
         else:
             out[name] = value
-    return out
-
-
-def merge_trees(a: dict, b: dict) -> dict:
-    """Two nested dicts of parameters as one (a model's weights and a run's adapters)."""
-    out = dict(a)
-    for key, value in b.items():
-        out[key] = merge_trees(out[key], value) if isinstance(value, dict) and key in out else value
     return out

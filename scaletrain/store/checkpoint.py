@@ -340,10 +340,11 @@ def _subtree(tree: Any, keep) -> Any:
     return out or None
 
 
-def _joined(a: Any, b: Any) -> Any:
+def joined(a: Any, b: Any) -> Any:
+    """Two nested dicts of parameters with disjoint leaves as one (a run's own parameters and its base's)."""
     if a is None or b is None:
         return b if a is None else a
-    return {k: _joined(a.get(k), b.get(k)) for k in a.keys() | b.keys()}
+    return {k: joined(a.get(k), b.get(k)) for k in a.keys() | b.keys()}
 
 
 def restore_params(path: str | os.PathLike, abstract_params: Any, what: str = "checkpoint.init_from",
@@ -359,7 +360,7 @@ def restore_params(path: str | os.PathLike, abstract_params: Any, what: str = "c
     if elsewhere is not None:
         base = meta["base"]
         _, rest = restore_params(base, elsewhere, f"{what} (the base of {directory / str(step)}, kept at {base})")
-        params = _joined(params, rest)
+        params = joined(params, rest)
     return step, params
 
 

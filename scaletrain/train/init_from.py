@@ -15,10 +15,11 @@ import jax.numpy as jnp
 
 from scaletrain.models import lora
 from scaletrain.parallel import sharding
-from scaletrain.store.checkpoint import params_source, restore_params
+from scaletrain.store.checkpoint import joined, params_source, restore_params
 
 if TYPE_CHECKING:
     from scaletrain.train.trainer import Setup
+
 
 def wanted(cfg, setup: Setup) -> Any:
     """What the run takes from checkpoint.init_from, as shapes: every parameter, or with LoRA the frozen base
@@ -62,10 +63,10 @@ def read_base(source: str, setup: Setup, wanted: Any, what: str = "checkpoint.in
     if adapters is None:
         step, params = restore_params(source, read, what)
     else:
-        step, params = restore_params(source, lora.merge_trees(read, adapters), what)
+        step, params = restore_params(source, joined(read, adapters), what)
         params = lora.merged(params, scale)
     if int8:
-        params = setup.parts.store(lora.merge_trees(params, lora.scales(wanted)), jnp.dtype(jnp.int8))
+        params = setup.parts.store(joined(params, lora.scales(wanted)), jnp.dtype(jnp.int8))
     return step, params
 
 

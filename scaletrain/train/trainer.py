@@ -50,9 +50,6 @@ EXIT_DIVERGED = 1
 BATCH_KEYS = {"tokens": jnp.int32, "targets": jnp.int32, "positions": jnp.int32, "segment_ids": jnp.int32,
               "loss_mask": jnp.float32}
 # DPO's reference log-probs per token, where the data carries them (dpo.reference precomputed).
-REFERENCE_KEYS = {"ref_logprobs": jnp.float32}
-
-
 @dataclasses.dataclass
 class Setup:
     cfg: Any
@@ -104,7 +101,7 @@ class Setup:
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         shape = (self.cfg.train.global_batch, self.cfg.data.seq_len)
-        keys = BATCH_KEYS | (REFERENCE_KEYS if objective_lib.reference_kind(self.cfg) == "precomputed" else {})
+        keys = BATCH_KEYS | {name: jnp.float32 for name in data_lib.extras(self.cfg)}
         return {k: jax.ShapeDtypeStruct(shape, dt, sharding=self.batch_sharding) for k, dt in keys.items()}
 
     def abstract_args(self) -> tuple:
