@@ -18,7 +18,7 @@ import ml_collections
 import yaml
 from etils import epath
 
-from scaletrain import config_bounds, remat
+from scaletrain import config_bounds, config_gpt_oss, remat
 from scaletrain.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "pipeline", "context", "tensor")
@@ -88,6 +88,14 @@ def defaults() -> ml_collections.ConfigDict:
                 "quantization": "none",
                 "quantization_scale": "channel",
                 "quantized_matmuls": DEFAULT_QUANTIZED,
+                # GPT-OSS's pieces (docs/gpt-oss.md): attention sinks, biases, the clamped SwiGLU of its experts
+                "attention_sinks": False,
+                "attention_bias": False,
+                "router_logit_bias": False,
+                "expert_bias": False,
+                "expert_activation": "swiglu",
+                "swiglu_limit": 7.0,
+                "swiglu_alpha": 1.702,
             },
             "data": {
                 "source": "stdlib",
@@ -185,6 +193,7 @@ CHOICES = {
     "pipeline.gather_weights": ("per_use", "once"),
     "pipeline.keep": ("layer_inputs", "stage_inputs"),
     "optim.moment_dtype": ("float32", "bfloat16"),
+    "model.expert_activation": config_gpt_oss.EXPERT_ACTIVATIONS,
 }
 
 _POSITIVE = (
@@ -194,6 +203,7 @@ _POSITIVE = (
     "model.rope_original_max_position", "pipeline.repeats", "model.experts_per_token", "model.moe_every",
     "model.rope_theta", "model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
     "train.spike.window", "train.spike.limit", "dpo.beta",
+    "model.swiglu_limit", "model.swiglu_alpha",
 )
 _NON_NEGATIVE = ("seed", "pipeline.microbatches", "train.hang.factor", "train.hang.seconds", "train.hang.straggler",
                  "train.profile_start", "train.profile_steps", "train.eval_every_steps", "data.workers",
@@ -382,6 +392,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"model.norm_cancellation=true is exact only with model.qk_norm_eps=0 (got "
                           f"{m.qk_norm_eps}): RMSNorm(c q) = RMSNorm(q) needs eps = 0")
     _check_moe(m)
+    config_gpt_oss.check(m)
     _check_quantization(m)
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")

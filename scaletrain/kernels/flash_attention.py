@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scaletrain.facts import hardware
+from scaletrain.kernels import sinks as sinks_lib
 from scaletrain.kernels.tiling import round_up
 from scaletrain.parallel.checks import FLASH_BLOCK
 
@@ -117,16 +118,17 @@ def splash_kernel(mask, heads: int, q_len: int, kv_len: int, kernel: Splash, sha
 
 
 def _make_splash(heads: int, seq_len: int, q_len: int, kernel: Splash, q_order: np.ndarray | None = None,
-                 shards: int = 1):
+                 shards: int = 1, sinks: bool = False):
     """Causal splash for `heads` query heads against `seq_len` keys in sequence order, its queries split into
     `shards` slices of `q_len`; `q_order`: the sequence position of each query (context.order), in order by
-    default."""
+    default. With `sinks`, it returns the log-sum-exp beside the output (kernels/sinks.py folds the sinks in)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     mask = sa.CausalMask((seq_len, seq_len))
     if q_order is not None:
         mask.q_sequence = q_order  # the kernel compares each query's position, not its slot, with the key's
-    return splash_kernel(mask, heads, q_len, seq_len, kernel, shards)
+    return splash_kernel(mask, heads, q_len, seq_len, kernel, shards, save_residuals=sinks,
+                         residuals_name=None if sinks else "attention_out")
 
 
 def heads_first(x_bthd: jax.Array) -> jax.Array:
@@ -134,32 +136,35 @@ def heads_first(x_bthd: jax.Array) -> jax.Array:
     return x_bthd.transpose(0, 2, 1, 3)
 
 
-def _run_splash(splash, q_btnh, k_bskh, v_bskh, q_segments_bt, k_segments_bs) -> jax.Array:
+def _run_splash(splash, q_btnh, k_bskh, v_bskh, q_segments_bt, k_segments_bs, sinks_n=None) -> jax.Array:
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
+    if sinks_n is not None:
+        return heads_first(sinks_lib.splash_attention(splash, heads_first(q_btnh), heads_first(k_bskh),
+                                                      heads_first(v_bskh), q_segments_bt, k_segments_bs, sinks_n))
     out_bnth = jax.vmap(lambda q, k, v, q_seg, k_seg: splash(q, k, v, sa.SegmentIds(q_seg, k_seg)))(
         heads_first(q_btnh), heads_first(k_bskh), heads_first(v_bskh), q_segments_bt, k_segments_bs)
     return heads_first(out_bnth)
 
 
-def _splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, kernel: Splash) -> jax.Array:
+def _splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, kernel: Splash, sinks_n=None) -> jax.Array:
     t, n = q_btnh.shape[1:3]  # t: already padded to whole blocks
-    splash = _make_splash(n, t, t, kernel)
-    return _run_splash(splash, q_btnh, k_bskh, v_bskh, segment_ids_bt, segment_ids_bt)
+    splash = _make_splash(n, t, t, kernel, sinks=sinks_n is not None)
+    return _run_splash(splash, q_btnh, k_bskh, v_bskh, segment_ids_bt, segment_ids_bt, sinks_n)
 
 
-def split_splash(heads: int, q_order: np.ndarray, shards: int, kernel: Splash):
+def split_splash(heads: int, q_order: np.ndarray, shards: int, kernel: Splash, sinks: bool = False):
     """Context parallelism's splash: queries laid out in `q_order` (context.order) and split over `shards`
     devices, each against the whole sequence's keys and values. The kernel is a pytree whose block tables are
     split along the queries like them: shard_map hands each device its own (`.manual_sharding_spec`), so one
     traced kernel serves every shard, skipping the key blocks its queries' positions hide. Run it with
-    `split_attention`."""
+    `split_attention` (with `sinks`, its sinks given there)."""
     t = len(q_order)
-    return _make_splash(heads, t, t // shards, kernel, q_order, shards)
+    return _make_splash(heads, t, t // shards, kernel, q_order, shards, sinks)
 
 
 def split_attention(splash, axes: tuple[str, ...], in_order: np.ndarray, q_btnh: jax.Array, k_btkh: jax.Array,
-                    v_btkh: jax.Array, segments_bt: jax.Array) -> jax.Array:
+                    v_btkh: jax.Array, segments_bt: jax.Array, sinks_n: jax.Array | None = None) -> jax.Array:
     """One device's share of `split_splash`'s attention (inside shard_map over the sequence's mesh `axes`): its
     queries [b, t / shards, n, h] and segment ids against every key and value, all-gathered here from their shards
     [b, t / shards, kv, h] and put in sequence order (`in_order`: the laid-out slot of each position). Gathered
@@ -167,11 +172,14 @@ def split_attention(splash, axes: tuple[str, ...], in_order: np.ndarray, q_btnh:
     a reduce-scatter (gathered outside, libtpu all-reduced the whole gradient, twice the bytes)."""
     k_bskh, v_bskh, k_segments_bs = (jnp.take(jax.lax.all_gather(x, axes, axis=1, tiled=True), in_order, axis=1)
                                      for x in (k_btkh, v_btkh, segments_bt))
-    return _run_splash(splash, q_btnh, k_bskh, v_bskh, segments_bt.astype(jnp.int32), k_segments_bs.astype(jnp.int32))
+    return _run_splash(splash, q_btnh, k_bskh, v_bskh, segments_bt.astype(jnp.int32), k_segments_bs.astype(jnp.int32),
+                       sinks_n)
 
 
-def _triton(q_btnh, k_bskh, v_bskh, segment_ids_bt, kernel: Triton) -> jax.Array:
+def _triton(q_btnh, k_bskh, v_bskh, segment_ids_bt, kernel: Triton, sinks_n=None) -> jax.Array:
     from jax.experimental.pallas.ops.gpu import attention
+
+    assert sinks_n is None, "the Triton kernel returns no log-sum-exp to fold sinks into (Attention refuses it)"
 
     n, kv = q_btnh.shape[2], k_bskh.shape[2]
     back = kernel.block_backward
@@ -183,10 +191,10 @@ def _triton(q_btnh, k_bskh, v_bskh, segment_ids_bt, kernel: Triton) -> jax.Array
 
 
 def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, segment_ids_bt: jax.Array,
-                    kernel: Splash | Triton | None = None) -> jax.Array:
+                    kernel: Splash | Triton | None = None, sinks_n: jax.Array | None = None) -> jax.Array:
     """`reference`'s attention through a flash kernel (kernel_for() the first device by default). q [b, t, n,
     h] is already scaled; k, v [b, t, kv, h] with n a multiple of kv, query head i using key/value head
-    i // (n / kv)."""
+    i // (n / kv). `sinks_n`: a sink logit per query head (kernels/sinks.py), splash only."""
     kernel = kernel or kernel_for(jax.devices()[0])
     t = q_btnh.shape[1]
     padded = round_up(t, _LANES if isinstance(kernel, Splash) else max(kernel.block_q, kernel.block_k))
@@ -195,4 +203,4 @@ def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, seg
         q_btnh, k_bskh, v_bskh = pad(q_btnh), pad(k_bskh), pad(v_bskh)
         segment_ids_bt = jnp.pad(segment_ids_bt, [(0, 0), (0, padded - t)], constant_values=_PAD_SEGMENT)
     attend = _splash if isinstance(kernel, Splash) else _triton
-    return attend(q_btnh, k_bskh, v_bskh, segment_ids_bt.astype(jnp.int32), kernel)[:, :t]
+    return attend(q_btnh, k_bskh, v_bskh, segment_ids_bt.astype(jnp.int32), kernel, sinks_n)[:, :t]

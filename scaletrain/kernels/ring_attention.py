@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scaletrain.kernels import sinks as sinks_lib
 from scaletrain.parallel import context
 
 _FLOOR = float(jnp.finfo(jnp.float32).min)
@@ -80,10 +81,12 @@ class Blocks(Protocol):
         """dq in q's layout."""
 
 
-def ring(blocks: Blocks, q, k, v, q_seg, k_seg, ways: int, axes: tuple[str, ...], unroll: bool = False):
+def ring(blocks: Blocks, q, k, v, q_seg, k_seg, ways: int, axes: tuple[str, ...], unroll: bool = False,
+         sinks=None):
     """softmax(q k^T) v over the whole sequence for this device's queries, the keys and values (and their segment
     ids) passed around the ring of `axes` (`ways` devices), each block's work `blocks`'. Differentiable: its own
-    backward ring, the key/value gradients sent home after the last pass."""
+    backward ring, the key/value gradients sent home after the last pass. `sinks`: a sink logit per query head
+    (kernels/sinks.py), shaped to broadcast against the blocks' log-sum-exp; folded in after the last pass."""
     pairs = [(i, (i + 1) % ways) for i in range(ways)]
 
     def send(xs):
@@ -96,23 +99,25 @@ def ring(blocks: Blocks, q, k, v, q_seg, k_seg, ways: int, axes: tuple[str, ...]
             return carry
         return jax.lax.scan(lambda c, step: (body(c, step), None), carry, jnp.arange(ways - 1), unroll=unroll)[0]
 
-    def forward(arrays, q, k, v, q_seg, k_seg):
+    def forward(arrays, q, k, v, q_seg, k_seg, sinks):
         b = blocks.bind(arrays)
         shared, stats, kv = b.start(q, q_seg, (k, v, k_seg))
         stats, kv = passes(lambda c, step: (b.merge(shared, c[0], c[1], step), send(c[1])), (stats, kv))
-        return b.finish(shared, b.merge(shared, stats, kv, ways - 1))
+        out, lse = b.finish(shared, b.merge(shared, stats, kv, ways - 1))
+        return (out, lse) if sinks is None else sinks_lib.fold(out, lse, sinks)
 
     # The blocks' arrays (splash's block tables) are the VJP's inputs: closed over, they would leak its tracers.
     @jax.custom_vjp
-    def attend(arrays, q, k, v, q_seg, k_seg):
-        return forward(arrays, q, k, v, q_seg, k_seg)[0]
+    def attend(arrays, q, k, v, q_seg, k_seg, sinks):
+        return forward(arrays, q, k, v, q_seg, k_seg, sinks)[0]
 
-    def attend_fwd(arrays, q, k, v, q_seg, k_seg):
-        out, lse = forward(arrays, q, k, v, q_seg, k_seg)
-        return out, (arrays, q, k, v, q_seg, k_seg, out, lse)
+    def attend_fwd(arrays, q, k, v, q_seg, k_seg, sinks):
+        out, lse = forward(arrays, q, k, v, q_seg, k_seg, sinks)
+        return out, (arrays, q, k, v, q_seg, k_seg, sinks, out, lse)
 
     def attend_bwd(residuals, d_out):
-        arrays, q, k, v, q_seg, k_seg, out, lse = residuals
+        # With sinks, out and lse are the sink-softmax's: the blocks' gradients are then its own.
+        arrays, q, k, v, q_seg, k_seg, sinks, out, lse = residuals
         blocks_ = blocks.bind(arrays)
         shared, dq, kv = blocks_.start_backward(q, q_seg, (k, v, k_seg), out, lse, d_out)
 
@@ -126,10 +131,11 @@ def ring(blocks: Blocks, q, k, v, q_seg, k_seg, ways: int, axes: tuple[str, ...]
         dq, dkv = blocks_.grads(shared, dq, tuple(kv), (dk, dv), ways - 1)
         dk, dv = send(dkv)  # the C-th pass: each block's gradient home
         dq = blocks_.finish_backward(shared, dq).astype(q.dtype)
-        return None, dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None
+        d_sinks = None if sinks is None else sinks_lib.sink_grad(out, lse, d_out, sinks)
+        return None, dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_sinks
 
     attend.defvjp(attend_fwd, attend_bwd)
-    return attend(blocks.arrays, q, k, v, q_seg, k_seg)
+    return attend(blocks.arrays, q, k, v, q_seg, k_seg, sinks)
 
 
 class XlaBlocks:
@@ -225,8 +231,10 @@ class XlaBlocks:
 
 
 def ring_attention(q_btkgh, k_bskh, v_bskh, q_seg_bt, k_seg_bs, order_ct: np.ndarray, axes: tuple[str, ...],
-                   block: int = 0, unroll: bool = False):
+                   block: int = 0, unroll: bool = False, sinks_kg=None):
     """The ring with XLA's blocks (`XlaBlocks`) on this device's shards: q [b, t, kv, g, h] already scaled.
-    `unroll`: the loops unrolled (for XLA's cost estimate, which counts a loop's body once)."""
+    `unroll`: the loops unrolled (for XLA's cost estimate, which counts a loop's body once). `sinks_kg`: a sink
+    logit per query head [kv, g], or None."""
     blocks = XlaBlocks(order_ct, axes, block, unroll)
-    return ring(blocks, q_btkgh, k_bskh, v_bskh, q_seg_bt, k_seg_bs, len(order_ct), axes, unroll)
+    sinks = None if sinks_kg is None else sinks_kg[None, None]
+    return ring(blocks, q_btkgh, k_bskh, v_bskh, q_seg_bt, k_seg_bs, len(order_ct), axes, unroll, sinks)

@@ -7,7 +7,7 @@ A pass meets one device's keys and values with the library's splash kernel, forw
   the whole row's. Its backward kernels (dq, and dk/dv) take the log-sum-exp and rowsum(dO * O) as inputs, so
   each pass calls them (`_splash_attention_bwd`, the library's private entry to them) with the merged output and
   log-sum-exp: exactly the block's share of the whole row's gradient. That private call is the one place this
-  leans on splash's internals; its signature is pinned by the jax version in pyproject.toml and checked by
+  leans on splash's internals (kernels/sinks.py's splash_backward); its signature is pinned by the jax version in pyproject.toml and checked by
   tests/test_context.py against whole-sequence attention.
 
 The mask of a pass: device i's queries against the block of device src = (i - step) mod C, causal by sequence
@@ -27,7 +27,7 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 
-from scaletrain.kernels import flash_attention
+from scaletrain.kernels import flash_attention, sinks
 from scaletrain.kernels.ring_attention import ring
 from scaletrain.parallel import context
 
@@ -125,19 +125,10 @@ class SplashBlocks:
 
     def grads(self, shared, dq, kv, dkv, step):
         kernel = self.kernels[step]
-        opts = {name: kernel.kwargs[name] for name in ("mask_value", "is_mqa", "block_sizes", "mask_function",
-                                                        "attn_logits_soft_cap", "interpret")}
         assert kernel.dkv_mask_info.partial_mask_blocks is None  # a computed mask: nothing to collapse
-
-        def one(q, k, v, q_seg, k_seg, out, lse, d_out):
-            residuals = (q, k, v, kernel_lib.SegmentIds(q_seg, k_seg), None, out, lse, kernel.dq_mask_info,
-                         kernel.dkv_mask_info)
-            grads = kernel_lib._splash_attention_bwd(save_residuals=False, residual_checkpoint_name=None,
-                                                     res=residuals, do=d_out, **opts)
-            return grads[3:6]
-
         (q, q_seg, out, lse, d_out), (k, v, k_seg) = shared, kv
-        dq_b, dk_b, dv_b = jax.vmap(one)(q, k, v, q_seg, k_seg, out, lse, d_out)
+        dq_b, dk_b, dv_b = jax.vmap(lambda *x: sinks.splash_backward(kernel, *x))(q, k, v, q_seg, k_seg, out, lse,
+                                                                                   d_out)
         f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
         return dq + f32(dq_b), (dkv[0] + f32(dk_b), dkv[1] + f32(dv_b))
 
@@ -145,11 +136,13 @@ class SplashBlocks:
         return dq
 
 
-def ring_splash_attention(kernels: list, q_btnh, k_btkh, v_btkh, segments_bt, axes: tuple[str, ...]):
+def ring_splash_attention(kernels: list, q_btnh, k_btkh, v_btkh, segments_bt, axes: tuple[str, ...],
+                          sinks_n=None):
     """One device's share of ring attention through splash (inside shard_map over the sequence's mesh `axes`):
-    its queries [b, t, n, h] (already scaled), keys and values [b, t, kv, h] and segment ids [b, t]."""
+    its queries [b, t, n, h] (already scaled), keys and values [b, t, kv, h] and segment ids [b, t]; `sinks_n` a
+    sink logit per query head, or None."""
     heads_first = flash_attention.heads_first
     segments_bt = segments_bt.astype(jnp.int32)
     out = ring(SplashBlocks(kernels), heads_first(q_btnh), heads_first(k_btkh), heads_first(v_btkh), segments_bt,
-               segments_bt, len(kernels), axes)
+               segments_bt, len(kernels), axes, sinks=None if sinks_n is None else sinks_n[None, :, None])
     return heads_first(out)

@@ -24,17 +24,22 @@ def block_mask(q_segments_bt: jax.Array, k_segments_bs: jax.Array, q_index_t: ja
     return (causal & same_doc)[:, None, None, :, :]
 
 
-def dot_attention(q_btkgh, k_bskh, v_bskh, mask) -> jax.Array:
-    """softmax(q k^T) v per kv group, with a float32 softmax; q is already scaled."""
+def dot_attention(q_btkgh, k_bskh, v_bskh, mask, sinks_kg: jax.Array | None = None) -> jax.Array:
+    """softmax(q k^T) v per kv group, with a float32 softmax; q is already scaled. `sinks_kg`: a logit per query
+    head [kv, g] that joins each softmax's denominator as one more key without a value (model.attention_sinks)."""
     logits = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(q_btkgh.dtype)
+    if sinks_kg is None:
+        probs = jax.nn.softmax(logits, axis=-1).astype(q_btkgh.dtype)
+    else:
+        sink = jnp.broadcast_to(sinks_kg.astype(jnp.float32)[None, :, :, None, None], (*logits.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1].astype(q_btkgh.dtype)
     return jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
 
 
 def blocked_attention(q_btkgh, k_bskh, v_bskh, segment_ids_bt, block: int, unroll: bool = False, *,
                       k_segments_bs: jax.Array | None = None, index_t: jax.Array | None = None,
-                      shards: int = 1) -> jax.Array:
+                      shards: int = 1, sinks_kg: jax.Array | None = None) -> jax.Array:
     """dot_attention one block of queries at a time, each block rematerialised in the backward pass, so the
     [t, s] score matrix never exists whole: memory O(block x s) instead of O(t x s), the same FLOPs. Queries and
     keys in the same slots, unless `k_segments_bs` (the keys' segment ids) and `index_t` (the sequence position
@@ -52,7 +57,7 @@ def blocked_attention(q_btkgh, k_bskh, v_bskh, segment_ids_bt, block: int, unrol
     @jax.checkpoint
     def one(args):
         q, seg, q_index = args
-        return dot_attention(q, k_bskh, v_bskh, block_mask(seg, k_segments_bs, q_index, index_t))
+        return dot_attention(q, k_bskh, v_bskh, block_mask(seg, k_segments_bs, q_index, index_t), sinks_kg)
 
     _, out = jax.lax.scan(lambda _, args: (None, one(args)), None,
                           (blocks(q_btkgh), blocks(segment_ids_bt), blocks(index_t[None])[:, 0]), unroll=unroll)
@@ -88,6 +93,19 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")
             self.k_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")
+        if cfg.attention_bias:  # zero at the start, as transformers initialises biases
+            for name, shape, logical in (("bq", (n, h), ("heads", "head_dim")), ("bk", (k, h), ("kv_heads", "head_dim")),
+                                         ("bv", (k, h), ("kv_heads", "head_dim")), ("bo", (d,), ("embed",))):
+                setattr(self, name, nnx.Param(jnp.zeros(shape, pd), out_sharding=logical))
+        if cfg.attention_sinks:
+            self.sinks = nnx.Param(jnp.zeros((n,), pd), out_sharding=("heads",))
+
+    def _sinks(self, groups: int | None = None) -> jax.Array | None:
+        """The sink logits per query head [n] (None without model.attention_sinks); with `groups` (kv heads),
+        [kv, n / kv] as the XLA paths group the heads."""
+        if not self.cfg.attention_sinks:
+            return None
+        return self.sinks[...] if groups is None else self.sinks[...].reshape(groups, -1)
 
     def _project_qkv(self, x_btd: jax.Array, norm, one_matmul: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Q, K and V of norm(x) (`norm` an RMSNorm, applied by its `project`). Split over `tensor`, they are
@@ -144,6 +162,9 @@ class Attention(nnx.Module):
         with the projection (model.norm)."""
         cfg = self.cfg
         q_btnh, k_btkh, v_btkh = self._project_qkv(x_btd, norm, one_matmul)
+        if cfg.attention_bias:
+            q_btnh, k_btkh, v_btkh = (x + b[...].astype(x.dtype) for x, b in ((q_btnh, self.bq), (k_btkh, self.bk),
+                                                                              (v_btkh, self.bv)))
         if cfg.qk_norm:
             q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
         q_btnh = constrain(rope.apply(q_btnh, sin_bth, cos_bth), ("batch", "seq", "heads", "head_dim"))
@@ -153,6 +174,8 @@ class Attention(nnx.Module):
 
     def _out(self, out_btnh: jax.Array) -> jax.Array:
         out_btd = lora.delta(self.wo_lora, out_btnh, project(out_btnh, self.wo[...], in_dims=2, quant=self.quant))
+        if self.cfg.attention_bias:
+            out_btd = out_btd + self.bo[...].astype(out_btd.dtype)
         return checkpoint_name(constrain(out_btd, ("batch", "residual_seq", "embed")), "out_proj")
 
     def __call__(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array,
@@ -176,10 +199,11 @@ class Attention(nnx.Module):
             block = cfg.attention_block
             if 0 < block < t and t % block == 0:
                 out_btkgh = blocked_attention(q_btkgh, k_btkh, v_btkh, segment_ids_bt, block, cfg.unroll_loops,
-                                              k_segments_bs=k_segments_bt, index_t=index_t, shards=ways("seq"))
+                                              k_segments_bs=k_segments_bt, index_t=index_t, shards=ways("seq"),
+                                              sinks_kg=self._sinks(k))
             else:
                 out_btkgh = dot_attention(q_btkgh, k_btkh, v_btkh,
-                                          block_mask(segment_ids_bt, k_segments_bt, index_t, index_t))
+                                          block_mask(segment_ids_bt, k_segments_bt, index_t, index_t), self._sinks(k))
             out_btnh = checkpoint_name(out_btkgh.reshape(b, t, n, h), "attention_out")
         return self._out(out_btnh)
 
@@ -195,7 +219,8 @@ class Attention(nnx.Module):
         k = self.cfg.num_kv_heads
         # Cache slots past the newest position hold zeros, or nothing yet: causality masks them.
         causal = (start + jnp.arange(t))[:, None] >= jnp.arange(k_cache.shape[1])[None, :]
-        out_btkgh = dot_attention(q_btnh.reshape(b, t, k, n // k, h), k_cache, v_cache, causal[None, None, None])
+        out_btkgh = dot_attention(q_btnh.reshape(b, t, k, n // k, h), k_cache, v_cache, causal[None, None, None],
+                                  self._sinks(k))
         return self._out(out_btkgh.reshape(b, t, n, h)), (k_cache, v_cache)
 
     def _kv_beside_queries(self, k_btkh, v_btkh) -> tuple[jax.Array, jax.Array, str]:
@@ -217,8 +242,10 @@ class Attention(nnx.Module):
         t = q_btnh.shape[1]
         k_btkh, v_btkh, kv_heads = self._kv_beside_queries(k_btkh, v_btkh)
         q_logical, kv_logical = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", kv_heads, "head_dim")
-        logical = (q_logical, kv_logical, kv_logical, ("batch", "seq"))
+        logical = (q_logical, kv_logical, kv_logical, ("batch", "seq"), ("heads",))
         axes, shards = sharding.active_axes("seq"), ways("seq")
+        sinks_n = self.sinks[...] if self.cfg.attention_sinks else jnp.zeros((q_btnh.shape[2],), jnp.float32)
+        sinks_on = self.cfg.attention_sinks
         if self.cfg.attention == "flash":
             kernel = flash_attention.kernel_for(active_device())
             if not isinstance(kernel, flash_attention.Splash):
@@ -227,20 +254,22 @@ class Attention(nnx.Module):
             kernels = ring_splash.pass_kernels(q_btnh.shape[2] // ways("heads"), t, shards,
                                                sharding.sequence_layout(), kernel)
             specs = [k.manual_sharding_spec(placement((None, "seq"))) for k in kernels]
-            return local(lambda kernels, *args: ring_splash.ring_splash_attention(kernels, *args, axes),
-                         (specs, *logical), q_logical)(kernels, q_btnh, k_btkh, v_btkh, segment_ids_bt)
+            return local(lambda kernels, *args: ring_splash.ring_splash_attention(
+                kernels, *args[:4], axes, args[4] if sinks_on else None),
+                (specs, *logical), q_logical)(kernels, q_btnh, k_btkh, v_btkh, segment_ids_bt, sinks_n)
         order = sequence_order(t)
         order_ct = (np.arange(t, dtype=np.int32) if order is None else order).reshape(shards, -1)
         block = self.cfg.attention_block
 
-        def attend(q_btnh, k_btkh, v_btkh, segments_bt):
+        def attend(q_btnh, k_btkh, v_btkh, segments_bt, sinks_n):
             b, tl, n, h = q_btnh.shape
             q_btkgh = q_btnh.reshape(b, tl, k_btkh.shape[2], -1, h)
             out = ring_attention.ring_attention(q_btkgh, k_btkh, v_btkh, segments_bt, segments_bt, order_ct, axes,
-                                                block, self.cfg.unroll_loops)
+                                                block, self.cfg.unroll_loops,
+                                                sinks_n.reshape(q_btkgh.shape[2:4]) if sinks_on else None)
             return out.reshape(q_btnh.shape)
 
-        return local(attend, logical, q_logical)(q_btnh, k_btkh, v_btkh, segment_ids_bt)
+        return local(attend, logical, q_logical)(q_btnh, k_btkh, v_btkh, segment_ids_bt, sinks_n)
 
     def _flash(self, q_btnh, k_btkh, v_btkh, segment_ids_bt, order) -> jax.Array:
         """The flash kernel per device on its batch rows and heads (kernels/flash_attention.py). The kernel
@@ -251,18 +280,25 @@ class Attention(nnx.Module):
         kv_logical = ("batch", "seq", kv_heads, "head_dim")
         q_logical = ("batch", "seq", "heads", "head_dim")
         kernel = flash_attention.kernel_for(active_device())
+        sinks_on = self.cfg.attention_sinks
+        if sinks_on and not isinstance(kernel, flash_attention.Splash):
+            raise ConfigError("model.attention_sinks=true with model.attention=flash runs splash attention (TPU, or "
+                              "interpreted on CPU), whose log-sum-exp takes the sinks; on a GPU set model.attention=xla")
+        sinks_n = self.sinks[...] if sinks_on else jnp.zeros((q_btnh.shape[2],), jnp.float32)
         if ways("seq") == 1:
-            return local(lambda q, k, v, seg: flash_attention.flash_attention(q, k, v, seg, kernel),
-                         (q_logical, kv_logical, kv_logical, ("batch", "seq")), q_logical)(
-                q_btnh, k_btkh, v_btkh, segment_ids_bt)
+            return local(lambda q, k, v, seg, sinks: flash_attention.flash_attention(q, k, v, seg, kernel,
+                                                                                     sinks if sinks_on else None),
+                         (q_logical, kv_logical, kv_logical, ("batch", "seq"), ("heads",)), q_logical)(
+                q_btnh, k_btkh, v_btkh, segment_ids_bt, sinks_n)
         if not isinstance(kernel, flash_attention.Splash):
             raise ConfigError("context parallelism (mesh.context > 1) with model.attention=flash runs splash "
                               "attention (TPU, or interpreted on CPU); on a GPU set model.attention=xla")
         if order is None:  # the contiguous layout: each device's slots are in sequence order
             order = np.arange(q_btnh.shape[1], dtype=np.int32)
-        splash = flash_attention.split_splash(q_btnh.shape[2] // ways("heads"), order, ways("seq"), kernel)
+        splash = flash_attention.split_splash(q_btnh.shape[2] // ways("heads"), order, ways("seq"), kernel, sinks_on)
         kernel_spec = splash.manual_sharding_spec(placement((None, "seq")))
         axes, in_order = sharding.active_axes("seq"), np.argsort(order)
-        return local(lambda splash, *qkv: flash_attention.split_attention(splash, axes, in_order, *qkv),
-                     (kernel_spec, q_logical, kv_logical, kv_logical, ("batch", "seq")), q_logical)(
-            splash, q_btnh, k_btkh, v_btkh, segment_ids_bt)
+        return local(lambda splash, *qkv: flash_attention.split_attention(splash, axes, in_order, *qkv[:4],
+                                                                          qkv[4] if sinks_on else None),
+                     (kernel_spec, q_logical, kv_logical, kv_logical, ("batch", "seq"), ("heads",)), q_logical)(
+            splash, q_btnh, k_btkh, v_btkh, segment_ids_bt, sinks_n)

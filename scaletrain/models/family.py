@@ -16,7 +16,18 @@ from scaletrain.models import lora
 # scaletrain's weight with its first `in_dims` dims flattened (e.g. wq [embed, heads, head_dim] is
 # q_proj.weight.T [embed, heads * head_dim]). A row applies where the model has its parameter (q_norm/k_norm with
 # qk_norm, lm_head without tied embeddings).
-Row = tuple[str, tuple[str, ...], "int | None"]
+# in_dims 0: a vector of Hugging Face's that is scaletrain's parameter flattened (a bias [heads x head_dim] for
+# [heads, head_dim]). An Interleaved in_dims: one of several parameters interleaved along the tensor's last axis.
+Row = tuple[str, tuple[str, ...], "int | Interleaved | None"]
+
+
+@dataclass(frozen=True)
+class Interleaved:
+    """A row whose Hugging Face tensor holds `of` scaletrain parameters interleaved along its last axis, this one
+    in columns index, index + of, ... (GPT-OSS's gate_up_proj: the gate even, up odd), each otherwise as it is."""
+
+    index: int
+    of: int
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,10 @@ class Architecture:
     keys_in: Callable[[dict, str, Callable[[str], Exception]], dict] | None = None
     # The family's own config.json keys from the model section (written after the rope keys); none by default.
     keys_out: Callable[[Any], dict] | None = None
+    # model.* keys every model of it has at these values (its family, its pieces' switches): set on import, and
+    # a model whose values differ is not exported to it. Keys of other architectures' features must be at their
+    # defaults.
+    features: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

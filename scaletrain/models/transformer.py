@@ -69,6 +69,15 @@ class ModelConfig:
     quantization_scale: str = "channel"  # config.QUANTIZATION_SCALES
     quantized_matmuls: str = config.DEFAULT_QUANTIZED  # which config.MATMUL_GROUPS, comma-separated
     context_attention: str = "allgather"  # config.CONTEXT_ATTENTIONS: with the sequence split over `context`
+    # GPT-OSS's pieces (config_gpt_oss.py): a learned logit per head in every softmax's denominator, biases on
+    # Q/K/V/O, the router's logits and the experts' projections, the experts' activation.
+    attention_sinks: bool = False
+    attention_bias: bool = False
+    router_logit_bias: bool = False
+    expert_bias: bool = False
+    expert_activation: str = "swiglu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
     # Derived by the trainer from other sections.
     lora_rank: int = 0  # lora.rank: 0, no adapters (models/lora.py)
     lora_alpha: float = 16.0

@@ -27,7 +27,7 @@ from safetensors.numpy import save_file
 from scaletrain import config as config_lib
 from scaletrain import models
 from scaletrain.errors import UserError
-from scaletrain.models.family import Architecture
+from scaletrain.models.family import Architecture, Interleaved
 from scaletrain.store import storage
 from scaletrain.tools.hf_files import INDEX_FILE, SINGLE_FILE, Reader, read_json
 
@@ -53,17 +53,30 @@ class Tensor:
     index: tuple[int, ...]  # its place on the stacked leading axes: (layer,), (layer, expert) or () for none
     in_dims: int | None
     shape: tuple[int, ...]  # scaletrain's, without the stacked axes
+    part: Interleaved | None = None  # one of the parameters the tensor interleaves (family.Interleaved)
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
+        if self.part is not None:
+            return *self.shape[:-1], self.shape[-1] * self.part.of
         if self.in_dims is None:
             return self.shape
+        if self.in_dims == 0:  # a vector: the parameter flattened
+            return (math.prod(self.shape),)
         return math.prod(self.shape[self.in_dims:]), math.prod(self.shape[:self.in_dims])
 
     def to_scaletrain(self, x: np.ndarray) -> np.ndarray:
+        """Hugging Face's whole tensor -> this parameter's values."""
+        if self.part is not None:
+            return x[..., self.part.index::self.part.of]
+        if self.in_dims == 0:
+            return x.reshape(self.shape)
         return x if self.in_dims is None else x.T.reshape(self.shape)
 
     def to_hf(self, x: np.ndarray) -> np.ndarray:
+        """This parameter's values as Hugging Face lays them out (its columns of the tensor, for a part)."""
+        if self.in_dims == 0:
+            return x.reshape(-1)
         return x if self.in_dims is None else x.reshape(*self.hf_shape[::-1]).T
 
 
@@ -83,8 +96,9 @@ def tensors(abstract_params: dict, arch: str) -> list[Tensor]:
         for index in itertools.product(*map(range, shape[:stacked])):
             # (layer, expert): -1 for a layer's own tensors; before or after every layer for the rest
             place = (*index, -1)[:2] if stacked else (-1 if row < first_layer_row else math.inf, -1)
-            keyed.append(((*place, row), Tensor(name.format(**dict(zip("ij", index))), path, index, in_dims,
-                                                shape[stacked:])))
+            part = in_dims if isinstance(in_dims, Interleaved) else None
+            keyed.append(((*place, row), Tensor(name.format(**dict(zip("ij", index))), path, index,
+                                                None if part else in_dims, shape[stacked:], part)))
     return [t for _, t in sorted(keyed, key=lambda kt: kt[0])]
 
 
@@ -110,7 +124,7 @@ def model_keys(hf: dict, source: str) -> dict[str, Any]:
     if act != "silu":
         raise refuse(f"hidden_act={act}")
     for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
+        if hf.get(key) and not facts.features.get(key):
             raise refuse(f"{key}=true")
     if facts.sliding_window and hf.get("sliding_window") is not None:
         raise refuse(f"sliding_window={hf['sliding_window']} (sliding-window attention)")
@@ -131,7 +145,7 @@ def model_keys(hf: dict, source: str) -> dict[str, Any]:
         keys |= {"qk_norm": True, "qk_norm_eps": keys.get("norm_eps", 1e-6)}
     if facts.keys_in:
         keys |= facts.keys_in(hf, source, refuse)
-    return keys
+    return keys | dict(facts.features)
 
 
 def _arch(name: str) -> Architecture:
@@ -184,6 +198,7 @@ def hf_config(model) -> dict:
         raise UserError(f"model family {family.name} has no Hugging Face architecture to export to")
     arch = family.export(model)  # refuses what the family's architectures cannot represent
     facts = _arch(arch)
+    _check_features(model, arch, facts)
     rope_scaling = None
     if model.rope_scaling == "llama3":
         rope_scaling = {"rope_type": "llama3", **{theirs: model[ours] for theirs, ours in LLAMA3_ROPE_KEYS}}
@@ -192,6 +207,17 @@ def hf_config(model) -> dict:
             "hidden_act": "silu", **dict.fromkeys(facts.bias_keys, False),
             "rope_theta": model.rope_theta, "rope_scaling": rope_scaling,
             **(facts.keys_out(model) if facts.keys_out else {}), "dtype": model.param_dtype}
+
+
+def _check_features(model, arch: str, facts: Architecture) -> None:
+    """UserError where the model's feature keys (every architecture's Architecture.features) are not what `arch`
+    has: its own at their values, the others' at their defaults."""
+    defaults = config_lib.defaults().model
+    for _, other in models.architectures().values():
+        for key in other.features:
+            want = facts.features.get(key, defaults[key])
+            if key != "family" and model[key] != want:
+                raise UserError(f"model.{key}={model[key]}: Hugging Face's {arch} has {key} {want}")
 
 
 def _dtype(hf: dict, default: str) -> Any:
@@ -390,20 +416,34 @@ def _write_safetensors(params: dict, layout: list[Tensor], dtype, target: Path, 
     for name, shard in zip(names, shards):
         arrays = {}
         for t in shard:
-            arrays[t.name] = np.ascontiguousarray(t.to_hf(_leaf(host, t.path)[t.index]), dtype)
+            x = t.to_hf(_leaf(host, t.path)[t.index])
+            if t.part is None:
+                arrays[t.name] = np.ascontiguousarray(x, dtype)
+            else:  # its columns of the tensor the parts share
+                arrays.setdefault(t.name, np.empty(t.hf_shape, dtype))[..., t.part.index::t.part.of] = x
         save_file(arrays, target / name, metadata={"format": "pt"})
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(math.prod(t.hf_shape) * itemsize for t in layout)},
+        index = {"metadata": {"total_size": sum(math.prod(t.hf_shape) * itemsize for t in _whole(layout))},
                  "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard}}
         (target / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return len(shards)
 
 
+def _whole(layout: list[Tensor]) -> list[Tensor]:
+    """One Tensor per Hugging Face tensor: the first part of those that interleave several (adjacent in the
+    layout: a layer's rows lie together)."""
+    return [t for t in layout if t.part is None or t.part.index == 0]
+
+
 def _shards(layout: list[Tensor], itemsize: int, limit: int) -> list[list[Tensor]]:
-    """Consecutive tensors grouped into files of at most `limit` bytes (a larger tensor alone in its file)."""
+    """Consecutive tensors grouped into files of at most `limit` bytes (a larger tensor alone in its file); the
+    parts of one tensor in the same file."""
     shards: list[list[Tensor]] = [[]]
     size = 0
     for t in layout:
+        if t.part is not None and t.part.index > 0:
+            shards[-1].append(t)
+            continue
         nbytes = math.prod(t.hf_shape) * itemsize
         if shards[-1] and size + nbytes > limit:
             shards.append([])

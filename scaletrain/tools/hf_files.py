@@ -12,6 +12,7 @@ import numpy as np
 from safetensors import safe_open
 
 from scaletrain.errors import UserError, first_line
+from scaletrain.tools import hf_mxfp4
 
 # Buffers some checkpoints carry that the model recomputes: skipped on the way in.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -63,6 +64,10 @@ class Reader:
         from the files' headers, before anything is read."""
         expected = {t.name for t in layout}
         for t in layout:
+            if self._quantized(t.name):
+                self._check_mxfp4(t)
+                expected |= {t.name + hf_mxfp4.BLOCKS, t.name + hf_mxfp4.SCALES}
+                continue
             if t.name not in self.location:
                 raise UserError(f"{self.source}: no tensor {t.name} (expected {list(t.hf_shape)}) in "
                                 f"{', '.join(self.files)}")
@@ -83,12 +88,36 @@ class Reader:
                             f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}; its config.json "
                             f"describes another model")
 
+    def _quantized(self, name: str) -> bool:
+        """Whether the tensor is stored in MXFP4 (tools/hf_mxfp4.py) rather than as itself."""
+        return name not in self.location and name + hf_mxfp4.BLOCKS in self.location
+
+    def _check_mxfp4(self, t) -> None:
+        pieces = {}
+        for suffix in (hf_mxfp4.BLOCKS, hf_mxfp4.SCALES):
+            name = t.name + suffix
+            if name not in self.location:
+                raise UserError(f"{self.source}: {t.name + hf_mxfp4.BLOCKS} without {name}")
+            piece = self._file(self.location[name]).get_slice(name)
+            pieces[suffix] = tuple(piece.get_shape()), piece.get_dtype()
+        (blocks, blocks_dtype), (scales, scales_dtype) = pieces[hf_mxfp4.BLOCKS], pieces[hf_mxfp4.SCALES]
+        if (blocks_dtype, scales_dtype) != ("U8", "U8") or blocks[:-1] != scales or \
+                hf_mxfp4.shape(blocks) != t.hf_shape:
+            raise UserError(f"{self.source}: MXFP4 tensor {t.name} has blocks {blocks_dtype} {list(blocks)} and "
+                            f"scales {scales_dtype} {list(scales)}; expected uint8 blocks dequantizing to "
+                            f"{list(t.hf_shape)} (from config.json)")
+
     def read(self, t) -> np.ndarray:
-        """Tensor `t`'s values (a tools/hf.py Tensor: its name), as stored."""
+        """Tensor `t`'s values (a tools/hf.py Tensor: its name), as stored, or dequantized from MXFP4."""
+        if self._quantized(t.name):
+            return hf_mxfp4.dequantize(*(self.read_named(t.name + s) for s in (hf_mxfp4.BLOCKS, hf_mxfp4.SCALES)))
+        return self.read_named(t.name)
+
+    def read_named(self, name: str) -> np.ndarray:
         try:
-            return self._file(self.location[t.name]).get_tensor(t.name)
+            return self._file(self.location[name]).get_tensor(name)
         except Exception as e:  # noqa: BLE001 - a file truncated or damaged past its header
-            raise UserError(f"{self.source / self.location[t.name]}: cannot read tensor {t.name} "
+            raise UserError(f"{self.source / self.location[name]}: cannot read tensor {name} "
                             f"({first_line(e)})") from None
 
 

@@ -28,6 +28,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain.models import lora, quantize
+from scaletrain.models.mixtral import unit as unit_lib
 from scaletrain.models.layers import param
 from scaletrain.parallel.sharding import active_axes, active_device, constrain, local
 
@@ -99,6 +100,15 @@ class MoE(nnx.Module):
         for name, logical in (("w_gate", ("experts", "embed", "moe_mlp")), ("w_up", ("experts", "embed", "moe_mlp")),
                               ("w_down", ("experts", "moe_mlp", "embed"))):
             lora.base_scale(cfg, self, name, getattr(self, name).shape, logical, lead=1)
+        # GPT-OSS's biases (model.router_logit_bias, model.expert_bias), zero at the start as transformers' are,
+        # with their logical axes; and the experts' gated unit (unit.py).
+        self.biases = ((("router_bias", (e,), (None,)),) if cfg.router_logit_bias else ()) + (
+            (("b_gate", (e, f), ("experts", "moe_mlp")), ("b_up", (e, f), ("experts", "moe_mlp")),
+             ("b_down", (e, d), ("experts", "embed"))) if cfg.expert_bias else ())
+        for name, shape, logical in self.biases:
+            setattr(self, name, nnx.Param(jnp.zeros(shape, pd), out_sharding=logical))
+        self.unit = unit_lib.Unit.of(cfg)
+        self.router_logit_bias, self.expert_bias = cfg.router_logit_bias, cfg.expert_bias
 
     def __call__(self, x_btd: jax.Array, norm) -> tuple[jax.Array, dict]:
         """(the block's output [b, t, d] for norm(x), the router's `sums` over these rows)."""
@@ -108,13 +118,15 @@ class MoE(nnx.Module):
         adapters = (self.w_gate_lora, self.w_up_lora, self.w_down_lora)
         fn = _per_device(self.k, self.capacity_factor, active_axes("experts"), active_axes("moe_mlp"),
                          active_device().platform == "tpu", self.quant, active_axes("batch"), active_axes("seq"),
-                         tuple(None if a is None else a.scale for a in adapters))
+                         tuple(None if a is None else a.scale for a in adapters), self.unit, self.router_logit_bias,
+                         self.expert_bias)
         up, down = ("experts", "embed", "moe_mlp"), ("experts", "moe_mlp", "embed")
         # The experts' weights, then each adapter's A and B, with their logical axes (models/lora.py's rule).
         weights = [(self.w_gate[...], up), (self.w_up[...], up), (self.w_down[...], down)]
         for a, logical in zip(adapters, (up, up, down)):
             if a is not None:
                 weights += [(a.a[...], (*logical[:2], None)), (a.b[...], (logical[0], None, logical[2]))]
+        weights += [(getattr(self, name)[...], logical) for name, _, logical in self.biases]
         logicals = tuple(logical for _, logical in weights)
         per_device = local(fn, (("batch", "seq", "embed"), ("embed", None), *logicals),
                            (("batch", "seq", "embed"), ("batch", None)))
@@ -140,10 +152,13 @@ def _regather(prim, *_, **__) -> bool:
     return prim.name != "sharding_constraint"
 
 
-def route(h_td: jax.Array, router_de: jax.Array, k: int):
-    """(expert ids [T, k], their weights [T, k] - the softmax's top k renormalised to sum to 1 -, the router's
-    probabilities [T, E] and logsumexp [T]), in float32."""
+def route(h_td: jax.Array, router_de: jax.Array, k: int, bias_e: jax.Array | None = None):
+    """(expert ids [T, k], their weights [T, k] - the softmax's top k renormalised to sum to 1 (the softmax of the
+    top k logits, as GPT-OSS takes it) -, the router's probabilities [T, E] and logsumexp [T]), in float32.
+    `bias_e`: a bias added to the logits (model.router_logit_bias), so inside the softmax."""
     logits = jnp.dot(h_td.astype(jnp.float32), router_de.astype(jnp.float32))
+    if bias_e is not None:
+        logits = logits + bias_e.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     top_p, top_e = jax.lax.top_k(probs, k)
     return top_e, top_p / jnp.sum(top_p, axis=-1, keepdims=True), probs, jax.nn.logsumexp(logits, axis=-1)
@@ -169,25 +184,36 @@ def router_stats(top_e_btk: jax.Array, probs_bte: jax.Array, lse_bt: jax.Array, 
 
 def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], tensor_axes: tuple[str, ...],
                 ragged_transport: bool, quant: quantize.Quantization | None, batch_axes: tuple[str, ...] = (),
-                seq_axes: tuple[str, ...] = (), lora_scales: tuple[float | None, ...] = (None, None, None)):
+                seq_axes: tuple[str, ...] = (), lora_scales: tuple[float | None, ...] = (None, None, None),
+                unit: unit_lib.Unit = unit_lib.Unit(), router_bias: bool = False, expert_bias: bool = False):
     """The block on one device's tokens and weights: h [b, t, d], router [d, E], the device's experts
     [E_l, d, f_l] and [E_l, f_l, d] -> (output [b, t, d], statistics [1, stats]). `quant`: the experts' matmuls'
     low-precision mode (the router's stays float32); `batch_axes` the mesh axes that split the batch, `seq_axes`
     those that split each sequence (routing is per token: each device routes its own tokens). `lora_scales`: the
     gate, up and down projections' adapter scales (None: not adapted); each adapted one's A and B follow the
-    experts' weights, in that order (models/lora.py)."""
+    experts' weights, in that order (models/lora.py). Then, with `router_bias`, the router's logit bias [E], and
+    with `expert_bias` the experts' biases [E_l, f_l], [E_l, f_l], [E_l, d]; `unit` the gated unit between the
+    up and down projections."""
     # An expert's rows lie on the devices of its expert shard: across the other batch and sequence axes (and,
     # being the same rows, not across `tensor`) a quantized matmul takes its gradient's scales as maxima over all.
     rows = tuple(a for a in batch_axes if a not in expert_axes) + seq_axes
-    grouped = _GroupedMatmul(quant, tensor_axes, rows)
+    grouped = _GroupedMatmul(quant, tensor_axes, rows, unit)
+    adapted = 2 * sum(scale is not None for scale in lora_scales)
 
-    def fn(h_btd, router_de, w_gate, w_up, w_down, *adapters):
+    def fn(h_btd, router_de, w_gate, w_up, w_down, *rest):
         b, t, d = h_btd.shape
-        top_e, weights, probs, lse = route(h_btd.reshape(b * t, d), router_de, k)
+        adapters, biases = rest[:adapted], rest[adapted:]
+        bias_e, biases = (biases[0], biases[1:]) if router_bias else (None, biases)
+        top_e, weights, probs, lse = route(h_btd.reshape(b * t, d), router_de, k, bias_e)
         weights = weights.astype(h_btd.dtype)
         pairs = iter(zip(adapters[::2], adapters[1::2]))
         experts = tuple(w if scale is None else lora.Grouped(w, *next(pairs), scale)
                         for w, scale in zip((w_gate, w_up, w_down), lora_scales))
+        if expert_bias:
+            b_gate, b_up, b_down = biases
+            if tensor_axes:  # the down projection's outputs are partial sums over `tensor`: its bias added once
+                b_down = b_down * (jax.lax.axis_index(tensor_axes) == 0).astype(b_down.dtype)
+            experts += (b_gate, b_up, b_down)
         if capacity_factor:
             rows_ktd, dropped = _with_capacity(h_btd, top_e.reshape(b, t, k), experts, capacity_factor,
                                                expert_axes, grouped)
@@ -208,14 +234,17 @@ def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], te
     return fn
 
 
-def _swiglu(rows_rd, w_gate, w_up, w_down, matmul, down_matmul=None, plain=None):
+def _swiglu(rows_rd, w_gate, w_up, w_down, matmul, down_matmul=None, plain=None, unit=unit_lib.Unit(),
+            biases=None):
     """down(silu(rows W_gate) * (rows W_up)), each matmul `matmul(x, w)` grouped by expert (the down projection's
     `down_matmul`, where given); a weight with an adapter (lora.Grouped) adds its output, computed by `plain`
-    (default `matmul`: the grouped matmul in the compute dtype)."""
+    (default `matmul`: the grouped matmul in the compute dtype). `unit`: the gated unit in place of silu(gate) *
+    up; `biases`: the gate, up and down projections' biases, each placed to add to its output (or None)."""
     plain = plain or matmul
-    gate = checkpoint_name(lora.grouped(matmul, plain, rows_rd, w_gate), "moe_gate")
-    up = checkpoint_name(lora.grouped(matmul, plain, rows_rd, w_up), "moe_up")
-    return lora.grouped(down_matmul or matmul, plain, jax.nn.silu(gate) * up, w_down)
+    b_gate, b_up, b_down = biases or (0, 0, 0)
+    gate = checkpoint_name(lora.grouped(matmul, plain, rows_rd, w_gate) + b_gate, "moe_gate")
+    up = checkpoint_name(lora.grouped(matmul, plain, rows_rd, w_up) + b_up, "moe_up")
+    return lora.grouped(down_matmul or matmul, plain, unit(gate, up), w_down) + b_down
 
 
 class _GroupedMatmul:
@@ -224,17 +253,19 @@ class _GroupedMatmul:
     the axes across which an expert's rows are spread (`row_axes`) share the scales."""
 
     def __init__(self, quant: quantize.Quantization | None, tensor_axes: tuple[str, ...],
-                 row_axes: tuple[str, ...]):
-        self.quant, self.tensor_axes, self.row_axes = quant, tensor_axes, row_axes
+                 row_axes: tuple[str, ...], unit: unit_lib.Unit = unit_lib.Unit()):
+        self.quant, self.tensor_axes, self.row_axes, self.unit = quant, tensor_axes, row_axes, unit
 
     def swiglu(self, rows, group_sizes, experts):
         """The SwiGLU of rows sorted by expert, `group_sizes[e]` of them for expert e (rows past their sum:
-        zeros)."""
+        zeros, or their biases'). `experts`: the three weights, then their biases where the experts have them."""
         def plain(x, w):
             return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=x.dtype)
 
+        biases = unit_lib.rows_of_groups(experts[3:], group_sizes, rows.shape[0]) if experts[3:] else None
+        experts = experts[:3]
         if self.quant is None:
-            return _swiglu(rows, *experts, plain)
+            return _swiglu(rows, *experts, plain, unit=self.unit, biases=biases)
 
         def up(x, w):
             return self.quant.ragged_dot(x, w, group_sizes, out_axes=self.tensor_axes, row_axes=self.row_axes)
@@ -242,7 +273,7 @@ class _GroupedMatmul:
         def down(x, w):
             return self.quant.ragged_dot(x, w, group_sizes, contract_axes=self.tensor_axes, row_axes=self.row_axes)
 
-        return _swiglu(rows, *experts, up, down, plain)
+        return _swiglu(rows, *experts, up, down, plain, unit=self.unit, biases=biases)
 
 
 def _dropless(h_td, top_e, experts, expert_axes, ragged_transport, grouped: _GroupedMatmul) -> jax.Array:
@@ -352,7 +383,8 @@ def _with_capacity(h_btd, top_e_btk, experts, capacity_factor, expert_axes, grou
     if shards > 1:  # each device's experts take every device's rows for them: [E_l, shards x rows, d]
         rows = jax.lax.all_to_all(rows, expert_axes, 0, 1, tiled=True)
     if grouped.quant is None:
-        out = _swiglu(rows, *experts, lambda x, w: jnp.einsum("erd,edf->erf", x, w))
+        out = _swiglu(rows, *experts[:3], lambda x, w: jnp.einsum("erd,edf->erf", x, w), unit=grouped.unit,
+                      biases=tuple(b[:, None] for b in experts[3:]) or None)
     else:  # the buffers as groups of equal size, for the quantized grouped matmul and its shared scales
         el, r = rows.shape[:2]
         out = grouped.swiglu(rows.reshape(el * r, d), jnp.full((el,), r, jnp.int32), experts).reshape(el, r, d)
