@@ -18,7 +18,7 @@ import ml_collections
 import yaml
 from etils import epath
 
-from scaletrain import config_bounds, remat
+from scaletrain import config_bounds, config_window, remat
 from scaletrain.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "pipeline", "context", "tensor")
@@ -88,6 +88,9 @@ def defaults() -> ml_collections.ConfigDict:
                 "quantization": "none",
                 "quantization_scale": "channel",
                 "quantized_matmuls": DEFAULT_QUANTIZED,
+                # Local/global attention layers (config_window.py)
+                "sliding_window": 0,
+                "layer_types": "",
             },
             "data": {
                 "source": "stdlib",
@@ -383,6 +386,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                           f"{m.qk_norm_eps}): RMSNorm(c q) = RMSNorm(q) needs eps = 0")
     _check_moe(m)
     _check_quantization(m)
+    config_window.check(m)
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
     if cfg.train.global_batch % cfg.train.grad_accum_steps:
