@@ -18,7 +18,7 @@ import ml_collections
 import yaml
 from etils import epath
 
-from scaletrain import config_bounds, config_gpt_oss, remat
+from scaletrain import config_bounds, config_gpt_oss, config_window, remat
 from scaletrain.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "pipeline", "context", "tensor")
@@ -96,6 +96,9 @@ def defaults() -> ml_collections.ConfigDict:
                 "expert_activation": "swiglu",
                 "swiglu_limit": 7.0,
                 "swiglu_alpha": 1.702,
+                # Local/global attention layers (config_window.py)
+                "sliding_window": 0,
+                "layer_types": "",
             },
             "data": {
                 "source": "stdlib",
@@ -394,6 +397,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check_moe(m)
     config_gpt_oss.check(m)
     _check_quantization(m)
+    config_window.check(m)
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
     if cfg.train.global_batch % cfg.train.grad_accum_steps:

@@ -163,7 +163,7 @@ def test_sink_gradient_through_splash_equals_autodiff_of_the_plain_softmax():
         return dot_attention(q.reshape(b, t, kv, n // kv, h), k, v, mask, sinks.reshape(kv, -1)).reshape(q.shape)
 
     def flash(q, k, v, sinks):
-        return flash_attention.flash_attention(q, k, v, segments, flash_attention.INTERPRETED, sinks)
+        return flash_attention.flash_attention(q, k, v, segments, flash_attention.INTERPRETED, sinks_n=sinks)
 
     outs, grads = [], []
     for fn in (plain, flash):

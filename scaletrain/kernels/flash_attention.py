@@ -102,11 +102,13 @@ def splash_blocks(seq_len: int, kernel: Splash) -> tuple[int, int, int]:
 
 
 def splash_kernel(mask, heads: int, q_len: int, kv_len: int, kernel: Splash, shards: int = 1,
-                  save_residuals: bool = False, residuals_name: str | None = "attention_out"):
+                  save_residuals: bool = False, residuals_name: str | None = "attention_out",
+                  soft_cap: float = 0.0):
     """Splash with one splash `mask` ([shards x q_len, kv_len]) for each of `heads` query heads, its queries split
     into `shards` slices of `q_len`, with the largest blocks `kernel` allows that divide them. Built per trace (the
     scan traces a layer once): the mask's block structure is numpy work at trace time. Its residuals (output and
-    log-sum-exp) are named `residuals_name`, so remat policies can save or offload them."""
+    log-sum-exp) are named `residuals_name`, so remat policies can save or offload them. `soft_cap` > 0: scores
+    capped to cap * tanh(score / cap) (Gemma 2's attention logit soft-capping)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     bq, bkv = _block(q_len, kernel.block_q), _block(kv_len, kernel.block_kv)
@@ -114,21 +116,25 @@ def splash_kernel(mask, heads: int, q_len: int, kv_len: int, kernel: Splash, sha
                            block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
     return sa.make_splash_mha(sa.MultiHeadMask([mask] * heads), block_sizes=blocks, head_shards=1,
                               q_seq_shards=shards, save_residuals=save_residuals,
-                              residual_checkpoint_name=residuals_name, interpret=kernel.interpret)
+                              residual_checkpoint_name=residuals_name, interpret=kernel.interpret,
+                              attn_logits_soft_cap=soft_cap or None)
 
 
 def _make_splash(heads: int, seq_len: int, q_len: int, kernel: Splash, q_order: np.ndarray | None = None,
-                 shards: int = 1, sinks: bool = False):
+                 shards: int = 1, window: int = 0, soft_cap: float = 0.0, sinks: bool = False):
     """Causal splash for `heads` query heads against `seq_len` keys in sequence order, its queries split into
     `shards` slices of `q_len`; `q_order`: the sequence position of each query (context.order), in order by
-    default. With `sinks`, it returns the log-sum-exp beside the output (kernels/sinks.py folds the sinks in)."""
+    default. `window` > 0: each query sees the keys at positions > its own - window only (splash's local mask,
+    whose key blocks outside the band are skipped like the causal mask's). With `sinks`, it returns the
+    log-sum-exp beside the output (kernels/sinks.py folds the sinks in)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-    mask = sa.CausalMask((seq_len, seq_len))
+    shape = (seq_len, seq_len)
+    mask = sa.LocalMask(shape, (window - 1, 0), 0) if window else sa.CausalMask(shape)
     if q_order is not None:
         mask.q_sequence = q_order  # the kernel compares each query's position, not its slot, with the key's
     return splash_kernel(mask, heads, q_len, seq_len, kernel, shards, save_residuals=sinks,
-                         residuals_name=None if sinks else "attention_out")
+                         residuals_name=None if sinks else "attention_out", soft_cap=soft_cap)
 
 
 def heads_first(x_bthd: jax.Array) -> jax.Array:
@@ -147,20 +153,22 @@ def _run_splash(splash, q_btnh, k_bskh, v_bskh, q_segments_bt, k_segments_bs, si
     return heads_first(out_bnth)
 
 
-def _splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, kernel: Splash, sinks_n=None) -> jax.Array:
+def _splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, kernel: Splash, window: int, soft_cap: float,
+            sinks_n=None) -> jax.Array:
     t, n = q_btnh.shape[1:3]  # t: already padded to whole blocks
-    splash = _make_splash(n, t, t, kernel, sinks=sinks_n is not None)
+    splash = _make_splash(n, t, t, kernel, window=window, soft_cap=soft_cap, sinks=sinks_n is not None)
     return _run_splash(splash, q_btnh, k_bskh, v_bskh, segment_ids_bt, segment_ids_bt, sinks_n)
 
 
-def split_splash(heads: int, q_order: np.ndarray, shards: int, kernel: Splash, sinks: bool = False):
+def split_splash(heads: int, q_order: np.ndarray, shards: int, kernel: Splash, window: int = 0,
+                 soft_cap: float = 0.0, sinks: bool = False):
     """Context parallelism's splash: queries laid out in `q_order` (context.order) and split over `shards`
     devices, each against the whole sequence's keys and values. The kernel is a pytree whose block tables are
     split along the queries like them: shard_map hands each device its own (`.manual_sharding_spec`), so one
     traced kernel serves every shard, skipping the key blocks its queries' positions hide. Run it with
-    `split_attention` (with `sinks`, its sinks given there)."""
+    `split_attention` (with `sinks`, its sinks given there). `window`, `soft_cap`: _make_splash's."""
     t = len(q_order)
-    return _make_splash(heads, t, t // shards, kernel, q_order, shards, sinks)
+    return _make_splash(heads, t, t // shards, kernel, q_order, shards, window, soft_cap, sinks)
 
 
 def split_attention(splash, axes: tuple[str, ...], in_order: np.ndarray, q_btnh: jax.Array, k_btkh: jax.Array,
@@ -176,10 +184,13 @@ def split_attention(splash, axes: tuple[str, ...], in_order: np.ndarray, q_btnh:
                        sinks_n)
 
 
-def _triton(q_btnh, k_bskh, v_bskh, segment_ids_bt, kernel: Triton, sinks_n=None) -> jax.Array:
+def _triton(q_btnh, k_bskh, v_bskh, segment_ids_bt, kernel: Triton, window: int, soft_cap: float,
+            sinks_n=None) -> jax.Array:
     from jax.experimental.pallas.ops.gpu import attention
 
-    assert sinks_n is None, "the Triton kernel returns no log-sum-exp to fold sinks into (Attention refuses it)"
+    # Its mask is causal and by segment only, its scores uncapped, and it returns no log-sum-exp to fold sinks
+    # into (models/attention.py refuses all three first).
+    assert not window and not soft_cap and sinks_n is None, "the Triton kernel takes no window, soft cap or sinks"
 
     n, kv = q_btnh.shape[2], k_bskh.shape[2]
     back = kernel.block_backward
@@ -191,10 +202,13 @@ def _triton(q_btnh, k_bskh, v_bskh, segment_ids_bt, kernel: Triton, sinks_n=None
 
 
 def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, segment_ids_bt: jax.Array,
-                    kernel: Splash | Triton | None = None, sinks_n: jax.Array | None = None) -> jax.Array:
+                    kernel: Splash | Triton | None = None, window: int = 0, soft_cap: float = 0.0,
+                    sinks_n: jax.Array | None = None) -> jax.Array:
     """`reference`'s attention through a flash kernel (kernel_for() the first device by default). q [b, t, n,
     h] is already scaled; k, v [b, t, kv, h] with n a multiple of kv, query head i using key/value head
-    i // (n / kv). `sinks_n`: a sink logit per query head (kernels/sinks.py), splash only."""
+    i // (n / kv). `window` > 0: a sliding window of that many keys (the query's own included); `soft_cap` > 0:
+    scores capped to cap * tanh(score / cap); `sinks_n`: a sink logit per query head (kernels/sinks.py) - splash
+    only."""
     kernel = kernel or kernel_for(jax.devices()[0])
     t = q_btnh.shape[1]
     padded = round_up(t, _LANES if isinstance(kernel, Splash) else max(kernel.block_q, kernel.block_k))
@@ -203,4 +217,5 @@ def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, seg
         q_btnh, k_bskh, v_bskh = pad(q_btnh), pad(k_bskh), pad(v_bskh)
         segment_ids_bt = jnp.pad(segment_ids_bt, [(0, 0), (0, padded - t)], constant_values=_PAD_SEGMENT)
     attend = _splash if isinstance(kernel, Splash) else _triton
-    return attend(q_btnh, k_bskh, v_bskh, segment_ids_bt.astype(jnp.int32), kernel, sinks_n)[:, :t]
+    return attend(q_btnh, k_bskh, v_bskh, segment_ids_bt.astype(jnp.int32), kernel, window, soft_cap,
+                  sinks_n)[:, :t]

@@ -10,16 +10,19 @@ from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain.errors import ConfigError
 from scaletrain.kernels import flash_attention, ring_attention, ring_splash
-from scaletrain.models import lora, quantize, rope
+from scaletrain.models import lora, quantize, rope, window
 from scaletrain.models.layers import RMSNorm, param, project
 from scaletrain.parallel import context, sharding
 from scaletrain.parallel.sharding import active_device, constrain, local, placement, sequence_order, ways
 
 
 def block_mask(q_segments_bt: jax.Array, k_segments_bs: jax.Array, q_index_t: jax.Array,
-               k_index_s: jax.Array) -> jax.Array:
-    """The mask for queries at sequence positions q_index against keys at k_index."""
+               k_index_s: jax.Array, cfg=None) -> jax.Array:
+    """The mask for queries at sequence positions q_index against keys at k_index (within the sliding window
+    of the layer being traced, where `cfg`'s layers have one: models/window.py)."""
     causal = q_index_t[:, None] >= k_index_s[None, :]
+    if cfg is not None:
+        causal = causal & window.visible(cfg, q_index_t, k_index_s)
     same_doc = q_segments_bt[:, :, None] == k_segments_bs[:, None, :]
     return (causal & same_doc)[:, None, None, :, :]
 
@@ -39,14 +42,14 @@ def dot_attention(q_btkgh, k_bskh, v_bskh, mask, sinks_kg: jax.Array | None = No
 
 def blocked_attention(q_btkgh, k_bskh, v_bskh, segment_ids_bt, block: int, unroll: bool = False, *,
                       k_segments_bs: jax.Array | None = None, index_t: jax.Array | None = None,
-                      shards: int = 1, sinks_kg: jax.Array | None = None) -> jax.Array:
+                      shards: int = 1, cfg=None, sinks_kg: jax.Array | None = None) -> jax.Array:
     """dot_attention one block of queries at a time, each block rematerialised in the backward pass, so the
     [t, s] score matrix never exists whole: memory O(block x s) instead of O(t x s), the same FLOPs. Queries and
     keys in the same slots, unless `k_segments_bs` (the keys' segment ids) and `index_t` (the sequence position
     of each query and key slot: context parallelism's layout) say otherwise. `shards`: the devices the queries
     are split over along the sequence (context parallelism); each step of the loop takes the next block of every
     shard, so each device works on its own queries (a loop over the blocks of the whole sequence would take them
-    from one device at a time)."""
+    from one device at a time). `cfg`: the model's, for its sliding window (block_mask)."""
     t = q_btkgh.shape[1]
     k_segments_bs = segment_ids_bt if k_segments_bs is None else k_segments_bs
     index_t = jnp.arange(t) if index_t is None else index_t
@@ -57,7 +60,7 @@ def blocked_attention(q_btkgh, k_bskh, v_bskh, segment_ids_bt, block: int, unrol
     @jax.checkpoint
     def one(args):
         q, seg, q_index = args
-        return dot_attention(q, k_bskh, v_bskh, block_mask(seg, k_segments_bs, q_index, index_t), sinks_kg)
+        return dot_attention(q, k_bskh, v_bskh, block_mask(seg, k_segments_bs, q_index, index_t, cfg), sinks_kg)
 
     _, out = jax.lax.scan(lambda _, args: (None, one(args)), None,
                           (blocks(q_btkgh), blocks(segment_ids_bt), blocks(index_t[None])[:, 0]), unroll=unroll)
@@ -200,10 +203,11 @@ class Attention(nnx.Module):
             if 0 < block < t and t % block == 0:
                 out_btkgh = blocked_attention(q_btkgh, k_btkh, v_btkh, segment_ids_bt, block, cfg.unroll_loops,
                                               k_segments_bs=k_segments_bt, index_t=index_t, shards=ways("seq"),
-                                              sinks_kg=self._sinks(k))
+                                              cfg=cfg, sinks_kg=self._sinks(k))
             else:
                 out_btkgh = dot_attention(q_btkgh, k_btkh, v_btkh,
-                                          block_mask(segment_ids_bt, k_segments_bt, index_t, index_t), self._sinks(k))
+                                          block_mask(segment_ids_bt, k_segments_bt, index_t, index_t, cfg),
+                                          self._sinks(k))
             out_btnh = checkpoint_name(out_btkgh.reshape(b, t, n, h), "attention_out")
         return self._out(out_btnh)
 
@@ -218,7 +222,8 @@ class Attention(nnx.Module):
         b, t, n, h = q_btnh.shape
         k = self.cfg.num_kv_heads
         # Cache slots past the newest position hold zeros, or nothing yet: causality masks them.
-        causal = (start + jnp.arange(t))[:, None] >= jnp.arange(k_cache.shape[1])[None, :]
+        q_index, k_index = start + jnp.arange(t), jnp.arange(k_cache.shape[1])
+        causal = (q_index[:, None] >= k_index[None, :]) & window.visible(self.cfg, q_index, k_index)
         out_btkgh = dot_attention(q_btnh.reshape(b, t, k, n // k, h), k_cache, v_cache, causal[None, None, None],
                                   self._sinks(k))
         return self._out(out_btkgh.reshape(b, t, n, h)), (k_cache, v_cache)
@@ -275,27 +280,45 @@ class Attention(nnx.Module):
         """The flash kernel per device on its batch rows and heads (kernels/flash_attention.py). The kernel
         names its own residuals attention_out. Split along the sequence (`order`: context parallelism's layout),
         each device's queries meet the whole sequence's keys and values, gathered by the kernel's own shard_map
-        (flash_attention.split_attention) and put back in sequence order for the kernel's causal mask."""
+        (flash_attention.split_attention) and put back in sequence order for the kernel's causal mask. A kernel's
+        mask is static: in a stack that mixes sliding and full layers, each layer runs one of two kernels, chosen
+        by its kind (models/window.py)."""
+        kernel = flash_attention.kernel_for(active_device())
+        slides = window.sliding(self.cfg)
+        if slides is not False and not isinstance(kernel, flash_attention.Splash):
+            raise ConfigError("model.sliding_window with model.attention=flash runs splash attention's local mask "
+                              "(TPU, or interpreted on CPU); the GPU's Triton kernel takes no window: set "
+                              "model.attention=xla")
+        if self.cfg.attention_sinks and not isinstance(kernel, flash_attention.Splash):
+            raise ConfigError("model.attention_sinks=true with model.attention=flash runs splash attention (TPU, or "
+                              "interpreted on CPU), whose log-sum-exp takes the sinks; on a GPU set model.attention=xla")
+
+        def run(window_size: int) -> jax.Array:
+            return self._flash_kernel(kernel, window_size, q_btnh, k_btkh, v_btkh, segment_ids_bt, order)
+
+        if isinstance(slides, bool):
+            return run(self.cfg.sliding_window if slides else 0)
+        return jax.lax.cond(slides, lambda: run(self.cfg.sliding_window), lambda: run(0))
+
+    def _flash_kernel(self, kernel, window_size: int, q_btnh, k_btkh, v_btkh, segment_ids_bt, order) -> jax.Array:
+        """`_flash` with one kernel: a sliding window of `window_size` keys, or none (0)."""
         k_btkh, v_btkh, kv_heads = self._kv_beside_queries(k_btkh, v_btkh)
         kv_logical = ("batch", "seq", kv_heads, "head_dim")
         q_logical = ("batch", "seq", "heads", "head_dim")
-        kernel = flash_attention.kernel_for(active_device())
         sinks_on = self.cfg.attention_sinks
-        if sinks_on and not isinstance(kernel, flash_attention.Splash):
-            raise ConfigError("model.attention_sinks=true with model.attention=flash runs splash attention (TPU, or "
-                              "interpreted on CPU), whose log-sum-exp takes the sinks; on a GPU set model.attention=xla")
         sinks_n = self.sinks[...] if sinks_on else jnp.zeros((q_btnh.shape[2],), jnp.float32)
         if ways("seq") == 1:
-            return local(lambda q, k, v, seg, sinks: flash_attention.flash_attention(q, k, v, seg, kernel,
-                                                                                     sinks if sinks_on else None),
-                         (q_logical, kv_logical, kv_logical, ("batch", "seq"), ("heads",)), q_logical)(
+            return local(lambda q, k, v, seg, sinks: flash_attention.flash_attention(
+                q, k, v, seg, kernel, window_size, sinks_n=sinks if sinks_on else None),
+                (q_logical, kv_logical, kv_logical, ("batch", "seq"), ("heads",)), q_logical)(
                 q_btnh, k_btkh, v_btkh, segment_ids_bt, sinks_n)
         if not isinstance(kernel, flash_attention.Splash):
             raise ConfigError("context parallelism (mesh.context > 1) with model.attention=flash runs splash "
                               "attention (TPU, or interpreted on CPU); on a GPU set model.attention=xla")
         if order is None:  # the contiguous layout: each device's slots are in sequence order
             order = np.arange(q_btnh.shape[1], dtype=np.int32)
-        splash = flash_attention.split_splash(q_btnh.shape[2] // ways("heads"), order, ways("seq"), kernel, sinks_on)
+        splash = flash_attention.split_splash(q_btnh.shape[2] // ways("heads"), order, ways("seq"), kernel,
+                                              window_size, sinks=sinks_on)
         kernel_spec = splash.manual_sharding_spec(placement((None, "seq")))
         axes, in_order = sharding.active_axes("seq"), np.argsort(order)
         return local(lambda splash, *qkv: flash_attention.split_attention(splash, axes, in_order, *qkv[:4],

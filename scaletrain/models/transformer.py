@@ -17,7 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain import config, remat
-from scaletrain.models import lora, quantize, rope
+from scaletrain.models import lora, quantize, rope, window
 from scaletrain.models.attention import Attention
 from scaletrain.models.layers import Embed, RMSNorm, param, project
 from scaletrain.models.mlp import MLP
@@ -90,6 +90,9 @@ class ModelConfig:
     # Unroll the layer scan and the attention block loop. Only for XLA's cost estimate, which counts a loop's
     # body once (planner/aot.py); never for training (compile time and code size grow with the depth).
     unroll_loops: bool = False
+    # Local/global attention layers (models/window.py)
+    sliding_window: int = 0  # keys a sliding layer's query sees, itself included; 0: none
+    layer_types: str = ""  # sliding|full, comma-separated, cycled over the layers; empty: every layer full
 
     @classmethod
     def from_config(cls, model_cfg: Mapping[str, Any] | None = None, **derived) -> "ModelConfig":
@@ -215,19 +218,27 @@ class Decoder(nnx.Module):
         placed = functools.partial(_placed, cfg)
         extras = (sin_bth, cos_bth, segment_ids_bt)
 
+        dropping = dropout_seeds is not None and cfg.lora_dropout
+        # Each layer's canonical index rides with its weights where it drops its own elements or where the stack
+        # mixes sliding and full layers (models/window.py).
+        indexed = dropping or window.mixed(cfg)
+
         def layer(x_btd, layer_params, sin_bth, cos_bth, segment_ids_bt, seeds=None):
             x_btd = checkpoint_name(constrain(x_btd, ("batch", "residual_seq", "embed")), "decoder_layer_input")
-            dropout = None
-            if seeds is not None:
+            dropout, index = None, None
+            if indexed:
                 layer_params, index = layer_params
+            if seeds is not None:
                 dropout = lora.Dropout(seeds, index, cfg.lora_dropout)
-            with lora.dropping(dropout):
+            with lora.dropping(dropout), window.at_layer(cfg, index):
                 return nnx.merge(graphdef, placed(layer_params))(x_btd, sin_bth, cos_bth, segment_ids_bt)
 
-        if dropout_seeds is not None and cfg.lora_dropout:
+        if indexed:
             units = cfg.num_layers // self.unit_layers(cfg)
             ids = np.arange(units) if layer_ids is None else layer_ids
-            stacked, extras = (stacked, jnp.asarray(ids, jnp.uint32)), (*extras, dropout_seeds)
+            stacked = (stacked, jnp.asarray(ids, jnp.uint32))
+        if dropping:
+            extras = (*extras, dropout_seeds)
         body = remat.apply(layer, cfg.remat, cfg.remat_custom, cfg.unroll_loops) if remat_layers else layer
         return x_btd, body, stacked, extras
 
@@ -268,11 +279,13 @@ class Decoder(nnx.Module):
         graphdef, stacked = nnx.split(self.layers)
 
         def layer(x_btd, xs):
-            layer_params, k_cache, v_cache = xs
+            layer_params, index, k_cache, v_cache = xs
             block = nnx.merge(graphdef, _placed(cfg, layer_params))
-            return block.decode(x_btd, sin_bth, cos_bth, start, (k_cache, v_cache))
+            with window.at_layer(cfg, index):
+                return block.decode(x_btd, sin_bth, cos_bth, start, (k_cache, v_cache))
 
-        x_btd, cache = jax.lax.scan(layer, x_btd, (stacked, *cache), unroll=cfg.unroll_loops)
+        ids = jnp.arange(cfg.num_layers // self.unit_layers(cfg), dtype=jnp.uint32)
+        x_btd, cache = jax.lax.scan(layer, x_btd, (stacked, ids, *cache), unroll=cfg.unroll_loops)
         return self.logits(self.final_stream(x_btd)), cache
 
     def logits(self, x_btd: jax.Array) -> jax.Array:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from scaletrain.config import moe_d_ff
+from scaletrain.config_window import sliding_layers
 from scaletrain.errors import ConfigError
 from scaletrain.parallel import context, pipeline, pipeline_1f1b
 from scaletrain.parallel.sharding import batch_ways
@@ -135,6 +136,22 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
         axes = "mesh.data x mesh.fsdp" + " x mesh.expert" * (axis_sizes["expert"] > 1)
         out.append(f"the microbatch train.global_batch / {what} = {cfg.train.global_batch / n:g} is not divisible "
                    f"by {axes} = {ways} (with DCN degrees), which shard the batch")
+    return out + _window_problems(cfg, axis_sizes)
+
+
+def _window_problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
+    """Sliding-window layers (models/window.py): the runners that do not carry each layer's index, and the ring
+    schedule, whose passes' masks know no window."""
+    m, out = cfg.model, []
+    slides = sliding_layers(m.layer_types, m.num_layers)
+    schedule = cfg.pipeline.schedule
+    if slides.any() and not slides.all() and axis_sizes["pipeline"] > 1 and schedule in pipeline_1f1b.OWN_GRADIENTS:
+        out.append(f"model.layer_types='{m.layer_types}' mixes sliding and full layers, with pipeline.schedule="
+                   f"{schedule}: its program takes each layer's vjp itself and does not carry the layers' indices "
+                   f"(their kinds); use pipeline.schedule=gpipe or circular")
+    if m.sliding_window and axis_sizes["context"] > 1 and m.context_attention == "ring":
+        out.append("model.sliding_window with model.context_attention=ring: the ring's passes mask causally "
+                   "only; use model.context_attention=allgather")
     return out
 
 
