@@ -88,6 +88,14 @@ def defaults() -> ml_collections.ConfigDict:
                 "quantization": "none",
                 "quantization_scale": "channel",
                 "quantized_matmuls": DEFAULT_QUANTIZED,
+                # YaRN RoPE (rope_scaling: yarn; docs/config.md): the ramp's bounds, truncation, attention magnitude
+                "rope_beta_fast": 32.0,
+                "rope_beta_slow": 1.0,
+                "rope_truncate": True,
+                "rope_mscale": 0.0,
+                "rope_mscale_all_dim": 0.0,
+                "rope_attention_factor": 0.0,
+                "rope_softmax_mscale": False,
             },
             "data": {
                 "source": "stdlib",
@@ -159,7 +167,7 @@ def defaults() -> ml_collections.ConfigDict:
 _NULLABLE = {"hardware.peak_flops_per_device": float}
 
 CHOICES = {
-    "model.rope_scaling": ("none", "llama3"),
+    "model.rope_scaling": ("none", "llama3", "yarn"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.dtype": ("float32", "bfloat16"),
     "model.attention": ATTENTIONS,
@@ -201,7 +209,8 @@ _NON_NEGATIVE = ("seed", "pipeline.microbatches", "train.hang.factor", "train.ha
                  "optim.warmup_steps", "optim.schedule_steps", "optim.weight_decay", "optim.eps",
                  "optim.grad_clip_norm", "model.norm_eps", "model.init_std", "model.qk_norm_eps", "model.num_experts",
                  "model.moe_d_ff", "model.capacity_factor", "model.router_aux_loss", "model.router_z_loss",
-                 "lora.rank", "lora.alpha")
+                 "lora.rank", "lora.alpha", "model.rope_mscale", "model.rope_mscale_all_dim",
+                 "model.rope_attention_factor")
 _UNIT_INTERVAL = ("optim.min_lr_ratio", "optim.b1", "optim.b2")
 
 
@@ -369,6 +378,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
         raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
                           f"model.rope_low_freq_factor={m.rope_low_freq_factor}")
+    if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow < m.rope_beta_fast:
+        raise ConfigError(f"model.rope_beta_fast={m.rope_beta_fast} must exceed model.rope_beta_slow="
+                          f"{m.rope_beta_slow} > 0 (rotations over the original context that bound YaRN's ramp)")
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
     for key in ("attention_block", "logits_block"):

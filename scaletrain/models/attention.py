@@ -140,7 +140,7 @@ class Attention(nnx.Module):
 
     def _queries_keys_values(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array,
                              one_matmul: bool = True):
-        """Q (scaled by head_dim**-0.5), K and V of norm(x), Q and K rotated by RoPE: the input norm is applied
+        """Q (scaled by head_dim**-0.5, ModelConfig.softmax_scale), K and V of norm(x), Q and K rotated by RoPE: the input norm is applied
         with the projection (model.norm)."""
         cfg = self.cfg
         q_btnh, k_btkh, v_btkh = self._project_qkv(x_btd, norm, one_matmul)
@@ -149,7 +149,7 @@ class Attention(nnx.Module):
         q_btnh = constrain(rope.apply(q_btnh, sin_bth, cos_bth), ("batch", "seq", "heads", "head_dim"))
         k_btkh = constrain(rope.apply(k_btkh, sin_bth, cos_bth), ("batch", "seq", "kv_heads", "head_dim"))
         v_btkh = constrain(v_btkh, ("batch", "seq", "kv_heads", "head_dim"))
-        return q_btnh * jnp.asarray(cfg.head_dim ** -0.5, x_btd.dtype), k_btkh, v_btkh
+        return q_btnh * jnp.asarray(cfg.softmax_scale, x_btd.dtype), k_btkh, v_btkh
 
     def _out(self, out_btnh: jax.Array) -> jax.Array:
         out_btd = lora.delta(self.wo_lora, out_btnh, project(out_btnh, self.wo[...], in_dims=2, quant=self.quant))

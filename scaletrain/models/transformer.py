@@ -81,6 +81,14 @@ class ModelConfig:
     # Unroll the layer scan and the attention block loop. Only for XLA's cost estimate, which counts a loop's
     # body once (planner/aot.py); never for training (compile time and code size grow with the depth).
     unroll_loops: bool = False
+    # YaRN RoPE (rope_scaling yarn): rope.Yarn's settings
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
+    rope_attention_factor: float = 0.0
+    rope_softmax_mscale: bool = False  # YaRN's magnitude mscale(factor, mscale_all_dim)^2 in the softmax scale
 
     @classmethod
     def from_config(cls, model_cfg: Mapping[str, Any] | None = None, **derived) -> "ModelConfig":
@@ -107,10 +115,34 @@ class ModelConfig:
         """Output projections start smaller so the residual stream's variance does not grow with depth."""
         return self.init_std / math.sqrt(2 * self.num_layers)
 
+    @property
+    def rope_dim(self) -> int:
+        """The dims of a head RoPE rotates: all of it."""
+        return self.head_dim
+
+    @property
+    def yarn(self) -> rope.Yarn:
+        return rope.Yarn(self.rope_beta_fast, self.rope_beta_slow, self.rope_truncate, self.rope_mscale,
+                         self.rope_mscale_all_dim, self.rope_attention_factor)
+
     def inverse_frequencies(self):
-        return rope.inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, self.rope_scaling_factor,
+        return rope.inverse_frequencies(self.rope_dim, self.rope_theta, self.rope_scaling, self.rope_scaling_factor,
                                         self.rope_low_freq_factor, self.rope_high_freq_factor,
-                                        self.rope_original_max_position)
+                                        self.rope_original_max_position, self.yarn)
+
+    @property
+    def rope_scale(self) -> float:
+        """What cos and sin are multiplied by: YaRN's attention factor, else 1."""
+        return rope.yarn_attention_factor(self.rope_scaling_factor, self.yarn) if self.rope_scaling == "yarn" else 1.0
+
+    @property
+    def softmax_scale(self) -> float:
+        """What q is multiplied by before q k^T: head_dim**-0.5, times YaRN's mscale(factor, mscale_all_dim)**2
+        where it goes there (model.rope_softmax_mscale: DeepSeek's)."""
+        scale = self.head_dim ** -0.5
+        if self.rope_scaling == "yarn" and self.rope_softmax_mscale and self.rope_mscale_all_dim:
+            scale *= rope.yarn_mscale(self.rope_scaling_factor, self.rope_mscale_all_dim) ** 2
+        return scale
 
 
 class Block(nnx.Module):
@@ -201,7 +233,7 @@ class Decoder(nnx.Module):
         joins its weights, so that each layer drops its own elements (models/lora.py)."""
         cfg = self.cfg
         x_btd = self.embed(tokens_bt, cfg.dtype)
-        sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies())
+        sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies(), cfg.rope_scale)
         graphdef, stacked = nnx.split(self.layers)
         placed = functools.partial(_placed, cfg)
         extras = (sin_bth, cos_bth, segment_ids_bt)
@@ -255,7 +287,7 @@ class Decoder(nnx.Module):
         cfg = self.cfg
         x_btd = self.embed(tokens_bt, cfg.dtype)
         positions_bt = jnp.broadcast_to(start + jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
-        sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies())
+        sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies(), cfg.rope_scale)
         graphdef, stacked = nnx.split(self.layers)
 
         def layer(x_btd, xs):

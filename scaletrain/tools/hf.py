@@ -35,6 +35,11 @@ from scaletrain.tools.hf_files import INDEX_FILE, SINGLE_FILE, Reader, read_json
 LLAMA3_ROPE_KEYS = (("factor", "rope_scaling_factor"), ("low_freq_factor", "rope_low_freq_factor"),
                     ("high_freq_factor", "rope_high_freq_factor"),
                     ("original_max_position_embeddings", "rope_original_max_position"))
+# rope_parameters / rope_scaling key -> model.* key, for rope_type yarn (its factor and original context as llama3's).
+YARN_ROPE_KEYS = (("factor", "rope_scaling_factor"), ("original_max_position_embeddings", "rope_original_max_position"),
+                  ("beta_fast", "rope_beta_fast"), ("beta_slow", "rope_beta_slow"), ("mscale", "rope_mscale"),
+                  ("mscale_all_dim", "rope_mscale_all_dim"), ("attention_factor", "rope_attention_factor"),
+                  ("truncate", "rope_truncate"))
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Copied into <run>/tokenizer/ and back: whichever exist.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -156,7 +161,7 @@ def _rope_keys(hf: dict, refuse) -> dict[str, Any]:
     if any(isinstance(v, dict) for v in rope.values()):
         raise refuse("rope parameters per attention type")
     kind = rope.get("rope_type", rope.get("type")) or "default"
-    if kind not in ("default", "llama3"):
+    if kind not in ("default", "llama3", "yarn"):
         raise refuse(f"rope_type {kind}")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}")
@@ -166,6 +171,12 @@ def _rope_keys(hf: dict, refuse) -> dict[str, Any]:
         if missing:
             raise refuse(f"rope_type llama3 without {', '.join(missing)}")
         keys |= {"rope_scaling": "llama3", **{ours: rope[theirs] for theirs, ours in LLAMA3_ROPE_KEYS}}
+    if kind == "yarn":
+        if rope.get("factor") is None or rope.get("original_max_position_embeddings") is None:
+            raise refuse("rope_type yarn without factor and original_max_position_embeddings")
+        # transformers reads an unset (null) one as its default, as the model.* defaults are
+        keys |= {"rope_scaling": "yarn", **{ours: rope[theirs] for theirs, ours in YARN_ROPE_KEYS
+                                            if rope.get(theirs) is not None}}
     return keys
 
 
@@ -187,6 +198,9 @@ def hf_config(model) -> dict:
     rope_scaling = None
     if model.rope_scaling == "llama3":
         rope_scaling = {"rope_type": "llama3", **{theirs: model[ours] for theirs, ours in LLAMA3_ROPE_KEYS}}
+    if model.rope_scaling == "yarn":  # the unset (0) magnitudes left out, as transformers reads them
+        rope_scaling = {"rope_type": "yarn", **{theirs: model[ours] for theirs, ours in YARN_ROPE_KEYS
+                                                if model[ours] or model[ours] is False}}
     return {"architectures": [arch], "model_type": facts.model_type,
             **{theirs: model[ours] for theirs, ours in facts.config_keys},
             "hidden_act": "silu", **dict.fromkeys(facts.bias_keys, False),
