@@ -18,7 +18,7 @@ import ml_collections
 import yaml
 from etils import epath
 
-from scaletrain import config_bounds, remat
+from scaletrain import config_bounds, config_deepseek, remat
 from scaletrain.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "pipeline", "context", "tensor")
@@ -96,6 +96,21 @@ def defaults() -> ml_collections.ConfigDict:
                 "rope_mscale_all_dim": 0.0,
                 "rope_attention_factor": 0.0,
                 "rope_softmax_mscale": False,
+                # DeepSeek-V3 (docs/deepseek.md): latent attention, dense first layers, routing, shared experts
+                "q_lora_rank": 0,
+                "kv_lora_rank": 0,
+                "rope_head_dim": 0,
+                "v_head_dim": 0,
+                "rope_interleave": False,
+                "first_dense_layers": 0,
+                "router_score": "softmax",
+                "router_groups": 1,
+                "router_topk_groups": 1,
+                "router_scale": 1.0,
+                "router_norm_topk": True,
+                "router_correction_bias": False,
+                "router_bias_update_rate": 0.0,
+                "shared_experts": 0,
             },
             "data": {
                 "source": "stdlib",
@@ -171,6 +186,7 @@ CHOICES = {
     "model.param_dtype": ("float32", "bfloat16"),
     "model.dtype": ("float32", "bfloat16"),
     "model.attention": ATTENTIONS,
+    "model.router_score": ("softmax", "sigmoid"),
     "model.context_attention": CONTEXT_ATTENTIONS,
     "model.norm": NORMS,
     "model.norm_weights": NORM_WEIGHTS,
@@ -201,7 +217,8 @@ _POSITIVE = (
     "train.log_every_steps", "train.eval_batches", "checkpoint.every_steps", "checkpoint.max_to_keep",
     "model.rope_original_max_position", "pipeline.repeats", "model.experts_per_token", "model.moe_every",
     "model.rope_theta", "model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
-    "train.spike.window", "train.spike.limit", "dpo.beta",
+    "train.spike.window", "train.spike.limit", "dpo.beta", "model.router_groups", "model.router_topk_groups",
+    "model.router_scale",
 )
 _NON_NEGATIVE = ("seed", "pipeline.microbatches", "train.hang.factor", "train.hang.seconds", "train.hang.straggler",
                  "train.profile_start", "train.profile_steps", "train.eval_every_steps", "data.workers",
@@ -210,7 +227,9 @@ _NON_NEGATIVE = ("seed", "pipeline.microbatches", "train.hang.factor", "train.ha
                  "optim.grad_clip_norm", "model.norm_eps", "model.init_std", "model.qk_norm_eps", "model.num_experts",
                  "model.moe_d_ff", "model.capacity_factor", "model.router_aux_loss", "model.router_z_loss",
                  "lora.rank", "lora.alpha", "model.rope_mscale", "model.rope_mscale_all_dim",
-                 "model.rope_attention_factor")
+                 "model.rope_attention_factor", "model.q_lora_rank", "model.kv_lora_rank", "model.rope_head_dim",
+                 "model.v_head_dim", "model.first_dense_layers", "model.router_bias_update_rate",
+                 "model.shared_experts")
 _UNIT_INTERVAL = ("optim.min_lr_ratio", "optim.b1", "optim.b2")
 
 
@@ -394,6 +413,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"model.norm_cancellation=true is exact only with model.qk_norm_eps=0 (got "
                           f"{m.qk_norm_eps}): RMSNorm(c q) = RMSNorm(q) needs eps = 0")
     _check_moe(m)
+    config_deepseek.check(m)
     _check_quantization(m)
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")

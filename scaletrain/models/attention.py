@@ -180,7 +180,7 @@ class Attention(nnx.Module):
             else:
                 out_btkgh = dot_attention(q_btkgh, k_btkh, v_btkh,
                                           block_mask(segment_ids_bt, k_segments_bt, index_t, index_t))
-            out_btnh = checkpoint_name(out_btkgh.reshape(b, t, n, h), "attention_out")
+            out_btnh = checkpoint_name(out_btkgh.reshape(b, t, n, -1), "attention_out")  # V's head size
         return self._out(out_btnh)
 
     def decode(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array, start: jax.Array,
@@ -196,7 +196,7 @@ class Attention(nnx.Module):
         # Cache slots past the newest position hold zeros, or nothing yet: causality masks them.
         causal = (start + jnp.arange(t))[:, None] >= jnp.arange(k_cache.shape[1])[None, :]
         out_btkgh = dot_attention(q_btnh.reshape(b, t, k, n // k, h), k_cache, v_cache, causal[None, None, None])
-        return self._out(out_btkgh.reshape(b, t, n, h)), (k_cache, v_cache)
+        return self._out(out_btkgh.reshape(b, t, n, -1)), (k_cache, v_cache)
 
     def _kv_beside_queries(self, k_btkh, v_btkh) -> tuple[jax.Array, jax.Array, str]:
         """K and V for code run per device on its query heads (`local`), and the logical axis of their heads:
