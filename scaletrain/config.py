@@ -18,7 +18,7 @@ import ml_collections
 import yaml
 from etils import epath
 
-from scaletrain import config_bounds, config_gpt_oss, config_window, remat
+from scaletrain import config_bounds, config_deepseek, config_gpt_oss, config_window, remat
 from scaletrain.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "pipeline", "context", "tensor")
@@ -99,6 +99,29 @@ def defaults() -> ml_collections.ConfigDict:
                 # Local/global attention layers (config_window.py)
                 "sliding_window": 0,
                 "layer_types": "",
+                # YaRN RoPE (rope_scaling: yarn; docs/config.md): the ramp's bounds, truncation, attention magnitude
+                "rope_beta_fast": 32.0,
+                "rope_beta_slow": 1.0,
+                "rope_truncate": True,
+                "rope_mscale": 0.0,
+                "rope_mscale_all_dim": 0.0,
+                "rope_attention_factor": 0.0,
+                "rope_softmax_mscale": False,
+                # DeepSeek-V3 (docs/deepseek.md): latent attention, dense first layers, routing, shared experts
+                "q_lora_rank": 0,
+                "kv_lora_rank": 0,
+                "rope_head_dim": 0,
+                "v_head_dim": 0,
+                "rope_interleave": False,
+                "first_dense_layers": 0,
+                "router_score": "softmax",
+                "router_groups": 1,
+                "router_topk_groups": 1,
+                "router_scale": 1.0,
+                "router_norm_topk": True,
+                "router_correction_bias": False,
+                "router_bias_update_rate": 0.0,
+                "shared_experts": 0,
             },
             "data": {
                 "source": "stdlib",
@@ -170,10 +193,11 @@ def defaults() -> ml_collections.ConfigDict:
 _NULLABLE = {"hardware.peak_flops_per_device": float}
 
 CHOICES = {
-    "model.rope_scaling": ("none", "llama3"),
+    "model.rope_scaling": ("none", "llama3", "yarn"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.dtype": ("float32", "bfloat16"),
     "model.attention": ATTENTIONS,
+    "model.router_score": ("softmax", "sigmoid"),
     "model.context_attention": CONTEXT_ATTENTIONS,
     "model.norm": NORMS,
     "model.norm_weights": NORM_WEIGHTS,
@@ -205,8 +229,8 @@ _POSITIVE = (
     "train.log_every_steps", "train.eval_batches", "checkpoint.every_steps", "checkpoint.max_to_keep",
     "model.rope_original_max_position", "pipeline.repeats", "model.experts_per_token", "model.moe_every",
     "model.rope_theta", "model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
-    "train.spike.window", "train.spike.limit", "dpo.beta",
-    "model.swiglu_limit", "model.swiglu_alpha",
+    "train.spike.window", "train.spike.limit", "dpo.beta", "model.router_groups", "model.router_topk_groups",
+    "model.router_scale", "model.swiglu_limit", "model.swiglu_alpha",
 )
 _NON_NEGATIVE = ("seed", "pipeline.microbatches", "train.hang.factor", "train.hang.seconds", "train.hang.straggler",
                  "train.profile_start", "train.profile_steps", "train.eval_every_steps", "data.workers",
@@ -214,7 +238,10 @@ _NON_NEGATIVE = ("seed", "pipeline.microbatches", "train.hang.factor", "train.ha
                  "optim.warmup_steps", "optim.schedule_steps", "optim.weight_decay", "optim.eps",
                  "optim.grad_clip_norm", "model.norm_eps", "model.init_std", "model.qk_norm_eps", "model.num_experts",
                  "model.moe_d_ff", "model.capacity_factor", "model.router_aux_loss", "model.router_z_loss",
-                 "lora.rank", "lora.alpha")
+                 "lora.rank", "lora.alpha", "model.rope_mscale", "model.rope_mscale_all_dim",
+                 "model.rope_attention_factor", "model.q_lora_rank", "model.kv_lora_rank", "model.rope_head_dim",
+                 "model.v_head_dim", "model.first_dense_layers", "model.router_bias_update_rate",
+                 "model.shared_experts")
 _UNIT_INTERVAL = ("optim.min_lr_ratio", "optim.b1", "optim.b2")
 
 
@@ -382,6 +409,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
         raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
                           f"model.rope_low_freq_factor={m.rope_low_freq_factor}")
+    if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow < m.rope_beta_fast:
+        raise ConfigError(f"model.rope_beta_fast={m.rope_beta_fast} must exceed model.rope_beta_slow="
+                          f"{m.rope_beta_slow} > 0 (rotations over the original context that bound YaRN's ramp)")
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
     for key in ("attention_block", "logits_block"):
@@ -396,6 +426,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                           f"{m.qk_norm_eps}): RMSNorm(c q) = RMSNorm(q) needs eps = 0")
     _check_moe(m)
     config_gpt_oss.check(m)
+    config_deepseek.check(m)
     _check_quantization(m)
     config_window.check(m)
     if m.head_dim % 2:

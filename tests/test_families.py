@@ -26,6 +26,10 @@ from tests.conftest import tiny_overrides
 
 STEPS = 3
 TINY = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, d_ff=64)
+# A family's own keys on top of TINY (each variant's parameters joined): its features on.
+FAMILY_KEYS = {"deepseek": tuple(dict(family="deepseek", num_layers=3, num_heads=2, num_kv_heads=2, kv_lora_rank=8,
+                                      rope_head_dim=8, q_lora_rank=q, first_dense_layers=1, shared_experts=1,
+                                      router_score="sigmoid", router_correction_bias=True) for q in (0, 8))}
 
 
 def _leaf_paths(tree: dict, prefix=()) -> set[tuple[str, ...]]:
@@ -40,9 +44,9 @@ def test_each_architectures_table_covers_its_decoders_parameters(name, arch):
     family = models.FAMILIES[name]
     table = {path for _, path, _ in family.architectures[arch].tensors}
     params = set()
-    for qk_norm in (False, True):
+    for qk_norm, keys in itertools.product((False, True), FAMILY_KEYS.get(name, ({},))):
         model_cfg = models.ModelConfig.from_config(TINY | dict(qk_norm=qk_norm, num_experts=4 * family.experts,
-                                                               moe_every=1))
+                                                               moe_every=1) | keys)
         assert models.family_of(model_cfg) is family
         params |= _leaf_paths(models.abstract(model_cfg)[1])
     assert params == table
@@ -52,8 +56,11 @@ def test_every_family_exports_to_an_architecture_it_claims():
     for family, experts, qk_norm in itertools.product(models.FAMILIES.values(), (0, 4), (False, True)):
         if family.export is None or bool(experts) != family.experts:
             continue
+        own = [f"model.{k}={v}" for k, v in FAMILY_KEYS.get(family.name, ({},))[0].items()]
+        if own and qk_norm:  # a family whose attention has no QK norms
+            continue
         m = config.load(None, [f"model.num_experts={experts}", f"model.qk_norm={qk_norm}",
-                               "model.qk_norm_eps=1e-5"]).model
+                               "model.qk_norm_eps=1e-5", *own]).model
         assert family.export(m) in family.architectures
         assert hf.hf_config(m)["architectures"] == [family.export(m)]
 

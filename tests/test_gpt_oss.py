@@ -39,7 +39,7 @@ TOKENS = np.random.RandomState(0).randint(0, VOCAB, (2, 16))
 FEATURES = ["model.family=gpt_oss", "model.attention_sinks=true", "model.attention_bias=true",
             "model.router_logit_bias=true", "model.expert_bias=true", "model.expert_activation=clamped_swiglu",
             "model.swiglu_limit=0.5", "model.num_experts=4", "model.experts_per_token=2", "model.moe_d_ff=32"]
-BIASES = ("bq", "bk", "bv", "bo", "sinks", "router_bias", "b_gate", "b_up", "b_down")
+BIASES = ("bq", "bk", "bv", "bo", "sinks", "router_logit_bias", "b_gate", "b_up", "b_down")
 
 
 @pytest.fixture(scope="module")

@@ -107,6 +107,7 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
 register(importlib.import_module("scaletrain.models.llama").FAMILY)
 register(importlib.import_module("scaletrain.models.mixtral").FAMILY)
 register(importlib.import_module("scaletrain.models.gpt_oss").FAMILY)
+register(importlib.import_module("scaletrain.models.deepseek").FAMILY)
 
 Llama = FAMILIES["llama"].decoder
 

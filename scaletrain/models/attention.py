@@ -161,7 +161,7 @@ class Attention(nnx.Module):
 
     def _queries_keys_values(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array,
                              one_matmul: bool = True):
-        """Q (scaled by head_dim**-0.5), K and V of norm(x), Q and K rotated by RoPE: the input norm is applied
+        """Q (scaled by head_dim**-0.5, ModelConfig.softmax_scale), K and V of norm(x), Q and K rotated by RoPE: the input norm is applied
         with the projection (model.norm)."""
         cfg = self.cfg
         q_btnh, k_btkh, v_btkh = self._project_qkv(x_btd, norm, one_matmul)
@@ -173,7 +173,7 @@ class Attention(nnx.Module):
         q_btnh = constrain(rope.apply(q_btnh, sin_bth, cos_bth), ("batch", "seq", "heads", "head_dim"))
         k_btkh = constrain(rope.apply(k_btkh, sin_bth, cos_bth), ("batch", "seq", "kv_heads", "head_dim"))
         v_btkh = constrain(v_btkh, ("batch", "seq", "kv_heads", "head_dim"))
-        return q_btnh * jnp.asarray(cfg.head_dim ** -0.5, x_btd.dtype), k_btkh, v_btkh
+        return q_btnh * jnp.asarray(cfg.softmax_scale, x_btd.dtype), k_btkh, v_btkh
 
     def _out(self, out_btnh: jax.Array) -> jax.Array:
         out_btd = lora.delta(self.wo_lora, out_btnh, project(out_btnh, self.wo[...], in_dims=2, quant=self.quant))
@@ -208,7 +208,7 @@ class Attention(nnx.Module):
                 out_btkgh = dot_attention(q_btkgh, k_btkh, v_btkh,
                                           block_mask(segment_ids_bt, k_segments_bt, index_t, index_t, cfg),
                                           self._sinks(k))
-            out_btnh = checkpoint_name(out_btkgh.reshape(b, t, n, h), "attention_out")
+            out_btnh = checkpoint_name(out_btkgh.reshape(b, t, n, -1), "attention_out")  # V's head size
         return self._out(out_btnh)
 
     def decode(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array, start: jax.Array,
@@ -226,7 +226,7 @@ class Attention(nnx.Module):
         causal = (q_index[:, None] >= k_index[None, :]) & window.visible(self.cfg, q_index, k_index)
         out_btkgh = dot_attention(q_btnh.reshape(b, t, k, n // k, h), k_cache, v_cache, causal[None, None, None],
                                   self._sinks(k))
-        return self._out(out_btkgh.reshape(b, t, n, h)), (k_cache, v_cache)
+        return self._out(out_btkgh.reshape(b, t, n, -1)), (k_cache, v_cache)
 
     def _kv_beside_queries(self, k_btkh, v_btkh) -> tuple[jax.Array, jax.Array, str]:
         """K and V for code run per device on its query heads (`local`), and the logical axis of their heads:

@@ -49,6 +49,15 @@ class Architecture:
     # a model whose values differ is not exported to it. Keys of other architectures' features must be at their
     # defaults.
     features: Mapping[str, Any] = field(default_factory=dict)
+    # Stacked layers in several stacks (DeepSeek's dense first layers, then its mixtures): the parameter trees'
+    # roots, in Hugging Face's layer order; a stack's `{i}` counts on from the layers of those before it.
+    stacks: tuple[str, ...] = ("layers",)
+    # permute(model, path, array, to_hf): a parameter (scaletrain's layout) as scaletrain keeps it from Hugging
+    # Face's (to_hf: back) where the two order its values differently (DeepSeek's interleaved RoPE); none by default.
+    permute: Callable[[Any, tuple[str, ...], Any, bool], Any] | None = None
+    # skipped(config.json) -> whether a tensor name of the checkpoint is skipped on import (transformers' own
+    # unexpected keys: DeepSeek's multi-token prediction layer); none by default.
+    skipped: Callable[[dict], Callable[[str], bool]] | None = None
 
 
 @dataclass(frozen=True)

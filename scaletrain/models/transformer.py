@@ -93,6 +93,29 @@ class ModelConfig:
     # Local/global attention layers (models/window.py)
     sliding_window: int = 0  # keys a sliding layer's query sees, itself included; 0: none
     layer_types: str = ""  # sliding|full, comma-separated, cycled over the layers; empty: every layer full
+    # YaRN RoPE (rope_scaling yarn): rope.Yarn's settings
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
+    rope_attention_factor: float = 0.0
+    rope_softmax_mscale: bool = False  # YaRN's magnitude mscale(factor, mscale_all_dim)^2 in the softmax scale
+    # DeepSeek-V3 (models/deepseek/): latent attention (kv_lora_rank > 0), dense first layers, routing
+    q_lora_rank: int = 0  # 0: Q projected directly
+    kv_lora_rank: int = 0  # > 0: multi-head latent attention
+    rope_head_dim: int = 0  # latent attention: the dims of each q/k head (of head_dim) RoPE rotates, K's shared
+    v_head_dim: int = 0  # latent attention: the value heads' size
+    rope_interleave: bool = False  # Hugging Face's RoPE pairs interleaved: permuted at import/export only
+    first_dense_layers: int = 0  # dense blocks before the stack of mixtures of experts
+    router_score: str = "softmax"  # softmax | sigmoid
+    router_groups: int = 1  # experts in groups; a token picks from its router_topk_groups best groups
+    router_topk_groups: int = 1
+    router_scale: float = 1.0  # the routed experts' weights multiplied by this
+    router_norm_topk: bool = True  # the k weights renormalised to sum to 1
+    router_correction_bias: bool = False  # a per-expert bias added to the scores for selection only
+    router_bias_update_rate: float = 0.0  # aux-loss-free balancing: the bias' step per update
+    shared_experts: int = 0  # always-on experts, one SwiGLU of shared_experts x the experts' width
 
     @classmethod
     def from_config(cls, model_cfg: Mapping[str, Any] | None = None, **derived) -> "ModelConfig":
@@ -119,23 +142,57 @@ class ModelConfig:
         """Output projections start smaller so the residual stream's variance does not grow with depth."""
         return self.init_std / math.sqrt(2 * self.num_layers)
 
+    @property
+    def rope_dim(self) -> int:
+        """The dims of a head RoPE rotates: all of it, or latent attention's rope_head_dim."""
+        return self.rope_head_dim or self.head_dim
+
+    @property
+    def stack_layers(self) -> int:
+        """The layers of the scanned stack (`layers`): all but the dense first layers, which run before it."""
+        return self.num_layers - self.first_dense_layers
+
+    @property
+    def yarn(self) -> rope.Yarn:
+        return rope.Yarn(self.rope_beta_fast, self.rope_beta_slow, self.rope_truncate, self.rope_mscale,
+                         self.rope_mscale_all_dim, self.rope_attention_factor)
+
     def inverse_frequencies(self):
-        return rope.inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, self.rope_scaling_factor,
+        return rope.inverse_frequencies(self.rope_dim, self.rope_theta, self.rope_scaling, self.rope_scaling_factor,
                                         self.rope_low_freq_factor, self.rope_high_freq_factor,
-                                        self.rope_original_max_position)
+                                        self.rope_original_max_position, self.yarn)
+
+    @property
+    def rope_scale(self) -> float:
+        """What cos and sin are multiplied by: YaRN's attention factor, else 1."""
+        return rope.yarn_attention_factor(self.rope_scaling_factor, self.yarn) if self.rope_scaling == "yarn" else 1.0
+
+    @property
+    def softmax_scale(self) -> float:
+        """What q is multiplied by before q k^T: head_dim**-0.5, times YaRN's mscale(factor, mscale_all_dim)**2
+        where it goes there (model.rope_softmax_mscale: DeepSeek's)."""
+        scale = self.head_dim ** -0.5
+        if self.rope_scaling == "yarn" and self.rope_softmax_mscale and self.rope_mscale_all_dim:
+            scale *= rope.yarn_mscale(self.rope_scaling_factor, self.rope_mscale_all_dim) ** 2
+        return scale
 
 
 class Block(nnx.Module):
-    """Attention then a feed-forward (`feed_forward`: the SwiGLU MLP here, a family's own in a subclass). A call
+    """Attention (`attention`) then a feed-forward (`feed_forward`: the SwiGLU MLP here, a family's own in a
+    subclass). A call
     returns the stream and the block's auxiliary sums ({} here; a family's block may return its own, which the
     decoder's `penalty` and `aux_metrics` read)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         weightless = cfg.norm_weights != "standard"
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm, weightless)
-        self.attn = Attention(cfg, rngs)
+        self.attn = self.attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm, weightless)
         self.mlp = self.feed_forward(cfg, rngs)
+
+    @staticmethod
+    def attention(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+        return Attention(cfg, rngs)
 
     @staticmethod
     def feed_forward(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
@@ -173,7 +230,7 @@ class Decoder(nnx.Module):
         self.embed = Embed(cfg.vocab_size, cfg.d_model, rngs, cfg.param_dtype, cfg.init_std)
         unit = type(self).unit  # not self: the vmapped function must close over no module
 
-        @nnx.split_rngs(splits=cfg.num_layers // self.unit_layers(cfg))
+        @nnx.split_rngs(splits=cfg.stack_layers // self.unit_layers(cfg))
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_layers(rngs):
             return unit(cfg, rngs)
@@ -213,7 +270,7 @@ class Decoder(nnx.Module):
         joins its weights, so that each layer drops its own elements (models/lora.py)."""
         cfg = self.cfg
         x_btd = self.embed(tokens_bt, cfg.dtype)
-        sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies())
+        sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies(), cfg.rope_scale)
         graphdef, stacked = nnx.split(self.layers)
         placed = functools.partial(_placed, cfg)
         extras = (sin_bth, cos_bth, segment_ids_bt)
@@ -234,7 +291,7 @@ class Decoder(nnx.Module):
                 return nnx.merge(graphdef, placed(layer_params))(x_btd, sin_bth, cos_bth, segment_ids_bt)
 
         if indexed:
-            units = cfg.num_layers // self.unit_layers(cfg)
+            units = cfg.stack_layers // self.unit_layers(cfg)
             ids = np.arange(units) if layer_ids is None else layer_ids
             stacked = (stacked, jnp.asarray(ids, jnp.uint32))
         if dropping:
@@ -259,6 +316,13 @@ class Decoder(nnx.Module):
         """What metrics.jsonl logs of the auxiliary sums: nothing here; a mixture of experts' router metrics."""
         return {}
 
+    def after_update(self, params, aux: dict, keep: jax.Array, order: np.ndarray | None = None):
+        """The parameters after the optimizer's update, with what the model moves itself outside the gradient
+        from the step's auxiliary sums (`aux`, the layers in canonical order; `order`: the canonical index of each
+        layer of the stack as the parameters keep it, None in order) where the update was kept (`keep`): nothing
+        here; DeepSeek's router bias (models/deepseek)."""
+        return params
+
     def init_cache(self, batch: int, max_len: int) -> tuple[jax.Array, jax.Array]:
         """An empty KV cache for `decode`: keys and values [layers, batch, max_len, kv_heads, head_dim]
         ([layers / k, k, ...] where the stack repeats groups of k layers, `unit_layers`)."""
@@ -272,21 +336,16 @@ class Decoder(nnx.Module):
         """float32 logits of tokens at positions [start, start + t), one sequence per row, attending to the
         positions before them through `cache` (init_cache's); returns the cache with theirs added. The same
         layers as `__call__`, so prefilling a prompt then feeding one token at a time computes its logits."""
+        x_btd, sin_bth, cos_bth = self.decode_inputs(tokens_bt, start)
+        x_btd, cache = decode_scan(self.cfg, self.layers, x_btd, sin_bth, cos_bth, start, cache)
+        return self.logits(self.final_stream(x_btd)), cache
+
+    def decode_inputs(self, tokens_bt: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The embedded tokens at positions [start, start + t) and their RoPE tables, for `decode`."""
         cfg = self.cfg
         x_btd = self.embed(tokens_bt, cfg.dtype)
         positions_bt = jnp.broadcast_to(start + jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
-        sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies())
-        graphdef, stacked = nnx.split(self.layers)
-
-        def layer(x_btd, xs):
-            layer_params, index, k_cache, v_cache = xs
-            block = nnx.merge(graphdef, _placed(cfg, layer_params))
-            with window.at_layer(cfg, index):
-                return block.decode(x_btd, sin_bth, cos_bth, start, (k_cache, v_cache))
-
-        ids = jnp.arange(cfg.num_layers // self.unit_layers(cfg), dtype=jnp.uint32)
-        x_btd, cache = jax.lax.scan(layer, x_btd, (stacked, ids, *cache), unroll=cfg.unroll_loops)
-        return self.logits(self.final_stream(x_btd)), cache
+        return x_btd, *rope.sin_cos(positions_bt, cfg.inverse_frequencies(), cfg.rope_scale)
 
     def logits(self, x_btd: jax.Array) -> jax.Array:
         """float32 logits [b, t, vocab] of `hidden`'s stream, or of any block of its positions."""
@@ -299,6 +358,21 @@ class Decoder(nnx.Module):
         else:
             logits = project(x_btd, self.lm_head[...], out_dtype=jnp.float32, quant=quant)
         return constrain(logits, ("batch", "seq", "vocab"))
+
+
+def decode_scan(cfg: ModelConfig, layers: nnx.Module, x_btd, sin_bth, cos_bth, start, cache):
+    """A stack of blocks (`layers`, stacked along their first axis) decoding x through its slice of the KV cache
+    (Block.decode); returns the stream and the cache with these positions written."""
+    graphdef, stacked = nnx.split(layers)
+
+    def layer(x_btd, xs):
+        layer_params, index, *layer_cache = xs
+        block = nnx.merge(graphdef, _placed(cfg, layer_params))
+        with window.at_layer(cfg, index):  # each layer's kind, where sliding and full layers mix
+            return block.decode(x_btd, sin_bth, cos_bth, start, tuple(layer_cache))
+
+    ids = jnp.arange(jax.tree.leaves(stacked)[0].shape[0], dtype=jnp.uint32)
+    return jax.lax.scan(layer, x_btd, (stacked, ids, *cache), unroll=cfg.unroll_loops)
 
 
 def _placed(cfg: ModelConfig, layer_params):

@@ -49,14 +49,18 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
         out.append(f"data.seq_len={cfg.data.seq_len} is not divisible by mesh.tensor={tensor}, which splits the "
                    f"sequence with sharding.sequence_parallel=true")
     stages, repeats, schedule = axis_sizes["pipeline"], cfg.pipeline.repeats, cfg.pipeline.schedule
-    if m.num_layers % stages:
-        out.append(f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline={stages}")
+    # The pipeline splits the scanned stack: the dense first layers (model.first_dense_layers) run before it.
+    layers, what = m.num_layers - m.first_dense_layers, "model.num_layers - model.first_dense_layers"
+    if not m.first_dense_layers:
+        what = "model.num_layers"
+    if layers % stages:
+        out.append(f"{what}={layers} is not divisible by mesh.pipeline={stages}")
     if stages > 1:
         if repeats > 1 and schedule not in pipeline.BLOCKED:
             out.append(f"pipeline.repeats={repeats} needs pipeline.schedule=circular or interleaved_1f1b (got "
                        f"{schedule})")
-        if schedule in pipeline.BLOCKED and m.num_layers % (stages * repeats):
-            out.append(f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline x pipeline.repeats = "
+        if schedule in pipeline.BLOCKED and layers % (stages * repeats):
+            out.append(f"{what}={layers} is not divisible by mesh.pipeline x pipeline.repeats = "
                        f"{stages * repeats}, the {schedule} schedule's blocks of layers")
         if schedule == "interleaved_1f1b" and repeats > 1 and microbatches(cfg, axis_sizes) % stages:
             out.append(f"pipeline.microbatches={microbatches(cfg, axis_sizes)} is not a multiple of mesh.pipeline="

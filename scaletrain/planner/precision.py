@@ -11,7 +11,9 @@ from scaletrain import config
 # The config's matmul groups (model.quantized_matmuls) of the families' planner groups (Family.matmuls); the
 # router is never quantized (its float32 logits choose the experts).
 QUANTIZED_GROUPS = {"qkv": "attention", "out": "attention", "gate_up": "mlp", "down": "mlp",
-                    "expert_gate_up": "experts", "expert_down": "experts"}
+                    "expert_gate_up": "experts", "expert_down": "experts",
+                    # latent attention's expansions (models/deepseek)
+                    "q_up": "attention", "kv_up": "attention"}
 
 
 def quantized_flops(cfg, forward: Mapping[str, float], recompute: frozenset[str], logits_recomputed: bool,

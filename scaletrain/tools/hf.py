@@ -35,6 +35,11 @@ from scaletrain.tools.hf_files import INDEX_FILE, SINGLE_FILE, Reader, read_json
 LLAMA3_ROPE_KEYS = (("factor", "rope_scaling_factor"), ("low_freq_factor", "rope_low_freq_factor"),
                     ("high_freq_factor", "rope_high_freq_factor"),
                     ("original_max_position_embeddings", "rope_original_max_position"))
+# rope_parameters / rope_scaling key -> model.* key, for rope_type yarn (its factor and original context as llama3's).
+YARN_ROPE_KEYS = (("factor", "rope_scaling_factor"), ("original_max_position_embeddings", "rope_original_max_position"),
+                  ("beta_fast", "rope_beta_fast"), ("beta_slow", "rope_beta_slow"), ("mscale", "rope_mscale"),
+                  ("mscale_all_dim", "rope_mscale_all_dim"), ("attention_factor", "rope_attention_factor"),
+                  ("truncate", "rope_truncate"))
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Copied into <run>/tokenizer/ and back: whichever exist.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -84,8 +89,11 @@ def tensors(abstract_params: dict, arch: str) -> list[Tensor]:
     """Every Hugging Face tensor of a model with these parameters, named as `arch` names them, in Hugging Face's
     order: what precedes the layers in the table, the layers one after the other (each with its experts' tensors
     last, expert by expert), then the rest."""
-    rows = _arch(arch).tensors
-    first_layer_row = next(row for row, (_, path, _) in enumerate(rows) if path[0] == "layers")
+    rows, stacks = _arch(arch).tensors, _arch(arch).stacks
+    first_layer_row = next(row for row, (_, path, _) in enumerate(rows) if path[0] in stacks)
+    # Each stack's first layer's number in Hugging Face's: after the layers of the stacks before it.
+    sizes = [jax.tree.leaves(abstract_params[root])[0].shape[0] if root in abstract_params else 0 for root in stacks]
+    offsets = dict(zip(stacks, itertools.accumulate([0, *sizes])))
     keyed = []
     for row, (name, path, in_dims) in enumerate(rows):
         try:
@@ -94,10 +102,11 @@ def tensors(abstract_params: dict, arch: str) -> list[Tensor]:
             continue
         stacked = ("{i}" in name) + ("{j}" in name)  # leading axes: layers, then experts
         for index in itertools.product(*map(range, shape[:stacked])):
+            numbered = (index[0] + offsets[path[0]], *index[1:]) if stacked else index
             # (layer, expert): -1 for a layer's own tensors; before or after every layer for the rest
-            place = (*index, -1)[:2] if stacked else (-1 if row < first_layer_row else math.inf, -1)
+            place = (*numbered, -1)[:2] if stacked else (-1 if row < first_layer_row else math.inf, -1)
             part = in_dims if isinstance(in_dims, Interleaved) else None
-            keyed.append(((*place, row), Tensor(name.format(**dict(zip("ij", index))), path, index,
+            keyed.append(((*place, row), Tensor(name.format(**dict(zip("ij", numbered))), path, index,
                                                 None if part else in_dims, shape[stacked:], part)))
     return [t for _, t in sorted(keyed, key=lambda kt: kt[0])]
 
@@ -170,7 +179,7 @@ def _rope_keys(hf: dict, refuse) -> dict[str, Any]:
     if any(isinstance(v, dict) for v in rope.values()):
         raise refuse("rope parameters per attention type")
     kind = rope.get("rope_type", rope.get("type")) or "default"
-    if kind not in ("default", "llama3"):
+    if kind not in ("default", "llama3", "yarn"):
         raise refuse(f"rope_type {kind}")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}")
@@ -180,6 +189,12 @@ def _rope_keys(hf: dict, refuse) -> dict[str, Any]:
         if missing:
             raise refuse(f"rope_type llama3 without {', '.join(missing)}")
         keys |= {"rope_scaling": "llama3", **{ours: rope[theirs] for theirs, ours in LLAMA3_ROPE_KEYS}}
+    if kind == "yarn":
+        if rope.get("factor") is None or rope.get("original_max_position_embeddings") is None:
+            raise refuse("rope_type yarn without factor and original_max_position_embeddings")
+        # transformers reads an unset (null) one as its default, as the model.* defaults are
+        keys |= {"rope_scaling": "yarn", **{ours: rope[theirs] for theirs, ours in YARN_ROPE_KEYS
+                                            if rope.get(theirs) is not None}}
     return keys
 
 
@@ -202,6 +217,9 @@ def hf_config(model) -> dict:
     rope_scaling = None
     if model.rope_scaling == "llama3":
         rope_scaling = {"rope_type": "llama3", **{theirs: model[ours] for theirs, ours in LLAMA3_ROPE_KEYS}}
+    if model.rope_scaling == "yarn":  # the unset (0) magnitudes left out, as transformers reads them
+        rope_scaling = {"rope_type": "yarn", **{theirs: model[ours] for theirs, ours in YARN_ROPE_KEYS
+                                                if model[ours] or model[ours] is False}}
     return {"architectures": [arch], "model_type": facts.model_type,
             **{theirs: model[ours] for theirs, ours in facts.config_keys},
             "hidden_act": "silu", **dict.fromkeys(facts.bias_keys, False),
@@ -240,11 +258,13 @@ def from_hf(hf_dir: str, out: str) -> int:
     # Validated against the source's tokenizer (nothing is written yet), then written naming the copy.
     cfg = _run_config(keys, out, _tokenizer(source))
     setup = inference.one_device_setup(cfg)
+    facts, hf = _arch(arch), read_json(source / "config.json", f"--hf-dir {hf_dir}")
     with ExitStack() as stack:
         reader = Reader(source, stack)
         layout = tensors(setup.abstract_state.params, arch)
-        reader.check(layout)
-        params = _read_params(reader, layout, setup.abstract_state.params, setup.state_shardings.params)
+        reader.check(layout, facts.skipped(hf) if facts.skipped else None)
+        params = _read_params(reader, layout, setup.abstract_state.params, setup.state_shardings.params,
+                              _permute(facts, cfg.model, to_hf=False))
     run = storage.prepare(out)
     _save_params(setup, params, run)
     _copy({name: source / name for name in TOKENIZER_FILES if (source / name).is_file()}, run / "tokenizer")
@@ -288,9 +308,17 @@ def _run_config(model: dict[str, Any], run_dir: str, tokenizer: str):
     return config_lib.load(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
 
 
-def _read_params(reader: Reader, layout: list[Tensor], abstract_params: dict, shardings: dict) -> dict:
+def _permute(facts: Architecture, model, to_hf: bool):
+    """tensor, array (scaletrain's layout) -> the array as the other side orders it (Architecture.permute)."""
+    if facts.permute is None:
+        return lambda t, x: x
+    return lambda t, x: facts.permute(model, t.path, x, to_hf)
+
+
+def _read_params(reader: Reader, layout: list[Tensor], abstract_params: dict, shardings: dict, permute) -> dict:
     """The parameters, one scaletrain array at a time: each filled tensor by tensor on the host, then handed to
-    the device (here the host too) and dropped, so that host memory holds the model about once."""
+    the device (here the host too) and dropped, so that host memory holds the model about once. `permute`:
+    _permute's, to scaletrain's order."""
     by_path: dict[tuple[str, ...], list[Tensor]] = {}
     for t in layout:
         by_path.setdefault(t.path, []).append(t)
@@ -299,7 +327,7 @@ def _read_params(reader: Reader, layout: list[Tensor], abstract_params: dict, sh
         target = _leaf(abstract_params, path)
         host = np.empty(target.shape, target.dtype)
         for t in by_path[path]:
-            host[t.index] = t.to_scaletrain(reader.read(t))
+            host[t.index] = permute(t, t.to_scaletrain(reader.read(t)))
         return jax.device_put(host, _leaf(shardings, path))
 
     return _map_paths(fill, abstract_params)
@@ -370,7 +398,8 @@ def to_hf(run_dir: str, out: str, step: int | None = None, shard_bytes: int = SH
     target.mkdir(exist_ok=True)
     if cfg.lora.rank:  # in float32: the export's dtype is applied once, when written
         params = lora.merged(lora.dequantized(params, np.float32), cfg.lora.alpha / cfg.lora.rank, np.float32)
-    files = _write_safetensors(params, layout, dtype, target, shard_bytes)
+    files = _write_safetensors(params, layout, dtype, target, shard_bytes,
+                               _permute(_arch(_architecture(hf, run_dir)), cfg.model, to_hf=True))
     (target / "config.json").write_text(kept or json.dumps(built, indent=2) + "\n")
     copied = _copy_tokenizer(run_dir, cfg.data.tokenizer, target)
     print(f"wrote step {step} of {run_dir} to {out}: {files} safetensors file{'s' if files > 1 else ''} "
@@ -404,10 +433,11 @@ def _kept_config(run_dir: str, cfg) -> str | None:
     return None
 
 
-def _write_safetensors(params: dict, layout: list[Tensor], dtype, target: Path, shard_bytes: int) -> int:
+def _write_safetensors(params: dict, layout: list[Tensor], dtype, target: Path, shard_bytes: int,
+                       permute=lambda t, x: x) -> int:
     """The tensors in Hugging Face's order, a file at a time: host memory holds the model and one file's
     tensors. One file (model.safetensors) when all fit in `shard_bytes`, else model-0000K-of-0000N.safetensors
-    and the index. Returns the number of files."""
+    and the index. Returns the number of files. `permute`: _permute's, to Hugging Face's order."""
     host = jax.tree.map(np.asarray, params)  # on the CPU device: views, not copies
     itemsize = np.dtype(dtype).itemsize
     shards = _shards(layout, itemsize, shard_bytes)
@@ -416,7 +446,7 @@ def _write_safetensors(params: dict, layout: list[Tensor], dtype, target: Path, 
     for name, shard in zip(names, shards):
         arrays = {}
         for t in shard:
-            x = t.to_hf(_leaf(host, t.path)[t.index])
+            x = t.to_hf(permute(t, _leaf(host, t.path)[t.index]))
             if t.part is None:
                 arrays[t.name] = np.ascontiguousarray(x, dtype)
             else:  # its columns of the tensor the parts share

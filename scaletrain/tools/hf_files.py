@@ -8,6 +8,7 @@ import json
 from contextlib import ExitStack
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
@@ -17,6 +18,10 @@ from scaletrain.tools import hf_mxfp4
 # Buffers some checkpoints carry that the model recomputes: skipped on the way in.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+# Block-FP8 checkpoints (DeepSeek-V3's hub files): a float8_e4m3 weight beside its `<name>_scale_inv`, one float32
+# scale per FP8_BLOCK x FP8_BLOCK block of it; the weight is their product. safetensors' numpy reader has no float8,
+# so such a tensor's bytes are read from the file directly.
+FP8, SCALE_SUFFIX, FP8_BLOCK = "F8_E4M3", "_scale_inv", 128
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -59,10 +64,10 @@ class Reader:
                 raise UserError(f"{self.source / name}: cannot read it as safetensors ({first_line(e)})") from None
         return self._handles[name]
 
-    def check(self, layout: list) -> None:  # tools/hf.py's Tensors
-        """Every tensor present with its shape and a float dtype, and no tensor left without a place: checked
-        from the files' headers, before anything is read."""
-        expected = {t.name for t in layout}
+    def check(self, layout: list, skipped=None) -> None:  # tools/hf.py's Tensors
+        """Every tensor present with its shape and a float dtype, and no tensor left without a place but those
+        `skipped(name)` says the architecture skips: checked from the files' headers, before anything is read."""
+        expected = {t.name for t in layout} | {t.name + SCALE_SUFFIX for t in layout}
         for t in layout:
             if self._quantized(t.name):
                 self._check_mxfp4(t)
@@ -77,12 +82,14 @@ class Reader:
                                 f"which {INDEX_FILE} places there")
             piece = self._file(file).get_slice(t.name)
             shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
+            if dtype == FP8 and t.name + SCALE_SUFFIX in self.location:
+                dtype = "F32"  # dequantized when read
             if shape != t.hf_shape or dtype not in ("F32", "BF16", "F16"):
                 raise UserError(f"{self.source / file}: tensor {t.name} is {dtype} {list(shape)}; expected "
                                 f"{list(t.hf_shape)} (from config.json) in F32, BF16 or F16")
         # A tied checkpoint may still carry lm_head.weight: transformers ignores it too.
         extra = [n for n in self.location if n not in expected and not n.endswith(IGNORED_SUFFIXES)
-                 and n != "lm_head.weight"]
+                 and n != "lm_head.weight" and not (skipped and skipped(n))]
         if extra:
             raise UserError(f"{self.source}: tensor {extra[0]} has no place in scaletrain's model"
                             f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}; its config.json "
@@ -108,16 +115,33 @@ class Reader:
                             f"{list(t.hf_shape)} (from config.json)")
 
     def read(self, t) -> np.ndarray:
-        """Tensor `t`'s values (a tools/hf.py Tensor: its name), as stored, or dequantized from MXFP4."""
+        """Tensor `t`'s values (a tools/hf.py Tensor: its name), as stored; a block-FP8 weight dequantized to
+        float32, an MXFP4 one (tools/hf_mxfp4.py) too."""
         if self._quantized(t.name):
             return hf_mxfp4.dequantize(*(self.read_named(t.name + s) for s in (hf_mxfp4.BLOCKS, hf_mxfp4.SCALES)))
         return self.read_named(t.name)
 
     def read_named(self, name: str) -> np.ndarray:
         try:
+            if self._file(self.location[name]).get_slice(name).get_dtype() == FP8:
+                return self._dequantized(name)
             return self._file(self.location[name]).get_tensor(name)
         except Exception as e:  # noqa: BLE001 - a file truncated or damaged past its header
             raise UserError(f"{self.source / self.location[name]}: cannot read tensor {name} "
                             f"({first_line(e)})") from None
 
 
+
+    def _dequantized(self, name: str) -> np.ndarray:
+        """A float8_e4m3 weight [out, in] times its scales [ceil(out / 128), ceil(in / 128)], block by block."""
+        path = self.source / self.location[name]
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            entry = json.loads(f.read(size))[name]
+        start, end = entry["data_offsets"]
+        raw = np.fromfile(path, np.uint8, end - start, offset=8 + size + start)
+        weight = raw.view(ml_dtypes.float8_e4m3fn).reshape(entry["shape"]).astype(np.float32)
+        scales = self._file(self.location[name + SCALE_SUFFIX]).get_tensor(name + SCALE_SUFFIX).astype(np.float32)
+        rows, cols = weight.shape
+        blocks = np.repeat(np.repeat(scales, FP8_BLOCK, axis=0), FP8_BLOCK, axis=1)[:rows, :cols]
+        return weight * blocks

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from scaletrain.models.mixtral.moe import ROUTER_BIAS
 from scaletrain.parallel.sharding import is_logical
 
 
@@ -71,14 +72,17 @@ def schedule_change(then: dict, now: dict, step: int) -> tuple[str, bool] | None
 
 def decay_mask(optim_cfg, logical: Any) -> Any:
     """True where weight decay applies, told by logical axes: norm gains hold only `embed` (or `head_dim`, per
-    head QK norms), per layer; embeddings and the output projection hold `vocab`."""
+    head QK norms; `latent`, latent attention's), per layer; embeddings and the output projection hold `vocab`; a
+    router's selection bias is never decayed."""
 
     def decays(names: tuple[str | None, ...]) -> bool:
-        dims = tuple(n for n in names if n != "layers")
-        if dims in (("embed",), ("head_dim",)):  # RMSNorm gains, QK norms' included
+        dims = tuple(n for n in names if n not in ("layers", "dense_layers"))
+        if dims in (("embed",), ("head_dim",), ("latent",)):  # RMSNorm gains, QK and latent norms' included
             return optim_cfg.decay_norms
         if "vocab" in dims:
             return optim_cfg.decay_embeddings
+        if dims == (ROUTER_BIAS,):  # no gradient, moved by its own rule (models/mixtral/moe.py)
+            return False
         return True
 
     return jax.tree.map(decays, logical, is_leaf=is_logical)

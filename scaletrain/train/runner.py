@@ -130,7 +130,7 @@ class Runner:
     def _stack(self, model, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, dict]:
         """The layer stack's output stream and auxiliary sums, through the plain scan or a GPipe schedule (with
         LoRA's dropout where a training step's batch carries its seeds: models/lora.py)."""
-        units = model.cfg.num_layers // model.unit_layers(model.cfg)
+        units = model.cfg.stack_layers // model.unit_layers(model.cfg)
         x_btd, body, stacked, extras = model.stack_inputs(
             batch["tokens"], batch["positions"], batch["segment_ids"], dropout_seeds=batch.get(DROPOUT_SEEDS),
             layer_ids=self.memory_order(units))

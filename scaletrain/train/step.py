@@ -157,10 +157,13 @@ def make_train_step(graphdef: nnx.GraphDef, runner: Runner, update: optim.Update
         keep = jnp.isfinite(total) & jnp.isfinite(grad_norm) & (loss <= loss_ceiling)
         grad_scale = optim.clip_scale(grad_norm, grad_clip_norm) / count
         trained, opt_state = update.apply(grads, grad_scale, keep, state.opt_state, trained)
-        params = parts.join(trained, frozen)
+        model = nnx.merge(graphdef, state.params)
+        # What the model moves itself, outside the gradient, from the step's sums (DeepSeek's router bias).
+        units = model.cfg.stack_layers // model.unit_layers(model.cfg)
+        params = model.after_update(parts.join(trained, frozen), sums["aux"], keep, runner.memory_order(units))
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr(state.step),
                    "update_skipped": (~keep).astype(jnp.float32)}
-        metrics |= nnx.merge(graphdef, state.params).aux_metrics(sums["aux"]) | objective.metrics(sums["head"], count)
+        metrics |= model.aux_metrics(sums["aux"]) | objective.metrics(sums["head"], count)
         return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
     return step

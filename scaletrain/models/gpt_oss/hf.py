@@ -23,7 +23,7 @@ TENSORS: tuple[Row, ...] = (
     (_LAYER + "self_attn.sinks", ("layers", "attn", "sinks"), None),
     (_LAYER + "post_attention_layernorm.weight", ("layers", "mlp_norm", "scale"), None),
     (_LAYER + "mlp.router.weight", ("layers", "mlp", "router"), 1),
-    (_LAYER + "mlp.router.bias", ("layers", "mlp", "router_bias"), None),
+    (_LAYER + "mlp.router.bias", ("layers", "mlp", "router_logit_bias"), None),
     (_LAYER + "mlp.experts.gate_up_proj", ("layers", "mlp", "w_gate"), Interleaved(0, 2)),
     (_LAYER + "mlp.experts.gate_up_proj", ("layers", "mlp", "w_up"), Interleaved(1, 2)),
     (_LAYER + "mlp.experts.gate_up_proj_bias", ("layers", "mlp", "b_gate"), Interleaved(0, 2)),

@@ -30,11 +30,15 @@ from jax.ad_checkpoint import checkpoint_name
 from scaletrain.models import lora, quantize
 from scaletrain.models.mixtral import unit as unit_lib
 from scaletrain.models.layers import param
+from scaletrain.models.routing import Routing
 from scaletrain.parallel.sharding import active_axes, active_device, constrain, local
 
 # Per-layer router statistics, summed over the batch (`router_stats`'s vector): the load-balancing loss (per
 # sequence, times its length), the z-loss (per token), the dropped assignments, then the assignments per expert.
 AUX, Z, DROPPED, LOAD = 0, 1, 2, 3
+# The logical axis of the router's selection bias (model.router_correction_bias): replicated, never weight-decayed
+# (optim.decay_mask), moved only by the decoder's after_update (models/deepseek: aux-loss-free balancing).
+ROUTER_BIAS = "router_bias"
 
 
 def sums(stats: jax.Array, tokens: int) -> dict:
@@ -91,6 +95,10 @@ class MoE(nnx.Module):
         self.k, self.capacity_factor = cfg.experts_per_token, cfg.capacity_factor
         self.quant = quantize.for_group(cfg, "experts")
         self.router = param(rngs, (d, e), ("embed", None), pd, cfg.init_std)
+        # Routing hook (models/routing.py): the scores, groups and scale; a selection-only bias, float32 always
+        self.routing = Routing.of(cfg)
+        self.router_bias = (nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=(ROUTER_BIAS,))
+                            if cfg.router_correction_bias else None)
         self.w_gate = param(rngs, (e, d, f), ("experts", "embed", "moe_mlp"), pd, cfg.init_std, self.quant)
         self.w_up = param(rngs, (e, d, f), ("experts", "embed", "moe_mlp"), pd, cfg.init_std, self.quant)
         self.w_down = param(rngs, (e, f, d), ("experts", "moe_mlp", "embed"), pd, cfg.out_std, self.quant)
@@ -102,13 +110,13 @@ class MoE(nnx.Module):
             lora.base_scale(cfg, self, name, getattr(self, name).shape, logical, lead=1)
         # GPT-OSS's biases (model.router_logit_bias, model.expert_bias), zero at the start as transformers' are,
         # with their logical axes; and the experts' gated unit (unit.py).
-        self.biases = ((("router_bias", (e,), (None,)),) if cfg.router_logit_bias else ()) + (
+        self.biases = ((("router_logit_bias", (e,), (None,)),) if cfg.router_logit_bias else ()) + (
             (("b_gate", (e, f), ("experts", "moe_mlp")), ("b_up", (e, f), ("experts", "moe_mlp")),
              ("b_down", (e, d), ("experts", "embed"))) if cfg.expert_bias else ())
         for name, shape, logical in self.biases:
             setattr(self, name, nnx.Param(jnp.zeros(shape, pd), out_sharding=logical))
         self.unit = unit_lib.Unit.of(cfg)
-        self.router_logit_bias, self.expert_bias = cfg.router_logit_bias, cfg.expert_bias
+        self.gpt_oss_biases = (cfg.router_logit_bias, cfg.expert_bias)
 
     def __call__(self, x_btd: jax.Array, norm) -> tuple[jax.Array, dict]:
         """(the block's output [b, t, d] for norm(x), the router's `sums` over these rows)."""
@@ -118,8 +126,8 @@ class MoE(nnx.Module):
         adapters = (self.w_gate_lora, self.w_up_lora, self.w_down_lora)
         fn = _per_device(self.k, self.capacity_factor, active_axes("experts"), active_axes("moe_mlp"),
                          active_device().platform == "tpu", self.quant, active_axes("batch"), active_axes("seq"),
-                         tuple(None if a is None else a.scale for a in adapters), self.unit, self.router_logit_bias,
-                         self.expert_bias)
+                         tuple(None if a is None else a.scale for a in adapters), self.routing,
+                         self.router_bias is not None, self.unit, *self.gpt_oss_biases)
         up, down = ("experts", "embed", "moe_mlp"), ("experts", "moe_mlp", "embed")
         # The experts' weights, then each adapter's A and B, with their logical axes (models/lora.py's rule).
         weights = [(self.w_gate[...], up), (self.w_up[...], up), (self.w_down[...], down)]
@@ -128,20 +136,23 @@ class MoE(nnx.Module):
                 weights += [(a.a[...], (*logical[:2], None)), (a.b[...], (logical[0], None, logical[2]))]
         weights += [(getattr(self, name)[...], logical) for name, _, logical in self.biases]
         logicals = tuple(logical for _, logical in weights)
-        per_device = local(fn, (("batch", "seq", "embed"), ("embed", None), *logicals),
+        router = (self.router[...],) + (() if self.router_bias is None else (self.router_bias[...],))
+        router_logicals = (("embed", None), (None,))[:len(router)]
+        per_device = local(fn, (("batch", "seq", "embed"), *router_logicals, *logicals),
                            (("batch", "seq", "embed"), ("batch", None)))
 
-        def block(h, router, *experts):  # the experts gathered as the per-device block takes them
+        def block(h, *args):  # the experts gathered as the per-device block takes them
             # Pinned where the parameters lie first: left free, the backward pass's gather pulls the sharding of
             # the scan's saved copy to its own, and the forward pass stacks the gathered experts after all.
-            return per_device(h, router, *(constrain(constrain(w, logical, "params"), logical)
-                                           for w, logical in zip(experts, logicals)))
+            experts = args[len(router):]
+            return per_device(h, *args[:len(router)], *(constrain(constrain(w, logical, "params"), logical)
+                                                         for w, logical in zip(experts, logicals)))
 
         # Whatever the remat policy, the backward pass gathers the experts again (as FSDP gathers every other
         # weight) rather than keeping every layer's gathered experts from the forward pass: under policy none
         # that held Mixtral 8x7B's at 2.8 GB a layer (163 GiB a chip on FSDP 64, 74 planned).
         out_btd, stats = jax.checkpoint(block, policy=_regather, prevent_cse=False)(
-            h_btd, self.router[...], *(w for w, _ in weights))
+            h_btd, *router, *(w for w, _ in weights))
         out_btd = checkpoint_name(constrain(out_btd, ("batch", "residual_seq", "embed")), "mlp_out")
         return out_btd, sums(jnp.sum(stats, axis=0), x_btd.shape[0] * x_btd.shape[1])
 
@@ -152,16 +163,18 @@ def _regather(prim, *_, **__) -> bool:
     return prim.name != "sharding_constraint"
 
 
-def route(h_td: jax.Array, router_de: jax.Array, k: int, bias_e: jax.Array | None = None):
-    """(expert ids [T, k], their weights [T, k] - the softmax's top k renormalised to sum to 1 (the softmax of the
-    top k logits, as GPT-OSS takes it) -, the router's probabilities [T, E] and logsumexp [T]), in float32.
-    `bias_e`: a bias added to the logits (model.router_logit_bias), so inside the softmax."""
+def route(h_td: jax.Array, router_de: jax.Array, k: int, routing: Routing = Routing(),
+          bias_e: jax.Array | None = None, logit_bias_e: jax.Array | None = None):
+    """(expert ids [T, k], their weights [T, k] - by default the softmax's top k renormalised to sum to 1, the
+    softmax of the top k logits as GPT-OSS takes it (`routing`, models/routing.py: how else) -, the router's
+    probabilities [T, E] and logsumexp [T]), in float32. `bias_e`: the selection-only bias
+    (model.router_correction_bias); `logit_bias_e`: a bias added to the logits (model.router_logit_bias), so
+    inside the scores."""
     logits = jnp.dot(h_td.astype(jnp.float32), router_de.astype(jnp.float32))
-    if bias_e is not None:
-        logits = logits + bias_e.astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
-    top_p, top_e = jax.lax.top_k(probs, k)
-    return top_e, top_p / jnp.sum(top_p, axis=-1, keepdims=True), probs, jax.nn.logsumexp(logits, axis=-1)
+    if logit_bias_e is not None:
+        logits = logits + logit_bias_e.astype(jnp.float32)
+    top_e, weights, probs = routing.select(logits, k, bias_e)
+    return top_e, weights, probs, jax.nn.logsumexp(logits, axis=-1)
 
 
 def router_stats(top_e_btk: jax.Array, probs_bte: jax.Array, lse_bt: jax.Array, dropped,
@@ -185,26 +198,29 @@ def router_stats(top_e_btk: jax.Array, probs_bte: jax.Array, lse_bt: jax.Array, 
 def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], tensor_axes: tuple[str, ...],
                 ragged_transport: bool, quant: quantize.Quantization | None, batch_axes: tuple[str, ...] = (),
                 seq_axes: tuple[str, ...] = (), lora_scales: tuple[float | None, ...] = (None, None, None),
-                unit: unit_lib.Unit = unit_lib.Unit(), router_bias: bool = False, expert_bias: bool = False):
+                routing: Routing = Routing(), router_bias: bool = False, unit: unit_lib.Unit = unit_lib.Unit(),
+                router_logit_bias: bool = False, expert_bias: bool = False):
     """The block on one device's tokens and weights: h [b, t, d], router [d, E], the device's experts
     [E_l, d, f_l] and [E_l, f_l, d] -> (output [b, t, d], statistics [1, stats]). `quant`: the experts' matmuls'
     low-precision mode (the router's stays float32); `batch_axes` the mesh axes that split the batch, `seq_axes`
     those that split each sequence (routing is per token: each device routes its own tokens). `lora_scales`: the
     gate, up and down projections' adapter scales (None: not adapted); each adapted one's A and B follow the
-    experts' weights, in that order (models/lora.py). Then, with `router_bias`, the router's logit bias [E], and
-    with `expert_bias` the experts' biases [E_l, f_l], [E_l, f_l], [E_l, d]; `unit` the gated unit between the
-    up and down projections."""
+    experts' weights, in that order (models/lora.py). `routing` how the router picks and weighs (models/routing.py);
+    `router_bias`: the router's selection bias [E] follows the router. After the adapters, with `router_logit_bias`
+    the router's logit bias [E], and with `expert_bias` the experts' biases [E_l, f_l], [E_l, f_l], [E_l, d];
+    `unit` the gated unit between the up and down projections."""
     # An expert's rows lie on the devices of its expert shard: across the other batch and sequence axes (and,
     # being the same rows, not across `tensor`) a quantized matmul takes its gradient's scales as maxima over all.
     rows = tuple(a for a in batch_axes if a not in expert_axes) + seq_axes
     grouped = _GroupedMatmul(quant, tensor_axes, rows, unit)
     adapted = 2 * sum(scale is not None for scale in lora_scales)
 
-    def fn(h_btd, router_de, w_gate, w_up, w_down, *rest):
-        b, t, d = h_btd.shape
+    def fn(h_btd, router_de, *weights):
+        bias_e, (w_gate, w_up, w_down, *rest) = (weights[0], weights[1:]) if router_bias else (None, weights)
         adapters, biases = rest[:adapted], rest[adapted:]
-        bias_e, biases = (biases[0], biases[1:]) if router_bias else (None, biases)
-        top_e, weights, probs, lse = route(h_btd.reshape(b * t, d), router_de, k, bias_e)
+        logit_bias_e, biases = (biases[0], biases[1:]) if router_logit_bias else (None, biases)
+        b, t, d = h_btd.shape
+        top_e, weights, probs, lse = route(h_btd.reshape(b * t, d), router_de, k, routing, bias_e, logit_bias_e)
         weights = weights.astype(h_btd.dtype)
         pairs = iter(zip(adapters[::2], adapters[1::2]))
         experts = tuple(w if scale is None else lora.Grouped(w, *next(pairs), scale)

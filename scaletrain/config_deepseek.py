@@ -1,0 +1,71 @@
+"""The config checks of DeepSeek-V3's model keys (docs/deepseek.md): multi-head latent attention
+(model.kv_lora_rank > 0), dense first layers, the router's scores, groups and selection bias, shared experts. Each
+key is off by default, so these checks pass every other config as it is."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from scaletrain.errors import ConfigError
+
+
+def check(m: ml_collections.ConfigDict) -> None:
+    _check_latent_attention(m)
+    _check_routing(m)
+
+
+def _check_latent_attention(m: ml_collections.ConfigDict) -> None:
+    if m.family == "deepseek" and not m.kv_lora_rank:
+        raise ConfigError("model.family=deepseek attends through latents: set model.kv_lora_rank > 0 (and "
+                          "model.rope_head_dim)")
+    if not m.kv_lora_rank:
+        for key in ("q_lora_rank", "rope_head_dim", "v_head_dim"):
+            if m[key]:
+                raise ConfigError(f"model.{key}={m[key]} is a latent attention key: it needs model.kv_lora_rank > 0")
+        if m.rope_interleave:
+            raise ConfigError("model.rope_interleave=true is a latent attention key: it needs model.kv_lora_rank > 0")
+        return
+    if not 0 < m.rope_head_dim < m.head_dim or m.rope_head_dim % 2:
+        raise ConfigError(f"model.rope_head_dim={m.rope_head_dim} must be even, > 0 and < model.head_dim="
+                          f"{m.head_dim}: with latent attention RoPE rotates that many of each query/key head's dims")
+    if m.num_kv_heads != m.num_heads:
+        raise ConfigError(f"model.kv_lora_rank={m.kv_lora_rank} (latent attention) expands keys and values for every "
+                          f"head: model.num_kv_heads={m.num_kv_heads} must equal model.num_heads={m.num_heads}")
+    if m.qk_norm or m.norm_cancellation:
+        raise ConfigError("model.qk_norm / model.norm_cancellation do not apply to latent attention "
+                          "(model.kv_lora_rank > 0), which normalises its latents instead")
+    if m.context_attention == "ring":
+        raise ConfigError("model.context_attention=ring is not built for latent attention (model.kv_lora_rank > 0); "
+                          "use allgather")
+
+
+def _check_routing(m: ml_collections.ConfigDict) -> None:
+    if m.first_dense_layers:
+        if not m.num_experts:
+            raise ConfigError(f"model.first_dense_layers={m.first_dense_layers} needs a mixture of experts "
+                              f"(model.num_experts > 0) after them")
+        if m.first_dense_layers >= m.num_layers:
+            raise ConfigError(f"model.first_dense_layers={m.first_dense_layers} must be < model.num_layers="
+                              f"{m.num_layers}: the layers after them are mixtures of experts")
+        if m.moe_every != 1:
+            raise ConfigError(f"model.first_dense_layers={m.first_dense_layers} with model.moe_every={m.moe_every}: "
+                              f"after the dense first layers every layer is a mixture (moe_every 1)")
+    if m.family == "deepseek" and m.moe_every != 1:
+        raise ConfigError(f"model.family=deepseek has a mixture of experts in every layer after the dense first "
+                          f"ones (model.first_dense_layers): model.moe_every must be 1, got {m.moe_every}")
+    if m.router_bias_update_rate and not m.router_correction_bias:
+        raise ConfigError(f"model.router_bias_update_rate={m.router_bias_update_rate} moves the router's selection "
+                          f"bias: it needs model.router_correction_bias=true")
+    if not m.num_experts:
+        return
+    groups = m.router_groups
+    if m.num_experts % groups:
+        raise ConfigError(f"model.num_experts={m.num_experts} must be divisible by model.router_groups={groups}")
+    if groups > 1 and m.num_experts // groups < 2:
+        raise ConfigError(f"model.router_groups={groups} leaves fewer than 2 experts a group: a group's score is the "
+                          f"sum of its top 2")
+    if m.router_topk_groups > groups:
+        raise ConfigError(f"model.router_topk_groups={m.router_topk_groups} must be <= model.router_groups={groups}")
+    if m.experts_per_token > m.router_topk_groups * (m.num_experts // groups):
+        raise ConfigError(f"model.experts_per_token={m.experts_per_token} exceeds the experts of the "
+                          f"model.router_topk_groups={m.router_topk_groups} groups a token may use")

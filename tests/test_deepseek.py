@@ -1,0 +1,244 @@
+"""DeepSeek-V3 (models/deepseek) against transformers' DeepseekV3ForCausalLM, on a tiny random model with every
+option on: a query latent (q_lora_rank > 0), expert groups, sigmoid scores with the selection bias, shared
+experts, a dense first layer, YaRN (an attention factor on cos/sin and the magnitude in the softmax scale),
+interleaved RoPE. Its logits equal transformers' (float32) through XLA's attention and the flash kernel;
+HF -> scaletrain -> HF is bit-exact (the checkpoint's multi-token prediction layer skipped, as transformers skips
+it) and the config built for export reads back into transformers with the same logits; block-FP8 weights are
+dequantized on import; greedy decoding through the KV cache is the argmax of the full forward pass; the router
+bias moves by exactly model.router_bias_update_rate's rule and by nothing else; 4 updates on meshes of 8 devices
+(fsdp x tensor, expert 4 x fsdp, expert 2 x 2 pipeline stages) equal one device.
+
+The transformers model is built and converted once (module-scoped fixtures)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from scaletrain import config as config_lib
+from scaletrain import models as model_lib
+from scaletrain.__main__ import main
+from scaletrain.errors import ConfigError
+from scaletrain.models.deepseek import hf as deepseek_hf
+from scaletrain.parallel import pipeline
+from scaletrain.tools import hf
+from scaletrain.tools.generate import generate_tokens
+from tests import equivalence
+
+STEPS = 4
+VOCAB = 320  # the byte tokenizer's ids fit: config.yaml names it for a model without a tokenizer
+HF_KEYS = dict(
+    vocab_size=VOCAB, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=8, routed_scaling_factor=2.5,
+    kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, n_group=4,
+    topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1, norm_topk_prob=True, rope_interleave=True,
+    max_position_embeddings=256, tie_word_embeddings=False,
+    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+                         beta_fast=32, beta_slow=1, mscale=0.8, mscale_all_dim=1.0))
+TOKENS = np.random.RandomState(0).randint(0, VOCAB, (2, 16))
+MTP_TENSOR = "model.layers.3.eh_proj.weight"  # the multi-token prediction layer's (num_hidden_layers = 3)
+
+
+def _logits(model) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits.float().numpy()
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """(a tiny random DeepseekV3ForCausalLM's folder, with an MTP tensor added, and its float32 logits)."""
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF_KEYS)).float().eval()
+    with torch.no_grad():  # far from the initialisation, norms and selection biases included
+        for p in model.parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if p.ndim == 1 else 0.1 * torch.randn_like(p))
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(8))
+    folder = tmp_path_factory.mktemp("deepseek") / "hf"
+    model.save_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    save_file(weights | {MTP_TENSOR: np.ones((48, 96), np.float32)}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    return folder, _logits(model)
+
+
+@pytest.fixture(scope="module")
+def converted(source):
+    run = source[0].parent / "run"
+    assert main(["convert", "from-hf", "--hf-dir", str(source[0]), "--out", str(run)]) == 0
+    return run
+
+
+def _scaletrain_logits(run, tmp_path, *overrides) -> np.ndarray:
+    np.save(tmp_path / "tokens.npy", TOKENS)
+    sets = [a for o in ("model.dtype=float32", *overrides) for a in ("--set", o)]
+    assert main(["logits", "--run-dir", str(run), "--tokens", str(tmp_path / "tokens.npy"), "--out",
+                 str(tmp_path / "logits.npy"), *sets]) == 0
+    return np.load(tmp_path / "logits.npy")
+
+
+def test_config_reads_every_option(converted):
+    m = config_lib.load(converted / "config.yaml").model
+    assert (m.family, m.kv_lora_rank, m.q_lora_rank, m.head_dim, m.rope_head_dim, m.v_head_dim) == (
+        "deepseek", 16, 24, 24, 8, 12)
+    assert (m.router_score, m.router_groups, m.router_topk_groups, m.router_scale, m.shared_experts,
+            m.first_dense_layers, m.router_correction_bias, m.rope_interleave, m.rope_softmax_mscale) == (
+        "sigmoid", 4, 2, 2.5, 2, 1, True, True, True)
+    assert (m.rope_scaling, m.rope_mscale, m.rope_mscale_all_dim) == ("yarn", 0.8, 1.0)
+
+
+@pytest.mark.parametrize("attention", ["xla", "flash"])
+def test_logits_equal_transformers(source, converted, tmp_path, attention):
+    want = source[1]
+    got = _scaletrain_logits(converted, tmp_path, f"model.attention={attention}")
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_interleaved_rope_is_a_weight_permutation():
+    """Hugging Face's pairs (2i, 2i + 1) rotated are scaletrain's split halves rotated after the permutation;
+    to_hf undoes it exactly."""
+    m = config_lib.load(None, ["model.family=deepseek", "model.num_experts=4", "model.kv_lora_rank=8", "model.num_kv_heads=4",
+                               "model.rope_head_dim=8", "model.rope_interleave=true"]).model
+    x = np.random.RandomState(1).randn(4, 2, 32).astype(np.float32)
+    ours = deepseek_hf.permute(m, ("layers", "attn", "wq_b"), x, to_hf=False)
+    np.testing.assert_array_equal(ours[..., :24], x[..., :24])
+    np.testing.assert_array_equal(ours[..., 24:], x[..., [24, 26, 28, 30, 25, 27, 29, 31]])
+    np.testing.assert_array_equal(deepseek_hf.permute(m, ("layers", "attn", "wq_b"), ours, to_hf=True), x)
+    np.testing.assert_array_equal(deepseek_hf.permute(m, ("layers", "attn", "wo"), x, to_hf=False), x)
+
+
+def test_to_hf_round_trip_is_bit_exact(source, converted, tmp_path):
+    out = tmp_path / "back"
+    assert main(["convert", "to-hf", "--run-dir", str(converted), "--out", str(out)]) == 0
+    original, back = load_file(source[0] / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(original) - set(back) == {MTP_TENSOR} and set(back) <= set(original)
+    for name, array in back.items():
+        np.testing.assert_array_equal(array, original[name], err_msg=name)
+    # The config built from the run's keys (not the one kept from the conversion) reads back the same model.
+    built = hf.hf_config(config_lib.load(converted / "config.yaml").model)
+    assert hf.model_keys(built, "built") == hf.model_keys(json.loads((source[0] / "config.json").read_text()), "x") \
+        | {"rope_truncate": True}
+    (out / "config.json").write_text(json.dumps(built))
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    np.testing.assert_allclose(_logits(model), source[1], rtol=0, atol=1e-6 * np.abs(source[1]).max())
+
+
+def test_block_fp8_weights_are_dequantized(source, tmp_path):
+    """A checkpoint of float8_e4m3 weights with a float32 weight_scale_inv per 128 x 128 block (DeepSeek-V3's hub
+    files) reads as the weights times their blocks' scales."""
+    from safetensors.torch import save_file as save_torch
+
+    folder = tmp_path / "fp8"
+    folder.mkdir()
+    weights = {n: torch.from_numpy(w) for n, w in load_file(source[0] / "model.safetensors").items()}
+    name = "model.layers.0.mlp.gate_proj.weight"  # [80, 48]: one block
+    big = "model.embed_tokens.weight"  # [320, 48]: three blocks down
+    fp8 = {n: weights[n].to(torch.float8_e4m3fn) for n in (name, big)}
+    scales = {name: torch.tensor([[0.5]]), big: torch.tensor([[2.0], [0.25], [4.0]])}
+    save_torch(weights | fp8 | {n + "_scale_inv": s for n, s in scales.items()}, folder / "model.safetensors",
+               metadata={"format": "pt"})
+    (folder / "config.json").write_text((source[0] / "config.json").read_text())
+    assert main(["convert", "from-hf", "--hf-dir", str(folder), "--out", str(tmp_path / "run")]) == 0
+    assert main(["convert", "to-hf", "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "back")]) == 0
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    np.testing.assert_array_equal(back[name], fp8[name].float().numpy() * 0.5)
+    rows = np.repeat(scales[big].numpy()[:, 0], 128)[:320, None]
+    np.testing.assert_array_equal(back[big], fp8[big].float().numpy() * rows)
+
+
+def test_greedy_decoding_is_the_argmax_of_the_forward_pass(converted):
+    m = config_lib.load(converted / "config.yaml").model
+    cfg = model_lib.ModelConfig.from_config(m, dtype=jnp.float32, init_std=0.3)
+    graphdef = model_lib.abstract(cfg)[0]
+    params = model_lib.init_params(cfg, jax.random.PRNGKey(0))
+    routed = params["layers"]["mlp"]["routed"]
+    routed["router_bias"] = 0.3 * jax.random.normal(jax.random.PRNGKey(1), routed["router_bias"].shape)
+    prompt = jnp.asarray(TOKENS[:1, :6])
+    tokens, n = generate_tokens(graphdef, params, prompt, jax.random.PRNGKey(0), -1, 10, 0.0, 1.0)
+    sequence = jnp.concatenate([prompt, tokens], axis=1)
+    logits = nnx.merge(graphdef, params)(sequence, jnp.arange(16)[None], jnp.ones_like(sequence))
+    expected = np.asarray(logits[0, 5:-1].argmax(-1))
+    np.testing.assert_array_equal(np.asarray(tokens[0]), expected)
+    assert int(n[0]) == 10 and len(set(expected.tolist())) > 1
+
+
+# --- training: the router bias and meshes ------------------------------------------------------------------------
+
+DEEPSEEK = ["model.family=deepseek", "model.num_layers=3", "model.num_kv_heads=4", "model.head_dim=24",
+            "model.rope_head_dim=8", "model.v_head_dim=16", "model.q_lora_rank=16", "model.kv_lora_rank=16",
+            "model.first_dense_layers=1", "model.num_experts=8", "model.experts_per_token=2", "model.moe_d_ff=32",
+            "model.shared_experts=1", "model.router_score=sigmoid", "model.router_groups=4",
+            "model.router_topk_groups=2", "model.router_scale=2.5", "model.router_correction_bias=true",
+            "model.router_bias_update_rate=0.01", "model.rope_scaling=yarn", "model.rope_scaling_factor=4",
+            "model.rope_original_max_position=16", "model.rope_mscale=1", "model.rope_mscale_all_dim=1",
+            "model.rope_softmax_mscale=true"]
+
+
+def _expert_loads(params, batch, overrides=DEEPSEEK) -> np.ndarray:
+    """Each mixture's assignments per expert [layers, experts] for `batch` under `params` (one device)."""
+    cfg = model_lib.ModelConfig.from_config(equivalence.load_config(1, *overrides).model)
+    model = nnx.merge(model_lib.abstract(cfg)[0], params)
+    x, body, stacked, extras = model.stack_inputs(jnp.asarray(batch["tokens"]), jnp.asarray(batch["positions"]),
+                                                  jnp.asarray(batch["segment_ids"]))
+    return np.asarray(pipeline.scan(body, x, stacked, extras)[1]["router"]["load"])
+
+
+@pytest.fixture(scope="module")
+@equivalence.computed_once
+def reference(batches):
+    return equivalence.reference(batches, *DEEPSEEK)
+
+
+def test_router_bias_moves_by_its_rule_alone(batches, reference):
+    """After one update the bias is rate x sign(mean load - load), centred, from that step's loads (the weight
+    decay and Adam leave it alone: it has no gradient and no decay); with rate 0 it stays 0."""
+    first = equivalence.run(batches[:1], *DEEPSEEK)
+    start = equivalence.initial_state(*DEEPSEEK).params
+    load = _expert_loads(start, batches[0])
+    step = 0.01 * np.sign(load.mean(-1, keepdims=True) - load)
+    bias = first.params["layers"]["mlp"]["routed"]["router_bias"]
+    np.testing.assert_allclose(bias, step - step.mean(-1, keepdims=True), rtol=0, atol=1e-9)
+    assert np.any(bias != 0) and np.allclose(bias.sum(-1), 0, atol=1e-9)
+    assert np.all(first.mu["layers"]["mlp"]["routed"]["router_bias"] == 0)
+    # 4 updates: still centred, each a step of the rule
+    assert np.allclose(reference.params["layers"]["mlp"]["routed"]["router_bias"].sum(-1), 0, atol=1e-8)
+
+
+MESHES = {
+    "fsdp=4 x tensor=2": ["mesh.fsdp=4", "mesh.tensor=2"],
+    "expert=4 x fsdp=2": ["mesh.expert=4", "mesh.fsdp=2"],
+    "expert=2 x pipeline=2 x fsdp=2": ["mesh.expert=2", "mesh.pipeline=2", "mesh.fsdp=2"],
+}
+
+
+@pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
+def test_meshes_train_like_one_device(batches, reference, mesh):
+    equivalence.assert_same(equivalence.run(batches, *DEEPSEEK, *mesh), reference)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.family=deepseek", "model.num_experts=4"], "model.family=deepseek attends through latents"),
+    (["model.kv_lora_rank=8", "model.rope_head_dim=8", "model.head_dim=8"], "rope_head_dim=8 must be even, > 0 and <"),
+    (["model.kv_lora_rank=8", "model.rope_head_dim=8"], "must equal model.num_heads"),
+    (["model.num_experts=6", "model.router_groups=4"], "divisible by model.router_groups"),
+    (["model.num_experts=8", "model.router_groups=4", "model.router_topk_groups=1", "model.experts_per_token=3"],
+     "exceeds the experts"),
+    (["model.router_bias_update_rate=0.001"], "needs model.router_correction_bias=true"),
+    (["model.first_dense_layers=1"], "needs a mixture of experts"),
+])
+def test_bad_combinations_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config_lib.load(None, overrides)
+
+
+def test_unrepresentable_hf_configs_are_refused(source):
+    base = json.loads((source[0] / "config.json").read_text())
+    for key, value in (("scoring_func", "softmax"), ("topk_method", "greedy"), ("index_topk", 2048)):
+        with pytest.raises(Exception, match=f"{key}={value}|DeepSeek-V3.2"):
+            hf.model_keys(base | {key: value}, "config.json")
