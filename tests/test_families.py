@@ -15,6 +15,7 @@ from scaletrain import config, models
 from scaletrain.data import loader as data
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.models import llama
+from scaletrain.models.gpt_oss import hf as gpt_oss_hf
 from scaletrain.models.family import Family
 from scaletrain.models.layers import param, project
 from scaletrain.models.transformer import Block, Decoder
@@ -29,7 +30,9 @@ TINY = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1
 # A family's own keys on top of TINY (each variant's parameters joined): its features on.
 FAMILY_KEYS = {"deepseek": tuple(dict(family="deepseek", num_layers=3, num_heads=2, num_kv_heads=2, kv_lora_rank=8,
                                       rope_head_dim=8, q_lora_rank=q, first_dense_layers=1, shared_experts=1,
-                                      router_score="sigmoid", router_correction_bias=True) for q in (0, 8))}
+                                      router_score="sigmoid", router_correction_bias=True) for q in (0, 8)),
+               # GPT-OSS's pieces on (Q and K not normalised: no such rows)
+               "gpt_oss": (dict(gpt_oss_hf.FEATURES, qk_norm=False),)}
 
 
 def _leaf_paths(tree: dict, prefix=()) -> set[tuple[str, ...]]:

@@ -1,7 +1,8 @@
 """GPT-OSS (the gpt_oss family, docs/gpt-oss.md) against transformers and against one device.
 
 A tiny random GptOssForCausalLM with every piece non-trivial - attention sinks, Q/K/V/O biases, the router's logit
-bias, expert biases, the clamped SwiGLU with a limit the activations cross - is converted through the command line:
+bias, expert biases, the clamped SwiGLU with a limit the activations cross, sliding layers (a window of 4 in a
+sequence of 16) between full ones, YaRN without truncation - is converted through the command line:
 its logits equal transformers' (float32, 1e-5 relative) with XLA's attention and with the flash kernel (splash,
 interpreted), and to-hf gives back the same bytes. The sink's gradient through splash equals XLA's autodiff of the
 plain softmax with a sink column; greedy generation is the argmax of the forward pass; MXFP4 dequantization equals
@@ -20,6 +21,7 @@ import transformers
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from scaletrain import config
 from scaletrain import models as model_lib
 from scaletrain.__main__ import main
 from scaletrain.kernels import flash_attention
@@ -32,7 +34,9 @@ STEPS = 4
 VOCAB = 320
 HF = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
           num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-          layer_types=["full_attention"] * 2, rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+          layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+          rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                           "original_max_position_embeddings": 64, "rope_theta": 150000.0},
           swiglu_limit=0.5, swiglu_alpha=1.702)
 TOKENS = np.random.RandomState(0).randint(0, VOCAB, (2, 16))
 # The model.* keys of a GPT-OSS model (what from-hf sets), for the tests that build one without transformers.
@@ -85,8 +89,8 @@ def test_round_trip_is_bit_exact(source, converted, tmp_path):
 
 
 def test_a_config_built_from_the_run_loads_in_transformers(converted, tmp_path):
-    """Without the kept config.json, to-hf builds one: transformers reads it as the same model (full attention,
-    plain RoPE, biases on)."""
+    """Without the kept config.json, to-hf builds one: transformers reads it as the same model (its layer kinds
+    and window, YaRN untruncated, biases on)."""
     (converted / "hf" / "config.json").rename(tmp_path / "kept.json")
     try:
         assert main(["convert", "to-hf", "--run-dir", str(converted), "--out", str(tmp_path / "out")]) == 0
@@ -95,7 +99,8 @@ def test_a_config_built_from_the_run_loads_in_transformers(converted, tmp_path):
     built = json.loads((tmp_path / "out" / "config.json").read_text())
     assert built["architectures"] == ["GptOssForCausalLM"] and built["swiglu_limit"] == 0.5
     loaded = transformers.AutoConfig.from_pretrained(tmp_path / "out")
-    assert loaded.layer_types == ["full_attention"] * 2 and loaded.rope_parameters["rope_type"] == "default"
+    assert loaded.layer_types == HF["layer_types"] and loaded.sliding_window == 4
+    assert {k: loaded.rope_parameters[k] for k in HF["rope_parameters"]} == HF["rope_parameters"]
 
 
 def _refused(tmp_path, source, capsys, **changes) -> str:
@@ -111,8 +116,8 @@ def _refused(tmp_path, source, capsys, **changes) -> str:
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(layer_types=["sliding_attention", "full_attention"]), "layer_types sliding_attention"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 32.0, "rope_theta": 150000.0}), "rope_type yarn"),
+    (dict(layer_types=["chunked_attention", "full_attention"]), "layer_types chunked_attention"),
+    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 150000.0}), "rope_type dynamic"),
     (dict(attention_bias=False), "attention_bias=false"),
 ])
 def test_what_scaletrain_cannot_represent_is_one_error_line(changes, message, tmp_path, source, capsys):
@@ -178,12 +183,11 @@ def test_sink_gradient_through_splash_equals_autodiff_of_the_plain_softmax():
 
 
 def test_greedy_generation_is_the_argmax_of_the_forward_pass():
-    """The KV-cached decode (with sinks and biases) against the full forward pass, token by token."""
-    cfg = model_lib.ModelConfig.from_config(
-        {k.split("=")[0][len("model."):]: json.loads(v) if v[0] in "0123456789tf" else v
-         for k, v in (o.split("=") for o in FEATURES)},
-        vocab_size=VOCAB, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, d_ff=32,
-        init_std=0.3, dtype=jnp.float32)
+    """The KV-cached decode (with sinks, biases and a sliding layer) against the full forward pass, token by
+    token."""
+    model = config.load(None, [*FEATURES, "model.sliding_window=4", "model.layer_types=sliding,full"]).model
+    cfg = model_lib.ModelConfig.from_config(model, vocab_size=VOCAB, d_model=64, num_layers=2, num_heads=4,
+                                            num_kv_heads=2, head_dim=16, d_ff=32, init_std=0.3, dtype=jnp.float32)
     graphdef = model_lib.abstract(cfg)[0]
     params = model_lib.init_params(cfg, jax.random.PRNGKey(0))
     key = iter(jax.random.split(jax.random.PRNGKey(1), 64))

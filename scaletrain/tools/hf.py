@@ -29,6 +29,7 @@ from scaletrain import models
 from scaletrain.errors import UserError
 from scaletrain.models.family import Architecture, Interleaved
 from scaletrain.store import storage
+from scaletrain.tools import hf_window
 from scaletrain.tools.hf_files import INDEX_FILE, SINGLE_FILE, Reader, read_json
 
 # rope_parameters / rope_scaling key -> model.* key, for rope_type llama3.
@@ -140,7 +141,7 @@ def model_keys(hf: dict, source: str) -> dict[str, Any]:
     if hf.get("use_sliding_window"):
         raise refuse("use_sliding_window=true (sliding-window attention)")
     other_layers = sorted({t for t in hf.get("layer_types") or () if t != "full_attention"})
-    if other_layers:
+    if other_layers and not facts.windows:
         raise refuse(f"layer_types {', '.join(map(str, other_layers))}")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if hf.get(key) is None:
@@ -152,6 +153,8 @@ def model_keys(hf: dict, source: str) -> dict[str, Any]:
     keys |= _rope_keys(hf, refuse)
     if facts.qk_norm:  # Qwen3 normalises q and k per head, with the model's eps
         keys |= {"qk_norm": True, "qk_norm_eps": keys.get("norm_eps", 1e-6)}
+    if facts.windows:
+        keys |= hf_window.keys_in(hf, refuse)
     if facts.keys_in:
         keys |= facts.keys_in(hf, source, refuse)
     return keys | dict(facts.features)
@@ -214,6 +217,9 @@ def hf_config(model) -> dict:
     arch = family.export(model)  # refuses what the family's architectures cannot represent
     facts = _arch(arch)
     _check_features(model, arch, facts)
+    if model.sliding_window and not facts.windows:
+        raise UserError(f"model.sliding_window={model.sliding_window}: Hugging Face's {arch} has no sliding-window "
+                        f"layers")
     rope_scaling = None
     if model.rope_scaling == "llama3":
         rope_scaling = {"rope_type": "llama3", **{theirs: model[ours] for theirs, ours in LLAMA3_ROPE_KEYS}}
@@ -224,6 +230,7 @@ def hf_config(model) -> dict:
             **{theirs: model[ours] for theirs, ours in facts.config_keys},
             "hidden_act": "silu", **dict.fromkeys(facts.bias_keys, False),
             "rope_theta": model.rope_theta, "rope_scaling": rope_scaling,
+            **(hf_window.keys_out(model) if facts.windows else {}),
             **(facts.keys_out(model) if facts.keys_out else {}), "dtype": model.param_dtype}
 
 

@@ -56,15 +56,14 @@ def _keys_in(hf: dict, source: str, refuse) -> dict[str, Any]:
 
 
 def _keys_out(model) -> dict[str, Any]:
-    """Every layer full attention, biases on, plain RoPE: GptOssConfig's defaults (alternate sliding layers, YaRN)
-    would apply where these are missing."""
-    return {"attention_bias": True, "layer_types": ["full_attention"] * model.num_layers, "sliding_window": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta}}
+    """Biases on; plain RoPE written as such (GptOssConfig reads a missing rope_parameters as YaRN)."""
+    plain = {"rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta}}
+    return {"attention_bias": True, **(plain if model.rope_scaling == "none" else {})}
 
 
 ARCHITECTURES = {
     "GptOssForCausalLM": Architecture("gpt_oss", TENSORS, CONFIG_KEYS, keys_in=_keys_in, keys_out=_keys_out,
-                                      features=FEATURES),
+                                      features=FEATURES, windows=True),
 }
 
 
