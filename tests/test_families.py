@@ -15,8 +15,8 @@ from scaletrain import config, models
 from scaletrain.data import loader as data
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.models import llama
-from scaletrain.models.gpt_oss import hf as gpt_oss_hf
 from scaletrain.models.family import Family
+from scaletrain.models.gpt_oss import hf as gpt_oss_hf
 from scaletrain.models.layers import param, project
 from scaletrain.models.transformer import Block, Decoder
 from scaletrain.planner import roofline

@@ -6,9 +6,9 @@ A pass meets one device's keys and values with the library's splash kernel, forw
 - backward: splash's own VJP would take a block's gradients with that block's statistics, where the ring needs
   the whole row's. Its backward kernels (dq, and dk/dv) take the log-sum-exp and rowsum(dO * O) as inputs, so
   each pass calls them (`_splash_attention_bwd`, the library's private entry to them) with the merged output and
-  log-sum-exp: exactly the block's share of the whole row's gradient. That private call is the one place this
-  leans on splash's internals (kernels/sinks.py's splash_backward); its signature is pinned by the jax version in pyproject.toml and checked by
-  tests/test_context.py against whole-sequence attention.
+  log-sum-exp: exactly the block's share of the whole row's gradient. That private call (kernels/sinks.py's
+  splash_backward) is the one place this leans on splash's internals; its signature is pinned by the jax version in
+  pyproject.toml and checked by tests/test_context.py against whole-sequence attention.
 
 The mask of a pass: device i's queries against the block of device src = (i - step) mod C, causal by sequence
 position and within a document (segment ids). Splash computes a mask in the kernel from each query's entry of

@@ -97,7 +97,8 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")
             self.k_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")
         if cfg.attention_bias:  # zero at the start, as transformers initialises biases
-            for name, shape, logical in (("bq", (n, h), ("heads", "head_dim")), ("bk", (k, h), ("kv_heads", "head_dim")),
+            for name, shape, logical in (("bq", (n, h), ("heads", "head_dim")),
+                                         ("bk", (k, h), ("kv_heads", "head_dim")),
                                          ("bv", (k, h), ("kv_heads", "head_dim")), ("bo", (d,), ("embed",))):
                 setattr(self, name, nnx.Param(jnp.zeros(shape, pd), out_sharding=logical))
         if cfg.attention_sinks:
@@ -291,7 +292,8 @@ class Attention(nnx.Module):
                               "model.attention=xla")
         if self.cfg.attention_sinks and not isinstance(kernel, flash_attention.Splash):
             raise ConfigError("model.attention_sinks=true with model.attention=flash runs splash attention (TPU, or "
-                              "interpreted on CPU), whose log-sum-exp takes the sinks; on a GPU set model.attention=xla")
+                              "interpreted on CPU), whose log-sum-exp takes the sinks; on a GPU set "
+                              "model.attention=xla")
 
         def run(window_size: int) -> jax.Array:
             return self._flash_kernel(kernel, window_size, q_btnh, k_btkh, v_btkh, segment_ids_bt, order)

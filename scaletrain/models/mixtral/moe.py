@@ -28,8 +28,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain.models import lora, quantize
-from scaletrain.models.mixtral import unit as unit_lib
 from scaletrain.models.layers import param
+from scaletrain.models.mixtral import unit as unit_lib
 from scaletrain.models.routing import Routing
 from scaletrain.parallel.sharding import active_axes, active_device, constrain, local
 
@@ -198,7 +198,7 @@ def router_stats(top_e_btk: jax.Array, probs_bte: jax.Array, lse_bt: jax.Array, 
 def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], tensor_axes: tuple[str, ...],
                 ragged_transport: bool, quant: quantize.Quantization | None, batch_axes: tuple[str, ...] = (),
                 seq_axes: tuple[str, ...] = (), lora_scales: tuple[float | None, ...] = (None, None, None),
-                routing: Routing = Routing(), router_bias: bool = False, unit: unit_lib.Unit = unit_lib.Unit(),
+                routing: Routing = Routing(), router_bias: bool = False, unit: unit_lib.Unit = unit_lib.SWIGLU,
                 router_logit_bias: bool = False, expert_bias: bool = False):
     """The block on one device's tokens and weights: h [b, t, d], router [d, E], the device's experts
     [E_l, d, f_l] and [E_l, f_l, d] -> (output [b, t, d], statistics [1, stats]). `quant`: the experts' matmuls'
@@ -250,7 +250,7 @@ def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], te
     return fn
 
 
-def _swiglu(rows_rd, w_gate, w_up, w_down, matmul, down_matmul=None, plain=None, unit=unit_lib.Unit(),
+def _swiglu(rows_rd, w_gate, w_up, w_down, matmul, down_matmul=None, plain=None, unit=unit_lib.SWIGLU,
             biases=None):
     """down(silu(rows W_gate) * (rows W_up)), each matmul `matmul(x, w)` grouped by expert (the down projection's
     `down_matmul`, where given); a weight with an adapter (lora.Grouped) adds its output, computed by `plain`
@@ -269,7 +269,7 @@ class _GroupedMatmul:
     the axes across which an expert's rows are spread (`row_axes`) share the scales."""
 
     def __init__(self, quant: quantize.Quantization | None, tensor_axes: tuple[str, ...],
-                 row_axes: tuple[str, ...], unit: unit_lib.Unit = unit_lib.Unit()):
+                 row_axes: tuple[str, ...], unit: unit_lib.Unit = unit_lib.SWIGLU):
         self.quant, self.tensor_axes, self.row_axes, self.unit = quant, tensor_axes, row_axes, unit
 
     def swiglu(self, rows, group_sizes, experts):

@@ -29,6 +29,9 @@ class Unit:
         return (up + 1) * gate * jax.nn.sigmoid(gate * jnp.asarray(self.alpha, gate.dtype))
 
 
+SWIGLU = Unit()  # the default: plain SwiGLU
+
+
 def rows_of_groups(biases: tuple[jax.Array, ...], group_sizes: jax.Array, rows: int) -> tuple[jax.Array, ...]:
     """Each expert bias ([E, n]) per row of rows sorted by expert, `group_sizes[e]` of them expert e's (rows past
     their sum, which are padding, take the last expert's)."""
