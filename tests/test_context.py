@@ -109,7 +109,8 @@ def test_a_context_parallel_run_equals_one_device(mesh):
 def test_the_ring_equals_attention_over_the_whole_sequence(layout, blocks):
     """The ring alone on 4 devices - its passes' work XLA's (queries whole, or in tiles of 32) or the splash
     kernel's (kernels/ring_splash.py, interpreted) - against dot_attention over the whole sequence: the output and
-    the gradients of q, k and v within 1e-5, documents packed across the layout's chunks."""
+    the gradients of q, k and v within 1e-5, documents packed across the layout's chunks. The splash ring carries
+    attention sinks (model.attention_sinks, folded in after its last pass): their gradient too."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh
@@ -129,9 +130,10 @@ def test_the_ring_equals_attention_over_the_whole_sequence(layout, blocks):
     q, key, value, segments = (jnp.take(x, order, axis=1) for x in (q, key, value, jnp.asarray(segments)))
     weights = jnp.asarray(rng.normal(size=h), jnp.float32)
     index = jnp.asarray(order)
+    sinks = jnp.asarray(rng.normal(size=(k, g)), jnp.float32) if blocks == "splash" else None
 
-    def whole(q, key, value):
-        return dot_attention(q, key, value, block_mask(segments, segments, index, index)) @ weights
+    def whole(q, key, value, sinks):
+        return dot_attention(q, key, value, block_mask(segments, segments, index, index), sinks) @ weights
 
     mesh = Mesh(np.array(jax.devices()[:shards]), ("context",))
     split = P(None, "context")
@@ -139,21 +141,22 @@ def test_the_ring_equals_attention_over_the_whole_sequence(layout, blocks):
         kernels = ring_splash.pass_kernels(k * g, t, shards, layout, flash_attention.INTERPRETED)
         specs = [kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, "context")))
                  for kernel in kernels]
-        ring = jax.shard_map(lambda kernels, q, k, v, s: ring_splash.ring_splash_attention(
-            kernels, q.reshape(*q.shape[:2], -1, h), k, v, s, ("context",)).reshape(q.shape),
-            mesh=mesh, in_specs=(specs, *(split,) * 4), out_specs=split, check_vma=False)
+        ring = jax.shard_map(lambda kernels, q, k, v, s, sinks: ring_splash.ring_splash_attention(
+            kernels, q.reshape(*q.shape[:2], -1, h), k, v, s, ("context",), sinks.reshape(-1)).reshape(q.shape),
+            mesh=mesh, in_specs=(specs, *(split,) * 4, P()), out_specs=split, check_vma=False)
         ring = functools.partial(ring, kernels)
     else:
         block = 32 if blocks == "xla in tiles" else 0
         ring = jax.shard_map(
-            lambda q, k, v, s: ring_attention(q, k, v, s, s, order.reshape(shards, -1), ("context",), block),
-            mesh=mesh, in_specs=(split,) * 4, out_specs=split, check_vma=False)
+            lambda q, k, v, s, sinks: ring_attention(q, k, v, s, s, order.reshape(shards, -1), ("context",), block),
+            mesh=mesh, in_specs=(*(split,) * 4, P()), out_specs=split, check_vma=False)
 
-    def on_the_ring(q, key, value):
-        return ring(q, key, value, segments) @ weights
+    def on_the_ring(q, key, value, sinks):
+        return ring(q, key, value, segments, sinks) @ weights
 
-    for got, want in zip(jax.jit(jax.value_and_grad(lambda *a: jnp.sum(on_the_ring(*a)), (0, 1, 2)))(q, key, value),
-                         jax.value_and_grad(lambda *a: jnp.sum(whole(*a)), (0, 1, 2))(q, key, value)):
+    wrt = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
+    for got, want in zip(jax.jit(jax.value_and_grad(lambda *a: jnp.sum(on_the_ring(*a)), wrt))(q, key, value, sinks),
+                         jax.value_and_grad(lambda *a: jnp.sum(whole(*a)), wrt)(q, key, value, sinks)):
         for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
 
