@@ -248,10 +248,9 @@ class Attention(nnx.Module):
         t = q_btnh.shape[1]
         k_btkh, v_btkh, kv_heads = self._kv_beside_queries(k_btkh, v_btkh)
         q_logical, kv_logical = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", kv_heads, "head_dim")
+        # The sinks (None without them: an empty argument) split over the devices like the query heads.
         logical = (q_logical, kv_logical, kv_logical, ("batch", "seq"), ("heads",))
-        axes, shards = sharding.active_axes("seq"), ways("seq")
-        sinks_n = self.sinks[...] if self.cfg.attention_sinks else jnp.zeros((q_btnh.shape[2],), jnp.float32)
-        sinks_on = self.cfg.attention_sinks
+        axes, shards, sinks_n = sharding.active_axes("seq"), ways("seq"), self._sinks()
         if self.cfg.attention == "flash":
             kernel = flash_attention.kernel_for(active_device())
             if not isinstance(kernel, flash_attention.Splash):
@@ -260,8 +259,8 @@ class Attention(nnx.Module):
             kernels = ring_splash.pass_kernels(q_btnh.shape[2] // ways("heads"), t, shards,
                                                sharding.sequence_layout(), kernel)
             specs = [k.manual_sharding_spec(placement((None, "seq"))) for k in kernels]
-            return local(lambda kernels, *args: ring_splash.ring_splash_attention(
-                kernels, *args[:4], axes, args[4] if sinks_on else None),
+            return local(lambda kernels, q, k, v, seg, sinks: ring_splash.ring_splash_attention(
+                kernels, q, k, v, seg, axes, sinks),
                 (specs, *logical), q_logical)(kernels, q_btnh, k_btkh, v_btkh, segment_ids_bt, sinks_n)
         order = sequence_order(t)
         order_ct = (np.arange(t, dtype=np.int32) if order is None else order).reshape(shards, -1)
@@ -272,7 +271,7 @@ class Attention(nnx.Module):
             q_btkgh = q_btnh.reshape(b, tl, k_btkh.shape[2], -1, h)
             out = ring_attention.ring_attention(q_btkgh, k_btkh, v_btkh, segments_bt, segments_bt, order_ct, axes,
                                                 block, self.cfg.unroll_loops,
-                                                sinks_n.reshape(q_btkgh.shape[2:4]) if sinks_on else None)
+                                                None if sinks_n is None else sinks_n.reshape(q_btkgh.shape[2:4]))
             return out.reshape(q_btnh.shape)
 
         return local(attend, logical, q_logical)(q_btnh, k_btkh, v_btkh, segment_ids_bt, sinks_n)
@@ -307,11 +306,10 @@ class Attention(nnx.Module):
         k_btkh, v_btkh, kv_heads = self._kv_beside_queries(k_btkh, v_btkh)
         kv_logical = ("batch", "seq", kv_heads, "head_dim")
         q_logical = ("batch", "seq", "heads", "head_dim")
-        sinks_on = self.cfg.attention_sinks
-        sinks_n = self.sinks[...] if sinks_on else jnp.zeros((q_btnh.shape[2],), jnp.float32)
+        sinks_n = self._sinks()  # None without them: an empty argument of the shard_maps below
         if ways("seq") == 1:
             return local(lambda q, k, v, seg, sinks: flash_attention.flash_attention(
-                q, k, v, seg, kernel, window_size, sinks_n=sinks if sinks_on else None),
+                q, k, v, seg, kernel, window_size, sinks_n=sinks),
                 (q_logical, kv_logical, kv_logical, ("batch", "seq"), ("heads",)), q_logical)(
                 q_btnh, k_btkh, v_btkh, segment_ids_bt, sinks_n)
         if not isinstance(kernel, flash_attention.Splash):
@@ -320,10 +318,9 @@ class Attention(nnx.Module):
         if order is None:  # the contiguous layout: each device's slots are in sequence order
             order = np.arange(q_btnh.shape[1], dtype=np.int32)
         splash = flash_attention.split_splash(q_btnh.shape[2] // ways("heads"), order, ways("seq"), kernel,
-                                              window_size, sinks=sinks_on)
+                                              window_size, sinks=sinks_n is not None)
         kernel_spec = splash.manual_sharding_spec(placement((None, "seq")))
         axes, in_order = sharding.active_axes("seq"), np.argsort(order)
-        return local(lambda splash, *qkv: flash_attention.split_attention(splash, axes, in_order, *qkv[:4],
-                                                                          qkv[4] if sinks_on else None),
+        return local(lambda splash, *qkv: flash_attention.split_attention(splash, axes, in_order, *qkv),
                      (kernel_spec, q_logical, kv_logical, kv_logical, ("batch", "seq"), ("heads",)), q_logical)(
             splash, q_btnh, k_btkh, v_btkh, segment_ids_bt, sinks_n)
