@@ -177,7 +177,10 @@ DEEPSEEK = ["model.family=deepseek", "model.num_layers=3", "model.num_kv_heads=4
             "model.router_topk_groups=2", "model.router_scale=2.5", "model.router_correction_bias=true",
             "model.router_bias_update_rate=0.01", "model.rope_scaling=yarn", "model.rope_scaling_factor=4",
             "model.rope_original_max_position=16", "model.rope_mscale=1", "model.rope_mscale_all_dim=1",
-            "model.rope_softmax_mscale=true"]
+            "model.rope_softmax_mscale=true",
+            # Some of the latent attention's output weights get gradients near Adam's default eps (1e-8) at step 1,
+            # where the update g / (|g| + eps) turns rounding-level differences into 4e-5 relative ones.
+            "optim.eps=1e-6"]
 
 
 def _expert_loads(params, batch, overrides=DEEPSEEK) -> np.ndarray:
@@ -197,14 +200,14 @@ def reference(batches):
 
 def test_router_bias_moves_by_its_rule_alone(batches, reference):
     """After one update the bias is rate x sign(mean load - load), centred, from that step's loads (the weight
-    decay and Adam leave it alone: it has no gradient and no decay); with rate 0 it stays 0."""
+    decay and Adam leave it alone: it has no gradient and no decay)."""
     first = equivalence.run(batches[:1], *DEEPSEEK)
     start = equivalence.initial_state(*DEEPSEEK).params
     load = _expert_loads(start, batches[0])
     step = 0.01 * np.sign(load.mean(-1, keepdims=True) - load)
     bias = first.params["layers"]["mlp"]["routed"]["router_bias"]
     np.testing.assert_allclose(bias, step - step.mean(-1, keepdims=True), rtol=0, atol=1e-9)
-    assert np.any(bias != 0) and np.allclose(bias.sum(-1), 0, atol=1e-9)
+    assert np.any(bias != 0) and np.allclose(bias.sum(-1), 0, atol=1e-8)
     assert np.all(first.mu["layers"]["mlp"]["routed"]["router_bias"] == 0)
     # 4 updates: still centred, each a step of the rule
     assert np.allclose(reference.params["layers"]["mlp"]["routed"]["router_bias"].sum(-1), 0, atol=1e-8)
