@@ -24,6 +24,7 @@ from safetensors.numpy import load_file, save_file
 from scaletrain import config
 from scaletrain import models as model_lib
 from scaletrain.__main__ import main
+from scaletrain.facts import flops
 from scaletrain.kernels import flash_attention
 from scaletrain.models.attention import block_mask, dot_attention
 from scaletrain.tools import hf_mxfp4
@@ -224,3 +225,22 @@ def test_training_on_a_mesh_equals_one_device(batches, reference, mesh):
     run = equivalence.run(batches, *FEATURES, *mesh)
     equivalence.assert_same(run, reference)
     assert np.abs(run.params["layers"]["attn"]["sinks"]).min() > 0
+
+
+def test_the_planner_counts_biases_and_sinks_apart_from_the_weights():
+    """Every bias and sink is a parameter (in the total, the memory) that no matmul multiplies: the matmul
+    weights - the planner's FLOPs - are those of the same model without them; of the experts' biases a token uses
+    k of E."""
+    def count(*overrides):
+        return flops.param_count(model_lib.ModelConfig.from_config(config.load(None, list(overrides)).model))
+
+    plain = ["model.family=gpt_oss", "model.num_experts=4", "model.experts_per_token=2", "model.moe_d_ff=32"]
+    with_them, without = count(*FEATURES), count(*plain)
+    m = config.load(None, FEATURES).model
+    layer = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + m.d_model + m.num_heads  # Q/K/V/O biases, sinks
+    experts = m.num_experts * (1 + 2 * m.moe_d_ff + m.d_model)  # router bias, gate/up/down biases
+    assert with_them.biases == m.num_layers * (layer + experts)
+    assert with_them.total - without.total == with_them.biases
+    assert with_them.matmul == without.matmul
+    assert with_them.active - without.active == m.num_layers * (
+        layer + m.num_experts + m.experts_per_token * (2 * m.moe_d_ff + m.d_model))

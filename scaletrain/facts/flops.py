@@ -37,16 +37,20 @@ class ParamCount:
     quantized: int = 0  # of `matmul`, the weights a token multiplies in int8 or fp8 (model.quantization)
     adapters: int = 0  # LoRA's A and B (models/lora.py), every layer's (an expert's: E of them)
     active_adapters: int = 0  # of those, the ones a token multiplies (of a mixture's experts: k of E)
+    # Vectors added, not multiplied (layers.added; no matmul FLOPs): GPT-OSS's biases and attention sinks
+    biases: int = 0
+    active_biases: int = 0  # of those, the ones a token uses (of a mixture's experts: k of E)
 
     @property
     def total(self) -> int:
         return (self.embedding + self.attention + self.mlp + self.norms + self.final_norm + self.lm_head
-                + self.adapters)
+                + self.adapters + self.biases)
 
     @property
     def active(self) -> int:
         """Parameters one token uses: all but the experts it is not routed to (Mixtral's "active parameters")."""
-        return self.total - self.mlp + self.active_mlp - self.adapters + self.active_adapters
+        return (self.total - self.mlp + self.active_mlp - self.adapters + self.active_adapters - self.biases
+                + self.active_biases)
 
     @property
     def matmul(self) -> int:
@@ -63,16 +67,22 @@ def param_count(model_cfg) -> ParamCount:
     norm gain, the rest are the feed-forward's (under `mlp`) or attention's; an array with an `experts` dim holds
     E experts of which a token uses k."""
     _, params, logical = model_lib.abstract(model_cfg)
-    low = model_lib.quantized(model_cfg)
-    sizes = dict.fromkeys(("attention", "mlp", "active_mlp", "norms", "quantized", "adapters", "active_adapters"), 0)
+    low, vectors = model_lib.quantized(model_cfg), model_lib.added(model_cfg)
+    sizes = dict.fromkeys(("attention", "mlp", "active_mlp", "norms", "quantized", "adapters", "active_adapters",
+                           "biases", "active_biases"), 0)
     flat = jax.tree_util.tree_flatten_with_path(params.get("layers", {}))[0]
-    for (path, x), names, rounded in zip(flat, jax.tree.leaves(logical.get("layers", {}), is_leaf=is_logical),
-                                         jax.tree.leaves(low.get("layers", {}))):
+    for (path, x), names, rounded, bias in zip(
+            flat, jax.tree.leaves(logical.get("layers", {}), is_leaf=is_logical),
+            jax.tree.leaves(low.get("layers", {})), jax.tree.leaves(vectors.get("layers", {}))):
         own = [n for n in names if n not in _STACKED]
         used = x.size // model_cfg.num_experts * model_cfg.experts_per_token if "experts" in names else x.size
         if lora.is_adapter(path):
             sizes["adapters"] += x.size
             sizes["active_adapters"] += used
+            continue
+        if bias:
+            sizes["biases"] += x.size
+            sizes["active_biases"] += used
             continue
         if len(own) == 1:
             sizes["norms"] += x.size

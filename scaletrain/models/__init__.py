@@ -99,6 +99,11 @@ def quantized(cfg: ModelConfig) -> dict:
     return _variables(cfg, lambda v: getattr(v, "operand", None) in _OPERANDS)
 
 
+def added(cfg: ModelConfig) -> dict:
+    """Whether each parameter is a vector added to activations (layers.added: a bias, an attention sink)."""
+    return _variables(cfg, lambda v: getattr(v, "added", False))
+
+
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
     return nnx.to_pure_dict(nnx.state(family_of(cfg).decoder(cfg, nnx.Rngs(key))))
 
@@ -120,6 +125,7 @@ __all__ = [
     "Matmul",
     "ModelConfig",
     "abstract",
+    "added",
     "architectures",
     "family_name",
     "family_of",

@@ -11,7 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 from scaletrain.errors import ConfigError
 from scaletrain.kernels import flash_attention, ring_attention, ring_splash
 from scaletrain.models import lora, quantize, rope, window
-from scaletrain.models.layers import RMSNorm, param, project
+from scaletrain.models.layers import RMSNorm, added, param, project
 from scaletrain.parallel import context, sharding
 from scaletrain.parallel.sharding import active_device, constrain, local, placement, sequence_order, ways
 
@@ -96,13 +96,13 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")
             self.k_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")
-        if cfg.attention_bias:  # zero at the start, as transformers initialises biases
+        if cfg.attention_bias:
             for name, shape, logical in (("bq", (n, h), ("heads", "head_dim")),
                                          ("bk", (k, h), ("kv_heads", "head_dim")),
                                          ("bv", (k, h), ("kv_heads", "head_dim")), ("bo", (d,), ("embed",))):
-                setattr(self, name, nnx.Param(jnp.zeros(shape, pd), out_sharding=logical))
+                setattr(self, name, added(shape, logical, pd))
         if cfg.attention_sinks:
-            self.sinks = nnx.Param(jnp.zeros((n,), pd), out_sharding=("heads",))
+            self.sinks = added((n,), ("heads",), pd)
 
     def _sinks(self, groups: int | None = None) -> jax.Array | None:
         """The sink logits per query head [n] (None without model.attention_sinks); with `groups` (kv heads),

@@ -32,6 +32,12 @@ def ones(shape: tuple[int, ...], logical: tuple[str, ...], dtype) -> nnx.Param:
     return nnx.Param(jnp.ones(shape, dtype), out_sharding=logical)
 
 
+def added(shape: tuple[int, ...], logical: tuple[str | None, ...], dtype) -> nnx.Param:
+    """A vector added to activations (a bias, an attention sink), zero at the start as transformers' biases are.
+    Marked `added`: no matmul multiplies it, so the planner counts it apart from the weights (facts/flops.py)."""
+    return nnx.Param(jnp.zeros(shape, dtype), out_sharding=logical, added=True)
+
+
 def project(x: jax.Array, w: jax.Array, in_dims: int = 1, out_dtype=None, quant: Quantization | None = None
             ) -> jax.Array:
     """Contract the last `in_dims` dims of x with the first `in_dims` dims of w, as one 2-D matmul over all

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scaletrain.models import lora, quantize
-from scaletrain.models.layers import param
+from scaletrain.models.layers import added, param
 from scaletrain.models.mixtral import unit as unit_lib
 from scaletrain.models.routing import Routing
 from scaletrain.parallel.sharding import active_axes, active_device, constrain, local
@@ -108,13 +108,13 @@ class MoE(nnx.Module):
         for name, logical in (("w_gate", ("experts", "embed", "moe_mlp")), ("w_up", ("experts", "embed", "moe_mlp")),
                               ("w_down", ("experts", "moe_mlp", "embed"))):
             lora.base_scale(cfg, self, name, getattr(self, name).shape, logical, lead=1)
-        # GPT-OSS's biases (model.router_logit_bias, model.expert_bias), zero at the start as transformers' are,
-        # with their logical axes; and the experts' gated unit (unit.py).
+        # GPT-OSS's biases (model.router_logit_bias, model.expert_bias) with their logical axes; and the experts'
+        # gated unit (unit.py).
         self.biases = ((("router_logit_bias", (e,), (None,)),) if cfg.router_logit_bias else ()) + (
             (("b_gate", (e, f), ("experts", "moe_mlp")), ("b_up", (e, f), ("experts", "moe_mlp")),
              ("b_down", (e, d), ("experts", "embed"))) if cfg.expert_bias else ())
         for name, shape, logical in self.biases:
-            setattr(self, name, nnx.Param(jnp.zeros(shape, pd), out_sharding=logical))
+            setattr(self, name, added(shape, logical, pd))
         self.unit = unit_lib.Unit.of(cfg)
         self.gpt_oss_biases = (cfg.router_logit_bias, cfg.expert_bias)
 
