@@ -120,6 +120,7 @@ def _refused(tmp_path, source, capsys, **changes) -> str:
     (dict(layer_types=["chunked_attention", "full_attention"]), "layer_types chunked_attention"),
     (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 150000.0}), "rope_type dynamic"),
     (dict(attention_bias=False), "attention_bias=false"),
+    (dict(quantization_config={"quant_method": "bitsandbytes"}), "quant_method bitsandbytes"),
 ])
 def test_what_scaletrain_cannot_represent_is_one_error_line(changes, message, tmp_path, source, capsys):
     assert message in _refused(tmp_path, source, capsys, **changes)
@@ -146,11 +147,15 @@ def test_mxfp4_experts_are_dequantized_as_transformers_does(source, converted, t
     folder = tmp_path / "mxfp4"
     folder.mkdir()
     save_file(tensors, folder / "model.safetensors")
-    (folder / "config.json").write_text((source[0] / "config.json").read_text())
+    hf = json.loads((source[0] / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(hf | {"quantization_config": {"quant_method": "mxfp4"}}))
     assert main(["convert", "from-hf", "--hf-dir", str(folder), "--out", str(tmp_path / "run")]) == 0
     assert main(["convert", "to-hf", "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
     exported = load_file(tmp_path / "out" / "model.safetensors")
     np.testing.assert_array_equal(exported["model.layers.1.mlp.experts.gate_up_proj"], want)
+    # written unquantized, the config says so: transformers loads it as it is
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
 
 
 def test_sink_gradient_through_splash_equals_autodiff_of_the_plain_softmax():

@@ -387,6 +387,8 @@ def to_hf(run_dir: str, out: str, step: int | None = None, shard_bytes: int = SH
     built = hf_config(cfg.model)  # refuses what Hugging Face's models cannot represent
     kept = _kept_config(run_dir, cfg)
     hf = json.loads(kept) if kept else built
+    if hf.pop("quantization_config", None) is not None:  # read dequantized (MXFP4, FP8), written unquantized
+        kept = json.dumps(hf, indent=2) + "\n"
     dtype = _dtype(hf, cfg.model.param_dtype)
     setup = inference.one_device_setup(cfg)
     if peft and not cfg.lora.rank:

@@ -47,6 +47,9 @@ FEATURES = {"family": "gpt_oss", "attention_sinks": True, "attention_bias": True
 
 def _keys_in(hf: dict, source: str, refuse) -> dict[str, Any]:
     """A mixture in every layer, dropless, with the experts' width as d_ff too (GPT-OSS has no dense MLP)."""
+    method = (hf.get("quantization_config") or {}).get("quant_method", "mxfp4")
+    if method != "mxfp4":
+        raise refuse(f"quantization_config quant_method {method} (MXFP4 checkpoints are read dequantized)")
     if hf.get("attention_bias") is False:
         raise refuse("attention_bias=false (scaletrain's GPT-OSS has the projections' biases)")
     for key in ("num_local_experts", "num_experts_per_tok", "intermediate_size"):
