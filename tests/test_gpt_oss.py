@@ -6,8 +6,8 @@ sequence of 16) between full ones, YaRN without truncation - is converted throug
 its logits equal transformers' (float32, 1e-5 relative) with XLA's attention and with the flash kernel (splash,
 interpreted), and to-hf gives back the same bytes. The sink's gradient through splash equals XLA's autodiff of the
 plain softmax with a sink column; greedy generation is the argmax of the forward pass; MXFP4 dequantization equals
-transformers' own; four updates on meshes of 8 CPU devices (fsdp x tensor x expert 2, expert 4 x context 2 on the
-ring, 2 GPipe stages x fsdp x expert 2) equal one device; what scaletrain cannot represent is one `error:` line."""
+transformers' own; four updates on meshes of 8 CPU devices (fsdp x tensor x expert 2 with blocked attention,
+expert 4 x context 2 on the ring, 2 GPipe stages x fsdp x expert 2) equal one device; what scaletrain cannot represent is one `error:` line."""
 
 import json
 from pathlib import Path
@@ -216,7 +216,8 @@ def reference(batches):
 
 
 MESHES = {  # each axis in one of them, three compiles
-    "fsdp=2 x tensor=2 x expert=2": ["mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2"],
+    "fsdp=2 x tensor=2 x expert=2, blocked attention": ["mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2",
+                                                        "model.attention_block=16"],
     "expert=4 x context=2 ring": ["mesh.expert=4", "mesh.context=2", "model.context_attention=ring"],
     "pipeline=2 gpipe x fsdp=2 x expert=2": ["mesh.pipeline=2", "mesh.fsdp=2", "mesh.expert=2",
                                              "pipeline.schedule=gpipe"],
