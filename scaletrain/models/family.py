@@ -49,8 +49,7 @@ class Architecture:
     # a model whose values differ is not exported to it. Keys of other architectures' features must be at their
     # defaults.
     features: Mapping[str, Any] = field(default_factory=dict)
-    # Its config.json's layer_types and sliding_window are model.layer_types and model.sliding_window
-    # (tools/hf_window.py); otherwise every layer must be full attention.
+    # Sliding-window layers: its config's sliding_window and layer_types are model keys (tools/hf_window.py).
     windows: bool = False
     # Stacked layers in several stacks (DeepSeek's dense first layers, then its mixtures): the parameter trees'
     # roots, in Hugging Face's layer order; a stack's `{i}` counts on from the layers of those before it.

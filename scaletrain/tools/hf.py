@@ -153,7 +153,7 @@ def model_keys(hf: dict, source: str) -> dict[str, Any]:
     keys |= _rope_keys(hf, refuse)
     if facts.qk_norm:  # Qwen3 normalises q and k per head, with the model's eps
         keys |= {"qk_norm": True, "qk_norm_eps": keys.get("norm_eps", 1e-6)}
-    if facts.windows:
+    if facts.windows:  # sliding-window layers
         keys |= hf_window.keys_in(hf, refuse)
     if facts.keys_in:
         keys |= facts.keys_in(hf, source, refuse)
