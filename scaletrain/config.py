@@ -409,8 +409,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
         raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
                           f"model.rope_low_freq_factor={m.rope_low_freq_factor}")
-    if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow < m.rope_beta_fast:
-        raise ConfigError(f"model.rope_beta_fast={m.rope_beta_fast} must exceed model.rope_beta_slow="
+    if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow <= m.rope_beta_fast:
+        raise ConfigError(f"model.rope_beta_fast={m.rope_beta_fast} must be >= model.rope_beta_slow="
                           f"{m.rope_beta_slow} > 0 (rotations over the original context that bound YaRN's ramp)")
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")

@@ -20,7 +20,7 @@ from scaletrain.models import lora, quantize
 from scaletrain.parallel.sharding import is_logical
 
 # The logical dims of a layer stack (models/transformer.py): the layers, and the dense layers within a group.
-_STACKED = ("layers", "sublayers")
+_STACKED = ("layers", "sublayers", "dense_layers")
 
 
 @dataclass(frozen=True)
@@ -70,10 +70,12 @@ def param_count(model_cfg) -> ParamCount:
     low, vectors = model_lib.quantized(model_cfg), model_lib.added(model_cfg)
     sizes = dict.fromkeys(("attention", "mlp", "active_mlp", "norms", "quantized", "adapters", "active_adapters",
                            "biases", "active_biases"), 0)
-    flat = jax.tree_util.tree_flatten_with_path(params.get("layers", {}))[0]
-    for (path, x), names, rounded, bias in zip(
-            flat, jax.tree.leaves(logical.get("layers", {}), is_leaf=is_logical),
-            jax.tree.leaves(low.get("layers", {})), jax.tree.leaves(vectors.get("layers", {}))):
+    # every stack of layers: `layers`, and DeepSeek's dense first layers before it (models/deepseek)
+    stacks = [s for s in ("layers", "dense_layers") if s in params]
+    flat = [leaf for s in stacks for leaf in jax.tree_util.tree_flatten_with_path(params[s])[0]]
+    names_of = [n for s in stacks for n in jax.tree.leaves(logical[s], is_leaf=is_logical)]
+    rounded_of, added_of = ([r for s in stacks for r in jax.tree.leaves(tree[s])] for tree in (low, vectors))
+    for (path, x), names, rounded, bias in zip(flat, names_of, rounded_of, added_of):
         own = [n for n in names if n not in _STACKED]
         used = x.size // model_cfg.num_experts * model_cfg.experts_per_token if "experts" in names else x.size
         if lora.is_adapter(path):
@@ -105,8 +107,9 @@ def param_count(model_cfg) -> ParamCount:
 
 
 def attention_flops_per_token(m, seq_len: int) -> float:
-    """Training FLOPs of causal attention scores and values per token: 3 * (4 T N H L) / 2."""
-    return 6.0 * seq_len * m.num_heads * m.head_dim * m.num_layers
+    """Training FLOPs of causal attention scores and values per token: 3 * (2 T N (H + H_v) L) / 2, H_v the
+    values' head size (latent attention's v_head_dim; else H: 6 T N H L)."""
+    return 3.0 * seq_len * m.num_heads * (m.head_dim + (m.v_head_dim or m.head_dim)) * m.num_layers
 
 
 def passes(m, reference: bool = False) -> int:

@@ -135,7 +135,7 @@ class ModelConfig:
 
     @property
     def moe_layers(self) -> int:
-        return self.num_layers // self.moe_every if self.num_experts else 0
+        return self.stack_layers // self.moe_every if self.num_experts else 0
 
     @property
     def out_std(self) -> float:

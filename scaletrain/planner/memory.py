@@ -138,10 +138,13 @@ def tensor_elements(m, activations: sharding.RuleTable, axes: Mapping[str, int],
 
     residual = split("residual_seq", m.d_model)
     heads, kv = split("heads", m.num_heads * m.head_dim), split("kv_heads", m.num_kv_heads * m.head_dim)
+    # latent attention's values (and so its attention output) are v_head_dim wide, unlike its queries and keys
+    v_dim = m.v_head_dim or m.head_dim
+    values, out = split("kv_heads", m.num_kv_heads * v_dim), split("heads", m.num_heads * v_dim)
     moe = moe_share(m)
     mlp, experts = (1 - moe) * split("mlp", m.d_ff), moe * received_rows * split("moe_mlp", moe_d_ff(m))
-    return {"decoder_layer_input": residual, "query_proj": heads, "key_proj": kv, "value_proj": kv,
-            "attention_out": heads, "out_proj": residual, "mlp_gate": mlp, "mlp_up": mlp, "mlp_out": residual,
+    return {"decoder_layer_input": residual, "query_proj": heads, "key_proj": kv, "value_proj": values,
+            "attention_out": out, "out_proj": residual, "mlp_gate": mlp, "mlp_up": mlp, "mlp_out": residual,
             "moe_gate": experts, "moe_up": experts}
 
 
