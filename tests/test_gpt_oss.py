@@ -7,7 +7,8 @@ its logits equal transformers' (float32, 1e-5 relative) with XLA's attention and
 interpreted), and to-hf gives back the same bytes. The sink's gradient through splash equals XLA's autodiff of the
 plain softmax with a sink column; greedy generation is the argmax of the forward pass; MXFP4 dequantization equals
 transformers' own; four updates on meshes of 8 CPU devices (fsdp x tensor x expert 2 with blocked attention,
-expert 4 x context 2 on the ring, 2 GPipe stages x fsdp x expert 2) equal one device; what scaletrain cannot represent is one `error:` line."""
+expert 4 x context 2 on the ring, 2 GPipe stages x fsdp x expert 2) equal one device; the planner counts the
+biases apart from the weights; what scaletrain cannot represent is one `error:` line."""
 
 import json
 from pathlib import Path
