@@ -25,10 +25,11 @@ from safetensors.numpy import load_file, save_file
 from scaletrain import config
 from scaletrain import models as model_lib
 from scaletrain.__main__ import main
+from scaletrain.errors import UserError
 from scaletrain.facts import flops
 from scaletrain.kernels import flash_attention
 from scaletrain.models.attention import block_mask, dot_attention
-from scaletrain.tools import hf_mxfp4
+from scaletrain.tools import hf, hf_mxfp4
 from scaletrain.tools.generate import generate_tokens
 from tests import equivalence
 
@@ -253,3 +254,10 @@ def test_the_planner_counts_biases_and_sinks_apart_from_the_weights():
     assert with_them.matmul == without.matmul
     assert with_them.active - without.active == m.num_layers * (
         layer + m.num_experts + m.experts_per_token * (2 * m.moe_d_ff + m.d_model))
+
+
+def test_a_model_with_gpt_oss_pieces_is_not_exported_as_another_architecture():
+    m = config.load(None, ["model.num_experts=4", "model.attention_sinks=true"]).model  # family auto: mixtral
+    with pytest.raises(UserError, match="model.attention_sinks=true: Hugging Face's MixtralForCausalLM has "
+                                        "attention_sinks false"):
+        hf.hf_config(m)

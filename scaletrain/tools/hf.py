@@ -242,7 +242,8 @@ def _check_features(model, arch: str, facts: Architecture) -> None:
         for key in other.features:
             want = facts.features.get(key, defaults[key])
             if key != "family" and model[key] != want:
-                raise UserError(f"model.{key}={model[key]}: Hugging Face's {arch} has {key} {want}")
+                raise UserError(f"model.{key}={json.dumps(model[key])}: Hugging Face's {arch} has {key} "
+                                f"{json.dumps(want)}")
 
 
 def _dtype(hf: dict, default: str) -> Any:
