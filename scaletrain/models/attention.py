@@ -140,8 +140,8 @@ class Attention(nnx.Module):
 
     def _queries_keys_values(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array,
                              one_matmul: bool = True):
-        """Q (scaled by head_dim**-0.5, ModelConfig.softmax_scale), K and V of norm(x), Q and K rotated by RoPE: the input norm is applied
-        with the projection (model.norm)."""
+        """Q (scaled by ModelConfig.softmax_scale: head_dim**-0.5, or YaRN's), K and V of norm(x), Q and K rotated
+        by RoPE: the input norm is applied with the projection (model.norm)."""
         cfg = self.cfg
         q_btnh, k_btkh, v_btkh = self._project_qkv(x_btd, norm, one_matmul)
         if cfg.qk_norm:
