@@ -167,6 +167,26 @@ def test_greedy_decoding_is_the_argmax_of_the_forward_pass(converted):
     assert int(n[0]) == 10 and len(set(expected.tolist())) > 1
 
 
+def test_routing_by_hand():
+    """Sigmoid scores; a token keeps its best 2 of 4 groups, each scored by the sum of its top two biased scores;
+    the bias decides the choice (expert 5's 0.55 + 0.1 over expert 4's 0.6), never the weights - the unbiased
+    scores renormalised, times the scale; the balance statistics read the scores normalised over the experts (so
+    router_aux_loss is DeepSeek's sequence-wise balance loss)."""
+    from scaletrain.models.routing import Routing
+
+    scores = np.array([0.9, 0.1, 0.8, 0.05, 0.6, 0.55, 0.2, 0.2])
+    logits = jnp.log(scores / (1 - scores))[None]  # sigmoid(logits) = scores
+    bias = jnp.array([0, 0, 0, 0, 0, 0.1, 0, 0])
+    routing = Routing("sigmoid", groups=4, topk_groups=2, scale=2.0, norm_topk=True)
+    top_e, weights, probs = routing.select(logits, 2, bias)
+    # groups (top-2 sums, biased): {0,1} 1.0, {2,3} 0.85, {4,5} 1.25, {6,7} 0.4 -> groups 2 and 0, so not
+    # expert 2 (0.8), which a plain top 2 would take
+    assert sorted(np.asarray(top_e[0]).tolist()) == [0, 5]
+    np.testing.assert_allclose(np.asarray(weights[0])[np.argsort(np.asarray(top_e[0]))],
+                               2.0 * np.array([0.9, 0.55]) / 1.45, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(probs[0]), scores / scores.sum(), rtol=1e-6)
+
+
 # --- training: the router bias and meshes ------------------------------------------------------------------------
 
 DEEPSEEK = ["model.family=deepseek", "model.num_layers=3", "model.num_kv_heads=4", "model.head_dim=24",
