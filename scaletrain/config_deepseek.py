@@ -31,6 +31,9 @@ def _check_latent_attention(m: ml_collections.ConfigDict) -> None:
     if m.num_kv_heads != m.num_heads:
         raise ConfigError(f"model.kv_lora_rank={m.kv_lora_rank} (latent attention) expands keys and values for every "
                           f"head: model.num_kv_heads={m.num_kv_heads} must equal model.num_heads={m.num_heads}")
+    if m.norm_weights != "standard":
+        raise ConfigError(f"model.norm_weights={m.norm_weights} with latent attention (model.kv_lora_rank > 0): "
+                          f"its latents' projections are not folded; use standard")
     if m.qk_norm or m.norm_cancellation:
         raise ConfigError("model.qk_norm / model.norm_cancellation do not apply to latent attention "
                           "(model.kv_lora_rank > 0), which normalises its latents instead")

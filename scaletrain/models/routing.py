@@ -49,3 +49,7 @@ class Routing:
             top_w = top_w * self.scale
         probs = scores if self.score == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
         return top_e, top_w, probs
+
+
+# Mixtral's routing: the default.
+SOFTMAX = Routing()

@@ -178,10 +178,9 @@ class ModelConfig:
 
 
 class Block(nnx.Module):
-    """Attention (`attention`) then a feed-forward (`feed_forward`: the SwiGLU MLP here, a family's own in a
-    subclass). A call
-    returns the stream and the block's auxiliary sums ({} here; a family's block may return its own, which the
-    decoder's `penalty` and `aux_metrics` read)."""
+    """Attention (`attention`) then a feed-forward (`feed_forward`: the SwiGLU MLP here; a family's own of either
+    in a subclass). A call returns the stream and the block's auxiliary sums ({} here; a family's block may return
+    its own, which the decoder's `penalty` and `aux_metrics` read)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         weightless = cfg.norm_weights != "standard"

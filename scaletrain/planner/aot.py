@@ -96,17 +96,18 @@ def _loop_corrected(cfg, devices, runner: Runner = Runner()) -> dict[str, float]
     whole program is compiled unrolled instead: no more compile time than the two."""
     accum = cfg.train.grad_accum_steps
     unit = loop_unit(cfg, runner)
-    units = cfg.model.num_layers // unit
+    dense = cfg.model.first_dense_layers  # before the scanned stack (models/deepseek): in every variant, outside
+    units = (cfg.model.num_layers - dense) // unit
 
     def cost(layers: int) -> dict[str, float]:
         variant = copy.deepcopy(cfg)
-        variant.model.num_layers = layers
+        variant.model.num_layers = dense + layers
         variant.train.global_batch = cfg.train.global_batch // accum
         variant.train.grad_accum_steps = 1
         return unrolled_cost(variant, devices)
 
     if units <= 5:
-        return {k: accum * v for k, v in cost(cfg.model.num_layers).items()}
+        return {k: accum * v for k, v in cost(cfg.model.num_layers - dense).items()}
     two, three = cost(2 * unit), cost(3 * unit)
     return {k: accum * (two[k] + (units - 2) * (three[k] - two[k])) for k in _COSTS}
 

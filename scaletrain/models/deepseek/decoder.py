@@ -1,7 +1,8 @@
 """The deepseek family's decoder: blocks of latent attention (mla.py), the first model.first_dense_layers of them
 with the SwiGLU MLP, stacked apart and run before the scanned stack, whose blocks have a mixture of experts (routed
-as model.router_* say: models/routing.py) plus model.shared_experts always-on experts. The dense first layers run beside the embedding, outside the layer
-stack a pipeline splits: every pipeline stage holds them (DeepSeek-V3 has 3 of 61)."""
+as model.router_* say: models/routing.py) plus model.shared_experts always-on experts. The dense first layers run
+beside the embedding, outside the layer stack a pipeline splits: every pipeline stage holds them (DeepSeek-V3 has
+3 of 61)."""
 
 from __future__ import annotations
 

@@ -80,7 +80,9 @@ def keys_in(hf: dict, source: str, refuse) -> dict[str, Any]:
             raise UserError(f"{source}: config.json has no {key}")
     given = {**DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
     keys = {ours: given[theirs] for theirs, ours in DEEPSEEK_KEYS}
+    # transformers' latent attention expands keys and values for every head, whatever num_key_value_heads says
     return keys | {"family": "deepseek", "head_dim": hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
+                   "num_kv_heads": hf["num_attention_heads"],
                    "q_lora_rank": hf.get("q_lora_rank") or 0, "shared_experts": given["n_shared_experts"],
                    "router_score": "sigmoid", "router_correction_bias": True, "rope_softmax_mscale": True,
                    "router_aux_loss": 0.0, "router_z_loss": 0.0}

@@ -30,7 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 from scaletrain.models import lora, quantize
 from scaletrain.models.layers import added, param
 from scaletrain.models.mixtral import unit as unit_lib
-from scaletrain.models.routing import Routing
+from scaletrain.models.routing import SOFTMAX, Routing
 from scaletrain.parallel.sharding import active_axes, active_device, constrain, local
 
 # Per-layer router statistics, summed over the batch (`router_stats`'s vector): the load-balancing loss (per
@@ -163,7 +163,7 @@ def _regather(prim, *_, **__) -> bool:
     return prim.name != "sharding_constraint"
 
 
-def route(h_td: jax.Array, router_de: jax.Array, k: int, routing: Routing = Routing(),
+def route(h_td: jax.Array, router_de: jax.Array, k: int, routing: Routing = SOFTMAX,
           bias_e: jax.Array | None = None, logit_bias_e: jax.Array | None = None):
     """(expert ids [T, k], their weights [T, k] - by default the softmax's top k renormalised to sum to 1, the
     softmax of the top k logits as GPT-OSS takes it (`routing`, models/routing.py: how else) -, the router's
@@ -198,7 +198,7 @@ def router_stats(top_e_btk: jax.Array, probs_bte: jax.Array, lse_bt: jax.Array, 
 def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], tensor_axes: tuple[str, ...],
                 ragged_transport: bool, quant: quantize.Quantization | None, batch_axes: tuple[str, ...] = (),
                 seq_axes: tuple[str, ...] = (), lora_scales: tuple[float | None, ...] = (None, None, None),
-                routing: Routing = Routing(), router_bias: bool = False, unit: unit_lib.Unit = unit_lib.SWIGLU,
+                routing: Routing = SOFTMAX, router_bias: bool = False, unit: unit_lib.Unit = unit_lib.SWIGLU,
                 router_logit_bias: bool = False, expert_bias: bool = False):
     """The block on one device's tokens and weights: h [b, t, d], router [d, E], the device's experts
     [E_l, d, f_l] and [E_l, f_l, d] -> (output [b, t, d], statistics [1, stats]). `quant`: the experts' matmuls'
