@@ -106,6 +106,7 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
 # The families, one line each (imported after the shared modules above, which a family imports).
 register(importlib.import_module("scaletrain.models.llama").FAMILY)
 register(importlib.import_module("scaletrain.models.mixtral").FAMILY)
+register(importlib.import_module("scaletrain.models.gemma").FAMILY)
 
 Llama = FAMILIES["llama"].decoder
 

@@ -27,9 +27,12 @@ def block_mask(q_segments_bt: jax.Array, k_segments_bs: jax.Array, q_index_t: ja
     return (causal & same_doc)[:, None, None, :, :]
 
 
-def dot_attention(q_btkgh, k_bskh, v_bskh, mask) -> jax.Array:
-    """softmax(q k^T) v per kv group, with a float32 softmax; q is already scaled."""
+def dot_attention(q_btkgh, k_bskh, v_bskh, mask, soft_cap: float = 0.0) -> jax.Array:
+    """softmax(q k^T) v per kv group, with a float32 softmax; q is already scaled. `soft_cap` > 0: the scores
+    capped to cap * tanh(score / cap) first (Gemma 2's model.attn_logit_softcap)."""
     logits = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    if soft_cap:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(q_btkgh.dtype)
     return jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
@@ -44,8 +47,9 @@ def blocked_attention(q_btkgh, k_bskh, v_bskh, segment_ids_bt, block: int, unrol
     of each query and key slot: context parallelism's layout) say otherwise. `shards`: the devices the queries
     are split over along the sequence (context parallelism); each step of the loop takes the next block of every
     shard, so each device works on its own queries (a loop over the blocks of the whole sequence would take them
-    from one device at a time). `cfg`: the model's, for its sliding window (block_mask)."""
+    from one device at a time). `cfg`: the model's, for its sliding window (block_mask) and soft cap."""
     t = q_btkgh.shape[1]
+    soft_cap = cfg.attn_logit_softcap if cfg is not None else 0.0
     k_segments_bs = segment_ids_bt if k_segments_bs is None else k_segments_bs
     index_t = jnp.arange(t) if index_t is None else index_t
 
@@ -55,7 +59,7 @@ def blocked_attention(q_btkgh, k_bskh, v_bskh, segment_ids_bt, block: int, unrol
     @jax.checkpoint
     def one(args):
         q, seg, q_index = args
-        return dot_attention(q, k_bskh, v_bskh, block_mask(seg, k_segments_bs, q_index, index_t, cfg))
+        return dot_attention(q, k_bskh, v_bskh, block_mask(seg, k_segments_bs, q_index, index_t, cfg), soft_cap)
 
     _, out = jax.lax.scan(lambda _, args: (None, one(args)), None,
                           (blocks(q_btkgh), blocks(segment_ids_bt), blocks(index_t[None])[:, 0]), unroll=unroll)
@@ -89,8 +93,8 @@ class Attention(nnx.Module):
                                               ("wo", (n, h, d), ("heads", "head_dim", "embed"), 2)):
             lora.base_scale(cfg, self, name, shape, logical, in_dims)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")
-            self.k_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")
+            self.q_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim", plus_one=cfg.norm_plus_one)
+            self.k_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim", plus_one=cfg.norm_plus_one)
 
     def _project_qkv(self, x_btd: jax.Array, norm, one_matmul: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Q, K and V of norm(x) (`norm` an RMSNorm, applied by its `project`). Split over `tensor`, they are
@@ -143,16 +147,19 @@ class Attention(nnx.Module):
 
     def _queries_keys_values(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array,
                              one_matmul: bool = True):
-        """Q (scaled by head_dim**-0.5), K and V of norm(x), Q and K rotated by RoPE: the input norm is applied
-        with the projection (model.norm)."""
+        """Q (scaled by head_dim**-0.5, or model.query_pre_attn_scalar**-0.5), K and V of norm(x), Q and K rotated
+        by RoPE (the layer kind's: models/window.py): the input norm is applied with the projection
+        (model.norm)."""
         cfg = self.cfg
         q_btnh, k_btkh, v_btkh = self._project_qkv(x_btd, norm, one_matmul)
         if cfg.qk_norm:
             q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
+        sin_bth, cos_bth = window.layer_rope(cfg, sin_bth, cos_bth)
         q_btnh = constrain(rope.apply(q_btnh, sin_bth, cos_bth), ("batch", "seq", "heads", "head_dim"))
         k_btkh = constrain(rope.apply(k_btkh, sin_bth, cos_bth), ("batch", "seq", "kv_heads", "head_dim"))
         v_btkh = constrain(v_btkh, ("batch", "seq", "kv_heads", "head_dim"))
-        return q_btnh * jnp.asarray(cfg.head_dim ** -0.5, x_btd.dtype), k_btkh, v_btkh
+        scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        return q_btnh * jnp.asarray(scale, x_btd.dtype), k_btkh, v_btkh
 
     def _out(self, out_btnh: jax.Array) -> jax.Array:
         out_btd = lora.delta(self.wo_lora, out_btnh, project(out_btnh, self.wo[...], in_dims=2, quant=self.quant))
@@ -183,7 +190,8 @@ class Attention(nnx.Module):
                                               cfg=cfg)
             else:
                 out_btkgh = dot_attention(q_btkgh, k_btkh, v_btkh,
-                                          block_mask(segment_ids_bt, k_segments_bt, index_t, index_t, cfg))
+                                          block_mask(segment_ids_bt, k_segments_bt, index_t, index_t, cfg),
+                                          cfg.attn_logit_softcap)
             out_btnh = checkpoint_name(out_btkgh.reshape(b, t, n, h), "attention_out")
         return self._out(out_btnh)
 
@@ -200,7 +208,8 @@ class Attention(nnx.Module):
         # Cache slots past the newest position hold zeros, or nothing yet: causality masks them.
         q_index, k_index = start + jnp.arange(t), jnp.arange(k_cache.shape[1])
         causal = (q_index[:, None] >= k_index[None, :]) & window.visible(self.cfg, q_index, k_index)
-        out_btkgh = dot_attention(q_btnh.reshape(b, t, k, n // k, h), k_cache, v_cache, causal[None, None, None])
+        out_btkgh = dot_attention(q_btnh.reshape(b, t, k, n // k, h), k_cache, v_cache, causal[None, None, None],
+                                  self.cfg.attn_logit_softcap)
         return self._out(out_btkgh.reshape(b, t, n, h)), (k_cache, v_cache)
 
     def _kv_beside_queries(self, k_btkh, v_btkh) -> tuple[jax.Array, jax.Array, str]:
@@ -256,10 +265,10 @@ class Attention(nnx.Module):
         by its kind (models/window.py)."""
         kernel = flash_attention.kernel_for(active_device())
         slides = window.sliding(self.cfg)
-        if slides is not False and not isinstance(kernel, flash_attention.Splash):
-            raise ConfigError("model.sliding_window with model.attention=flash runs splash attention's local mask "
-                              "(TPU, or interpreted on CPU); the GPU's Triton kernel takes no window: set "
-                              "model.attention=xla")
+        if (slides is not False or self.cfg.attn_logit_softcap) and not isinstance(kernel, flash_attention.Splash):
+            raise ConfigError("model.sliding_window or model.attn_logit_softcap with model.attention=flash runs "
+                              "splash attention (TPU, or interpreted on CPU); the GPU's Triton kernel takes no "
+                              "window and no soft cap: set model.attention=xla")
         def run(window_size: int) -> jax.Array:
             return self._flash_kernel(kernel, window_size, q_btnh, k_btkh, v_btkh, segment_ids_bt, order)
 
@@ -273,7 +282,8 @@ class Attention(nnx.Module):
         kv_logical = ("batch", "seq", kv_heads, "head_dim")
         q_logical = ("batch", "seq", "heads", "head_dim")
         if ways("seq") == 1:
-            return local(lambda q, k, v, seg: flash_attention.flash_attention(q, k, v, seg, kernel, window_size),
+            return local(lambda q, k, v, seg: flash_attention.flash_attention(q, k, v, seg, kernel, window_size,
+                                                                              self.cfg.attn_logit_softcap),
                          (q_logical, kv_logical, kv_logical, ("batch", "seq")), q_logical)(
                 q_btnh, k_btkh, v_btkh, segment_ids_bt)
         if not isinstance(kernel, flash_attention.Splash):
@@ -282,7 +292,7 @@ class Attention(nnx.Module):
         if order is None:  # the contiguous layout: each device's slots are in sequence order
             order = np.arange(q_btnh.shape[1], dtype=np.int32)
         splash = flash_attention.split_splash(q_btnh.shape[2] // ways("heads"), order, ways("seq"), kernel,
-                                              window_size)
+                                              window_size, self.cfg.attn_logit_softcap)
         kernel_spec = splash.manual_sharding_spec(placement((None, "seq")))
         axes, in_order = sharding.active_axes("seq"), np.argsort(order)
         return local(lambda splash, *qkv: flash_attention.split_attention(splash, axes, in_order, *qkv),

@@ -34,6 +34,12 @@ class Architecture:
     keys_in: Callable[[dict, str, Callable[[str], Exception]], dict] | None = None
     # The family's own config.json keys from the model section (written after the rope keys); none by default.
     keys_out: Callable[[Any], dict] | None = None
+    # Sliding-window layers: its config's sliding_window and layer_types are model keys (tools/hf_window.py).
+    windows: bool = False
+    # The activation its config names (hidden_act, or hidden_activation), which model.mlp_activation computes.
+    hidden_act: str = "silu"
+    # Its own reading of the rope settings, (hf, refuse) -> keys, where the shared one cannot (rope per layer kind).
+    rope_keys: Callable[[dict, Callable[[str], Exception]], dict] | None = None
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,14 @@ class ModelConfig:
     # Local/global attention layers (models/window.py)
     sliding_window: int = 0  # keys a sliding layer's query sees, itself included; 0: none
     layer_types: str = ""  # sliding|full, comma-separated, cycled over the layers; empty: every layer full
+    # Gemma's pieces (config_gemma.py)
+    rope_local_theta: float = 0.0  # > 0: the sliding layers' own RoPE base, unscaled
+    norm_plus_one: bool = False  # norm gains (1 + w), w from zero
+    embed_scale: bool = False  # embeddings times sqrt(d_model), rounded to the compute dtype
+    query_pre_attn_scalar: int = 0  # queries scaled by its -1/2; 0: head_dim's
+    mlp_activation: str = "silu"  # config_gemma.MLP_ACTIVATIONS: the gate's
+    attn_logit_softcap: float = 0.0  # > 0: attention scores capped to c tanh(s / c)
+    final_logit_softcap: float = 0.0  # > 0: output logits capped so
 
     @classmethod
     def from_config(cls, model_cfg: Mapping[str, Any] | None = None, **derived) -> "ModelConfig":
@@ -123,9 +131,11 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         weightless = cfg.norm_weights != "standard"
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm, weightless)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm, weightless,
+                                 plus_one=cfg.norm_plus_one)
         self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm, weightless)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm, weightless,
+                                plus_one=cfg.norm_plus_one)
         self.mlp = self.feed_forward(cfg, rngs)
 
     @staticmethod
@@ -161,7 +171,7 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = Embed(cfg.vocab_size, cfg.d_model, rngs, cfg.param_dtype, cfg.init_std)
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, rngs, cfg.param_dtype, cfg.init_std, cfg.embed_scale)
         unit = type(self).unit  # not self: the vmapped function must close over no module
 
         @nnx.split_rngs(splits=cfg.num_layers // self.unit_layers(cfg))
@@ -172,7 +182,8 @@ class Decoder(nnx.Module):
         self.layers = make_layers(rngs)
         # With tied embeddings the final norm's gain cannot be folded: the table also embeds the input.
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm,
-                                  cfg.norm_weights != "standard" and not cfg.tie_embeddings)
+                                  cfg.norm_weights != "standard" and not cfg.tie_embeddings,
+                                  plus_one=cfg.norm_plus_one)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype,
                                  cfg.init_std, quantize.for_group(cfg, "output"))
@@ -204,7 +215,7 @@ class Decoder(nnx.Module):
         joins its weights, so that each layer drops its own elements (models/lora.py)."""
         cfg = self.cfg
         x_btd = self.embed(tokens_bt, cfg.dtype)
-        sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies())
+        sin_bth, cos_bth = window.rope_tables(cfg, positions_bt)
         graphdef, stacked = nnx.split(self.layers)
         placed = functools.partial(_placed, cfg)
         extras = (sin_bth, cos_bth, segment_ids_bt)
@@ -266,7 +277,7 @@ class Decoder(nnx.Module):
         cfg = self.cfg
         x_btd = self.embed(tokens_bt, cfg.dtype)
         positions_bt = jnp.broadcast_to(start + jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
-        sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies())
+        sin_bth, cos_bth = window.rope_tables(cfg, positions_bt)
         graphdef, stacked = nnx.split(self.layers)
 
         def layer(x_btd, xs):
@@ -289,6 +300,9 @@ class Decoder(nnx.Module):
             logits = self.embed.attend(x_btd, quant)
         else:
             logits = project(x_btd, self.lm_head[...], out_dtype=jnp.float32, quant=quant)
+        if self.cfg.final_logit_softcap:  # Gemma 2's, in float32
+            cap = self.cfg.final_logit_softcap
+            logits = cap * jnp.tanh(logits / cap)
         return constrain(logits, ("batch", "seq", "vocab"))
 
 

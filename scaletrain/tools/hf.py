@@ -29,6 +29,7 @@ from scaletrain import models
 from scaletrain.errors import UserError
 from scaletrain.models.family import Architecture
 from scaletrain.store import storage
+from scaletrain.tools import hf_window
 from scaletrain.tools.hf_files import INDEX_FILE, SINGLE_FILE, Reader, read_json
 
 # rope_parameters / rope_scaling key -> model.* key, for rope_type llama3.
@@ -106,8 +107,8 @@ def model_keys(hf: dict, source: str) -> dict[str, Any]:
     def refuse(what: str) -> UserError:
         return UserError(f"{source}: {arch} with {what} is not supported (scaletrain's model has no such feature)")
 
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
+    act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+    if act != facts.hidden_act:
         raise refuse(f"hidden_act={act}")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
@@ -117,7 +118,7 @@ def model_keys(hf: dict, source: str) -> dict[str, Any]:
     if hf.get("use_sliding_window"):
         raise refuse("use_sliding_window=true (sliding-window attention)")
     other_layers = sorted({t for t in hf.get("layer_types") or () if t != "full_attention"})
-    if other_layers:
+    if other_layers and not facts.windows:
         raise refuse(f"layer_types {', '.join(map(str, other_layers))}")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if hf.get(key) is None:
@@ -126,7 +127,9 @@ def model_keys(hf: dict, source: str) -> dict[str, Any]:
     keys.setdefault("num_kv_heads", hf["num_attention_heads"])
     keys.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
     keys.setdefault("tie_embeddings", False)  # every supported architecture's default
-    keys |= _rope_keys(hf, refuse)
+    keys |= (facts.rope_keys or _rope_keys)(hf, refuse)
+    if facts.windows:  # sliding-window layers
+        keys |= hf_window.keys_in(hf, refuse)
     if facts.qk_norm:  # Qwen3 normalises q and k per head, with the model's eps
         keys |= {"qk_norm": True, "qk_norm_eps": keys.get("norm_eps", 1e-6)}
     if facts.keys_in:
@@ -156,7 +159,7 @@ def _rope_keys(hf: dict, refuse) -> dict[str, Any]:
     if any(isinstance(v, dict) for v in rope.values()):
         raise refuse("rope parameters per attention type")
     kind = rope.get("rope_type", rope.get("type")) or "default"
-    if kind not in ("default", "llama3"):
+    if kind not in ("default", "llama3", "linear"):
         raise refuse(f"rope_type {kind}")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}")
@@ -166,6 +169,8 @@ def _rope_keys(hf: dict, refuse) -> dict[str, Any]:
         if missing:
             raise refuse(f"rope_type llama3 without {', '.join(missing)}")
         keys |= {"rope_scaling": "llama3", **{ours: rope[theirs] for theirs, ours in LLAMA3_ROPE_KEYS}}
+    if kind == "linear":
+        keys |= {"rope_scaling": "linear", "rope_scaling_factor": rope["factor"]}
     return keys
 
 
@@ -187,10 +192,13 @@ def hf_config(model) -> dict:
     rope_scaling = None
     if model.rope_scaling == "llama3":
         rope_scaling = {"rope_type": "llama3", **{theirs: model[ours] for theirs, ours in LLAMA3_ROPE_KEYS}}
+    if model.rope_scaling == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": model.rope_scaling_factor}
     return {"architectures": [arch], "model_type": facts.model_type,
             **{theirs: model[ours] for theirs, ours in facts.config_keys},
-            "hidden_act": "silu", **dict.fromkeys(facts.bias_keys, False),
+            "hidden_act": facts.hidden_act, **dict.fromkeys(facts.bias_keys, False),
             "rope_theta": model.rope_theta, "rope_scaling": rope_scaling,
+            **(hf_window.keys_out(model) if facts.windows else {}),
             **(facts.keys_out(model) if facts.keys_out else {}), "dtype": model.param_dtype}
 
 
