@@ -16,7 +16,6 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from safetensors.numpy import load_file
 
 from scaletrain import config as config_lib
 from scaletrain import models as model_lib
@@ -26,6 +25,7 @@ from scaletrain.tools import hf, inference
 from scaletrain.tools.generate import generate_tokens
 from scaletrain.train import init_from
 from tests import equivalence
+from tests.test_hf import _assert_close, _assert_same_tensors
 
 VOCAB = 320  # at least the byte tokenizer's 259 ids (config.yaml names it: the models come without a tokenizer)
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -94,11 +94,6 @@ def converted(source, workdir):
     return get
 
 
-def _assert_close(got: np.ndarray, want: np.ndarray) -> None:
-    assert got.shape == want.shape
-    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), np.abs(got - want).max()
-
-
 def _scaletrain_logits(run: Path, tmp_path: Path, *overrides: str) -> np.ndarray:
     np.save(tmp_path / "tokens.npy", TOKENS)
     sets = [a for o in ("model.dtype=float32", *overrides) for a in ("--set", o)]
@@ -128,10 +123,6 @@ def test_logits_equal_transformers(name, attention, converted, source, tmp_path)
     _assert_close(_scaletrain_logits(converted(name), tmp_path, f"model.attention={attention}"), source(name)[1])
 
 
-def _tensors(folder: Path) -> dict[str, np.ndarray]:
-    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
-
-
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("kept", [True, False])
 def test_round_trip_is_bit_exact_and_loads_in_transformers(name, kept, converted, source, tmp_path):
@@ -143,10 +134,7 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(name, kept, converted
         shutil.copytree(converted(name), run, ignore=shutil.ignore_patterns(hf.HF_CONFIG))
     out = tmp_path / "out"
     assert main(["convert", "to-hf", "--run-dir", str(run), "--out", str(out)]) == 0
-    got, want = _tensors(out), _tensors(folder)
-    assert sorted(got) == sorted(want)
-    for key in got:
-        assert got[key].dtype == want[key].dtype and got[key].tobytes() == want[key].tobytes(), key
+    _assert_same_tensors(out, folder)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     if kept:
         assert (out / "config.json").read_bytes() == (folder / "config.json").read_bytes()

@@ -144,3 +144,20 @@ def test_a_runner_that_cannot_carry_the_window_is_refused(overrides, says):
     cfg = config.load(None, [*TRAINED, *overrides])
     with pytest.raises(ConfigError, match=says):
         checks.check(cfg, {a: int(cfg.mesh[a]) for a in config.MESH_AXES})
+
+
+def test_the_planner_counts_a_window_below_full_attention():
+    """Sliding layers' attention FLOPs: W - W (W - 1) / 2T keys a query instead of T / 2 (flash skips the rest);
+    XLA executes the full layers' work all the same."""
+    from scaletrain.facts import flops
+    from scaletrain.planner import roofline
+
+    full = config.load(None, ["data.seq_len=1024", "model.num_layers=4"])
+    local = config.load(None, ["data.seq_len=1024", "model.num_layers=4", "model.sliding_window=128",
+                               "model.layer_types=sliding,full"])
+    keys = flops.attention_keys(local.model, 1024)
+    assert keys == 2 * 512 + 2 * (128 - 128 * 127 / 2048) and flops.attention_keys(full.model, 1024) == 4 * 512
+    assert flops.attention_flops_per_token(local.model, 1024) == pytest.approx(
+        flops.attention_flops_per_token(full.model, 1024) * keys / 2048)
+    executed = [roofline.attention_pass(c) * flops.attention_flops_per_token(c.model, 1024) for c in (full, local)]
+    assert executed[0] == pytest.approx(executed[1])

@@ -12,7 +12,6 @@ from scaletrain.models import lora, quantize
 from scaletrain.models.layers import param, project
 from scaletrain.parallel.sharding import constrain, ways
 
-
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
