@@ -9,6 +9,9 @@ from scaletrain.config_window import sliding_layers
 from scaletrain.errors import ConfigError
 
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+# The keys, for what must refuse them where they are not off (tools/hf.py: an architecture without them).
+KEYS = ("rope_local_theta", "norm_plus_one", "embed_scale", "query_pre_attn_scalar", "mlp_activation",
+        "attn_logit_softcap", "final_logit_softcap")
 
 
 def check(m) -> None:

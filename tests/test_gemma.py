@@ -219,3 +219,7 @@ def test_a_model_gemma_cannot_hold_is_refused(converted, source, tmp_path, capsy
                                  "model.attn_logit_softcap=50", "model.qk_norm_eps=1e-5"])
     with pytest.raises(UserError, match="Gemma 3's attention has none"):
         hf.hf_config(cfg.model)
+    llama = config_lib.load(None, ["model.norm_plus_one=true", "model.final_logit_softcap=30"])
+    with pytest.raises(UserError, match="LlamaForCausalLM cannot represent model.norm_plus_one=True, "
+                                        "model.final_logit_softcap=30.0"):
+        hf.hf_config(llama.model)

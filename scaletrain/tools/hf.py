@@ -25,7 +25,7 @@ from etils import epath
 from safetensors.numpy import save_file
 
 from scaletrain import config as config_lib
-from scaletrain import models
+from scaletrain import config_gemma, models
 from scaletrain.errors import UserError
 from scaletrain.models.family import Architecture
 from scaletrain.store import storage
@@ -189,6 +189,11 @@ def hf_config(model) -> dict:
         raise UserError(f"model family {family.name} has no Hugging Face architecture to export to")
     arch = family.export(model)  # refuses what the family's architectures cannot represent
     facts = _arch(arch)
+    if not facts.windows:  # sliding windows and Gemma's pieces: only an architecture that reads them writes them
+        off = config_lib.defaults().model
+        kept = [f"model.{k}={model[k]}" for k in (*config_gemma.KEYS, "sliding_window") if model[k] != off[k]]
+        if kept:
+            raise UserError(f"{arch} cannot represent {', '.join(kept)} (model.family gemma exports Gemma)")
     rope_scaling = None
     if model.rope_scaling == "llama3":
         rope_scaling = {"rope_type": "llama3", **{theirs: model[ours] for theirs, ours in LLAMA3_ROPE_KEYS}}
