@@ -223,3 +223,26 @@ def test_a_model_gemma_cannot_hold_is_refused(converted, source, tmp_path, capsy
     with pytest.raises(UserError, match="LlamaForCausalLM cannot represent model.norm_plus_one=True, "
                                         "model.final_logit_softcap=30.0"):
         hf.hf_config(llama.model)
+
+
+def test_splash_with_a_window_and_a_soft_cap_compiles_for_tpu():
+    """Forward and backward of Gemma 3 27B's sliding layer attention on one v5p chip (4096 tokens, window 1024, 32
+    query heads sharing 16 kv heads of 128, bf16) with Gemma 2's soft cap, through Mosaic (not interpreted)."""
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from scaletrain.kernels import flash_attention as fa
+
+    device = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices[0]
+    kernel = fa.kernel_for(device)
+    sharding = NamedSharding(jax.sharding.Mesh(np.array([device]), ("d",)), PartitionSpec())
+    t = 4096
+    shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in ((1, t, 32, 128), (1, t, 16, 128),
+                                                                               (1, t, 16, 128))]
+    segments = jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=sharding)
+
+    def step(q, k, v, seg):
+        out, vjp = jax.vjp(lambda q, k, v: fa.flash_attention(q, k, v, seg, kernel, 1024, 50.0), q, k, v)
+        return out, vjp(out)
+
+    assert jax.jit(step).lower(*shapes, segments).compile().as_text().count("tpu_custom_call") >= 3
