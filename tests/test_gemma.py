@@ -228,18 +228,10 @@ def test_a_model_gemma_cannot_hold_is_refused(converted, source, tmp_path, capsy
 def test_splash_with_a_window_and_a_soft_cap_compiles_for_tpu():
     """Forward and backward of Gemma 3 27B's sliding layer attention on one v5p chip (4096 tokens, window 1024, 32
     query heads sharing 16 kv heads of 128, bf16) with Gemma 2's soft cap, through Mosaic (not interpreted)."""
-    from jax.experimental import topologies
-    from jax.sharding import NamedSharding, PartitionSpec
-
     from scaletrain.kernels import flash_attention as fa
+    from tests.test_flash_attention import tpu_operands
 
-    device = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices[0]
-    kernel = fa.kernel_for(device)
-    sharding = NamedSharding(jax.sharding.Mesh(np.array([device]), ("d",)), PartitionSpec())
-    t = 4096
-    shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in ((1, t, 32, 128), (1, t, 16, 128),
-                                                                               (1, t, 16, 128))]
-    segments = jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=sharding)
+    kernel, shapes, segments = tpu_operands("v5p:2x2x1", 4096, 32, 16)
 
     def step(q, k, v, seg):
         out, vjp = jax.vjp(lambda q, k, v: fa.flash_attention(q, k, v, seg, kernel, 1024, 50.0), q, k, v)
