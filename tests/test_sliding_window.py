@@ -1,7 +1,7 @@
 """Sliding-window attention layers (model.sliding_window, model.layer_types; models/window.py): a sliding layer's
 query sees exactly the keys of its window; every attention path - XLA blocked, the flash kernel (splash,
 interpreted), generate's KV cache - equals plain XLA attention with the window in a stack that mixes sliding and
-full layers; context parallelism (all-gather, XLA and splash) and a GPipe pipeline train like one device;
+full layers; context parallelism (all-gather, XLA and splash; XLA's ring) and a GPipe pipeline train like one device;
 what cannot take a window is refused with one error line."""
 
 import functools
@@ -104,6 +104,8 @@ MESHES = {
     "context=2 x fsdp=4, xla": (32, [], ["mesh.context=2", "mesh.fsdp=4"]),
     "context=2 x fsdp=2, flash": (256, ["model.attention=flash", "train.global_batch=2"],
                                   ["mesh.context=2", "mesh.fsdp=2"]),
+    "context=4 x fsdp=2, ring in tiles": (32, ["model.attention_block=4"], ["mesh.context=4", "mesh.fsdp=2",
+                                                                           "model.context_attention=ring"]),
     "pipeline=2 x fsdp=4, gpipe": (32, [], ["mesh.pipeline=2", "mesh.fsdp=4", "pipeline.microbatches=2"]),
 }
 
@@ -141,7 +143,10 @@ def test_a_window_the_layers_cannot_take_is_refused(overrides, says):
 @pytest.mark.parametrize("overrides, says", [
     (["mesh.pipeline=2", "pipeline.schedule=1f1b"], "does not carry the layers' indices"),
     (["mesh.pipeline=2", "pipeline.schedule=zero_bubble"], "does not carry the layers' indices"),
-    (["mesh.context=2", "model.context_attention=ring"], "use model.context_attention=allgather"),
+    (["mesh.context=2", "model.context_attention=ring", "model.attention=flash", "data.seq_len=512"],
+     "the splash ring's pass masks know no window"),
+    (["mesh.context=2", "model.context_attention=ring", "model.attn_logit_softcap=50"],
+     "the ring's passes do not cap their scores"),
 ])
 def test_a_runner_that_cannot_carry_the_window_is_refused(overrides, says):
     cfg = config.load(None, [*TRAINED, *overrides])

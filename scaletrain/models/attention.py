@@ -247,14 +247,18 @@ class Attention(nnx.Module):
         order_ct = (np.arange(t, dtype=np.int32) if order is None else order).reshape(shards, -1)
         block = self.cfg.attention_block
 
-        def attend(q_btnh, k_btkh, v_btkh, segments_bt):
+        slides = window.sliding(self.cfg)  # a traced kind enters the per-device code as an argument
+
+        def attend(q_btnh, k_btkh, v_btkh, segments_bt, slides):
             b, tl, n, h = q_btnh.shape
             q_btkgh = q_btnh.reshape(b, tl, k_btkh.shape[2], -1, h)
             out = ring_attention.ring_attention(q_btkgh, k_btkh, v_btkh, segments_bt, segments_bt, order_ct, axes,
-                                                block, self.cfg.unroll_loops)
+                                                block, self.cfg.unroll_loops, self.cfg.sliding_window, slides)
             return out.reshape(q_btnh.shape)
 
-        return local(attend, logical, q_logical)(q_btnh, k_btkh, v_btkh, segment_ids_bt)
+        if isinstance(slides, bool):
+            return local(lambda *a: attend(*a, slides), logical, q_logical)(q_btnh, k_btkh, v_btkh, segment_ids_bt)
+        return local(attend, (*logical, ()), q_logical)(q_btnh, k_btkh, v_btkh, segment_ids_bt, slides)
 
     def _flash(self, q_btnh, k_btkh, v_btkh, segment_ids_bt, order) -> jax.Array:
         """The flash kernel per device on its batch rows and heads (kernels/flash_attention.py). The kernel
