@@ -273,6 +273,7 @@ class Attention(nnx.Module):
             raise ConfigError("model.sliding_window or model.attn_logit_softcap with model.attention=flash runs "
                               "splash attention (TPU, or interpreted on CPU); the GPU's Triton kernel takes no "
                               "window and no soft cap: set model.attention=xla")
+
         def run(window_size: int) -> jax.Array:
             return self._flash_kernel(kernel, window_size, q_btnh, k_btkh, v_btkh, segment_ids_bt, order)
 
