@@ -18,7 +18,7 @@ import ml_collections
 import yaml
 from etils import epath
 
-from scaletrain import config_bounds, config_deepseek, config_gpt_oss, config_window, remat
+from scaletrain import config_bounds, config_deepseek, config_gemma, config_gpt_oss, config_window, remat
 from scaletrain.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "pipeline", "context", "tensor")
@@ -122,6 +122,14 @@ def defaults() -> ml_collections.ConfigDict:
                 "router_correction_bias": False,
                 "router_bias_update_rate": 0.0,
                 "shared_experts": 0,
+                # Gemma's pieces (config_gemma.py)
+                "rope_local_theta": 0.0,
+                "norm_plus_one": False,
+                "embed_scale": False,
+                "query_pre_attn_scalar": 0,
+                "mlp_activation": "silu",
+                "attn_logit_softcap": 0.0,
+                "final_logit_softcap": 0.0,
             },
             "data": {
                 "source": "stdlib",
@@ -193,7 +201,7 @@ def defaults() -> ml_collections.ConfigDict:
 _NULLABLE = {"hardware.peak_flops_per_device": float}
 
 CHOICES = {
-    "model.rope_scaling": ("none", "llama3", "yarn"),
+    "model.rope_scaling": ("none", "llama3", "yarn", "linear"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.dtype": ("float32", "bfloat16"),
     "model.attention": ATTENTIONS,
@@ -429,6 +437,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     config_deepseek.check(m)
     _check_quantization(m)
     config_window.check(m)
+    config_gemma.check(m)
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
     if cfg.train.global_batch % cfg.train.grad_accum_steps:

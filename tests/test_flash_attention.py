@@ -115,21 +115,26 @@ def test_remat_policies_see_the_kernels_residuals(policy, forward_kernels):
     assert found["calls"] == cfg.model.num_layers * (forward_kernels + 2)
 
 
-@pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"])
-def test_splash_compiles_for_tpu_at_llama3_8b_shapes(topology):
-    """Forward and backward of one device's attention in Llama-3-8B (8192 tokens, 32 query heads sharing 8 kv
-    heads of 128, bf16) with the generation's block sizes, through Mosaic (not interpreted)."""
+def tpu_operands(topology: str, t: int, n: int, kv: int):
+    """(The kernel for a chip of `topology`, abstract bf16 q [1, t, n, 128], k and v [1, t, kv, 128] and int32
+    segment ids [1, t] placed on that chip): what an ahead-of-time compile for it takes."""
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
     device = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[0]
-    kernel = fa.kernel_for(device)
-    assert kernel == fa.GENERATIONS[topology.split(":")[0]] and not kernel.interpret
     sharding = NamedSharding(jax.sharding.Mesh(np.array([device]), ("d",)), PartitionSpec())
+    qkv = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in ((1, t, n, 128), (1, t, kv, 128),
+                                                                            (1, t, kv, 128))]
+    return fa.kernel_for(device), qkv, jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=sharding)
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"])
+def test_splash_compiles_for_tpu_at_llama3_8b_shapes(topology):
+    """Forward and backward of one device's attention in Llama-3-8B (8192 tokens, 32 query heads sharing 8 kv
+    heads of 128, bf16) with the generation's block sizes, through Mosaic (not interpreted)."""
     t = 8192
-    shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in ((1, t, 32, 128), (1, t, 8, 128),
-                                                                               (1, t, 8, 128))]
-    segments = jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=sharding)
+    kernel, shapes, segments = tpu_operands(topology, t, 32, 8)
+    assert kernel == fa.GENERATIONS[topology.split(":")[0]] and not kernel.interpret
 
     def step(q, k, v, seg):
         out, vjp = jax.vjp(lambda q, k, v: fa.flash_attention(q, k, v, seg, kernel), q, k, v)

@@ -1,7 +1,7 @@
 """Sliding-window attention layers (model.sliding_window, model.layer_types; models/window.py): a sliding layer's
 query sees exactly the keys of its window; every attention path - XLA blocked, the flash kernel (splash,
 interpreted), generate's KV cache - equals plain XLA attention with the window in a stack that mixes sliding and
-full layers; context parallelism (all-gather, XLA and splash) and pipelines (GPipe, circular) train like one device;
+full layers; context parallelism (all-gather, XLA and splash; XLA's ring) and a GPipe pipeline train like one device;
 what cannot take a window is refused with one error line."""
 
 import functools
@@ -47,7 +47,7 @@ def _logits_and_grads(graphdef, params, t):
         logits = nnx.merge(graphdef, params)(tokens, positions, segments)
         return (logits * jnp.cos(jnp.arange(logits.size, dtype=jnp.float32)).reshape(logits.shape)).sum(), logits
 
-    (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
     return logits, grads
 
 
@@ -64,11 +64,10 @@ def test_a_sliding_layer_sees_exactly_its_window():
 
     def moved(position, **overrides):
         graphdef, params = _model(**(dict(num_layers=1, layer_types="sliding") | overrides))
-        model = nnx.merge(graphdef, params)
         tokens, positions = _inputs(32, 1)[:2]
-        segments = jnp.ones_like(tokens)
         changed = tokens.at[0, position].set((tokens[0, position] + 1) % 64)
-        return np.abs(model(changed, positions, segments)[0, q] - model(tokens, positions, segments)[0, q]).max()
+        logits = jax.jit(lambda t: nnx.merge(graphdef, params)(t, positions, jnp.ones_like(t))[0, q])
+        return np.abs(logits(changed) - logits(tokens)).max()
 
     assert moved(q - WINDOW + 1) > 1e-4 and moved(q - WINDOW) == 0
     assert moved(q - WINDOW, sliding_window=0, layer_types="") > 1e-4
@@ -99,19 +98,21 @@ def test_decoding_through_the_cache_is_the_argmax_of_the_forward_pass():
 
 
 STEPS = 4
-TRAINED = ["model.sliding_window=5", "model.layer_types=sliding,full", "model.num_layers=4"]
+TRAINED = ["model.sliding_window=5", "model.layer_types=sliding,full"]
 # (sequence, the model's overrides (the reference's too), the mesh's)
 MESHES = {
     "context=2 x fsdp=4, xla": (32, [], ["mesh.context=2", "mesh.fsdp=4"]),
+    "context=2 x fsdp=2, flash": (256, ["model.attention=flash", "train.global_batch=2"],
+                                  ["mesh.context=2", "mesh.fsdp=2"]),
+    "context=4 x fsdp=2, ring in tiles": (32, ["model.attention_block=4"], ["mesh.context=4", "mesh.fsdp=2",
+                                                                           "model.context_attention=ring"]),
     "pipeline=2 x fsdp=4, gpipe": (32, [], ["mesh.pipeline=2", "mesh.fsdp=4", "pipeline.microbatches=2"]),
-    "pipeline=2 x fsdp=4, circular": (32, [], ["mesh.pipeline=2", "mesh.fsdp=4", "pipeline.schedule=circular",
-                                               "pipeline.repeats=2", "pipeline.microbatches=2"]),
 }
 
 
 @functools.cache
-def _batches(seq_len: int) -> list[dict]:
-    it = data.BatchIterator(data.make_dataset(config.load(None, [f"data.seq_len={seq_len}"])), global_batch=8)
+def _batches(seq_len: int, rows: int) -> list[dict]:
+    it = data.BatchIterator(data.make_dataset(config.load(None, [f"data.seq_len={seq_len}"])), global_batch=rows)
     return [next(it) for _ in range(STEPS)]
 
 
@@ -119,8 +120,12 @@ def _batches(seq_len: int) -> list[dict]:
 def test_a_mesh_trains_like_one_device(mesh):
     seq_len, model, layout = MESHES[mesh]
     overrides = [f"data.seq_len={seq_len}", *TRAINED, *model]
-    batches = _batches(seq_len)
-    equivalence.assert_same(equivalence.run(batches, *overrides, *layout), equivalence.reference(batches, *overrides))
+    batches = _batches(seq_len, next((int(o.split("=")[1]) for o in model if o.startswith("train.global_batch=")), 8))
+    # Splash's blocks sum a row's keys in another order than one device's: one norm gain's Adam moment measured
+    # 1.01e-5 off in norm.
+    rtol = 2e-5 if "model.attention=flash" in model else 1e-5
+    equivalence.assert_same(equivalence.run(batches, *overrides, *layout), equivalence.reference(batches, *overrides),
+                            rtol)
 
 
 @pytest.mark.parametrize("overrides, says", [
@@ -138,9 +143,29 @@ def test_a_window_the_layers_cannot_take_is_refused(overrides, says):
 @pytest.mark.parametrize("overrides, says", [
     (["mesh.pipeline=2", "pipeline.schedule=1f1b"], "does not carry the layers' indices"),
     (["mesh.pipeline=2", "pipeline.schedule=zero_bubble"], "does not carry the layers' indices"),
-    (["mesh.context=2", "model.context_attention=ring"], "use model.context_attention=allgather"),
+    (["mesh.context=2", "model.context_attention=ring", "model.attention=flash", "data.seq_len=512"],
+     "the splash ring's pass masks know no window"),
+    (["mesh.context=2", "model.context_attention=ring", "model.attn_logit_softcap=50"],
+     "the ring's passes do not cap their scores"),
 ])
 def test_a_runner_that_cannot_carry_the_window_is_refused(overrides, says):
     cfg = config.load(None, [*TRAINED, *overrides])
     with pytest.raises(ConfigError, match=says):
         checks.check(cfg, {a: int(cfg.mesh[a]) for a in config.MESH_AXES})
+
+
+def test_the_planner_counts_a_window_below_full_attention():
+    """Sliding layers' attention FLOPs: W - W (W - 1) / 2T keys a query instead of T / 2 (flash skips the rest);
+    XLA executes the full layers' work all the same."""
+    from scaletrain.facts import flops
+    from scaletrain.planner import roofline
+
+    full = config.load(None, ["data.seq_len=1024", "model.num_layers=4"])
+    local = config.load(None, ["data.seq_len=1024", "model.num_layers=4", "model.sliding_window=128",
+                               "model.layer_types=sliding,full"])
+    keys = flops.attention_keys(local.model, 1024)
+    assert keys == 2 * 512 + 2 * (128 - 128 * 127 / 2048) and flops.attention_keys(full.model, 1024) == 4 * 512
+    assert flops.attention_flops_per_token(local.model, 1024) == pytest.approx(
+        flops.attention_flops_per_token(full.model, 1024) * keys / 2048)
+    executed = [roofline.attention_pass(c) * flops.attention_flops_per_token(c.model, 1024) for c in (full, local)]
+    assert executed[0] == pytest.approx(executed[1])

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import jax
 
 from scaletrain import models as model_lib
+from scaletrain.config_window import sliding_layers
 from scaletrain.models import lora, quantize
 from scaletrain.parallel.sharding import is_logical
 
@@ -106,10 +107,21 @@ def param_count(model_cfg) -> ParamCount:
     return ParamCount(embedding=size("embed"), **sizes, final_norm=size("final_norm"), lm_head=size("lm_head"))
 
 
+def attention_keys(m, seq_len: int) -> float:
+    """The keys a query meets, averaged over a sequence's positions and summed over the layers: T / 2 for a full
+    (causal) layer, W - W (W - 1) / 2T for a sliding layer whose window W is shorter than the sequence (the first W
+    positions see fewer) - model.sliding_window, model.layer_types."""
+    slides = int(sliding_layers(m.layer_types, m.num_layers).sum())
+    w = m.sliding_window
+    sliding = w - w * (w - 1) / (2 * seq_len) if 0 < w < seq_len else seq_len / 2
+    return (m.num_layers - slides) * seq_len / 2 + slides * sliding
+
+
 def attention_flops_per_token(m, seq_len: int) -> float:
-    """Training FLOPs of causal attention scores and values per token: 3 * (2 T N (H + H_v) L) / 2, H_v the
-    values' head size (latent attention's v_head_dim; else H: 6 T N H L)."""
-    return 3.0 * seq_len * m.num_heads * (m.head_dim + (m.v_head_dim or m.head_dim)) * m.num_layers
+    """Training FLOPs of causal attention scores and values per token: 3 * 2 N (H + H_v) x the keys a query
+    meets (attention_keys), H_v the values' head size (latent attention's v_head_dim; else H) - 6 T N H L without
+    sliding windows."""
+    return 6.0 * m.num_heads * (m.head_dim + (m.v_head_dim or m.head_dim)) * attention_keys(m, seq_len)
 
 
 def passes(m, reference: bool = False) -> int:

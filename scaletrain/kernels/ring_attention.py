@@ -20,6 +20,7 @@ Runs per device, inside jax.shard_map over the context axes (`axes`), on its loc
 
 from __future__ import annotations
 
+import copy
 from typing import Protocol
 
 import jax
@@ -32,9 +33,12 @@ from scaletrain.parallel import context
 _FLOOR = float(jnp.finfo(jnp.float32).min)
 
 
-def _mask(q_seg_bt, k_seg_bs, q_index_t, k_index_s):
-    """[b, t, 1, 1, s]: causal by sequence position, within a document."""
+def _mask(q_seg_bt, k_seg_bs, q_index_t, k_index_s, window: int = 0, slides=True):
+    """[b, t, 1, 1, s]: causal by sequence position, within a document; with `window` > 0, where `slides` (a bool,
+    or a traced one: the layer's kind), only the keys at positions > the query's - window."""
     causal = q_index_t[:, None] >= k_index_s[None, :]
+    if window:
+        causal = causal & ((q_index_t[:, None] - k_index_s[None, :] < window) | ~jnp.asarray(slides))
     return (causal[None] & (q_seg_bt[:, :, None] == k_seg_bs[:, None, :]))[:, :, None, None]
 
 
@@ -142,17 +146,27 @@ class XlaBlocks:
     """A block's work in XLA: `block` queries (dividing t; 0: t) per tile, so a pass's scores are [block, t] at a
     time; merged by the running maximum and sum. q [b, t, kv, g, h] (already scaled), k and v [b, t, kv, h].
     `order_ct`: [C, t] the sequence position of each slot of each device's shard (parallel/context.py's order,
-    by shard)."""
+    by shard). `window` > 0: a sliding window of that many keys where `slides` (models/window.py's: a bool, or
+    a traced one, which travels as the blocks' array)."""
     static_steps = False
-    arrays = ()
 
-    def __init__(self, order_ct: np.ndarray, axes: tuple[str, ...], block: int = 0, unroll: bool = False):
-        self.order_ct, self.axes, self.unroll = order_ct, axes, unroll
+    def __init__(self, order_ct: np.ndarray, axes: tuple[str, ...], block: int = 0, unroll: bool = False,
+                 window: int = 0, slides=True):
+        self.order_ct, self.axes, self.unroll, self.window = order_ct, axes, unroll, window
         t = order_ct.shape[1]
         self.block = block if 0 < block < t else t
+        self.arrays = () if isinstance(slides, bool) else (slides,)
+        self.slides = slides
 
     def bind(self, arrays):
-        return self
+        if not arrays:
+            return self
+        bound = copy.copy(self)
+        bound.slides = arrays[0]
+        return bound
+
+    def _mask(self, q_seg, k_seg, q_index, k_index):
+        return _mask(q_seg, k_seg, q_index, k_index, self.window, self.slides)
 
     def _tied(self, x, *known):
         """`known` passed through one barrier with `x`. The masks depend only on segment ids and positions, the
@@ -182,7 +196,7 @@ class XlaBlocks:
 
         def tile(_, args):
             (q, q_seg, q_index), (out, top, total) = args
-            logits = _scores(q, k, _mask(q_seg, k_seg, q_index, k_index))
+            logits = _scores(q, k, self._mask(q_seg, k_seg, q_index, k_index))
             new_top = jnp.maximum(top, logits.max(-1))
             probs = jnp.exp(logits - new_top[..., None]) * (logits > _FLOOR)
             rescale = jnp.exp(top - new_top)
@@ -213,7 +227,7 @@ class XlaBlocks:
 
         def tile(sums, args):
             (q, q_seg, q_index, lse, row, d_out), dq = args
-            mask = _mask(q_seg, k_seg, q_index, k_index)
+            mask = self._mask(q_seg, k_seg, q_index, k_index)
             probs = jnp.exp(_scores(q, k, mask) - lse[..., None]) * mask
             d_probs = jnp.einsum("btkgh,bskh->btkgs", d_out, v, preferred_element_type=jnp.float32)
             d_logits = probs * (d_probs - row[..., None])
@@ -231,10 +245,10 @@ class XlaBlocks:
 
 
 def ring_attention(q_btkgh, k_bskh, v_bskh, q_seg_bt, k_seg_bs, order_ct: np.ndarray, axes: tuple[str, ...],
-                   block: int = 0, unroll: bool = False, sinks_kg=None):
+                   block: int = 0, unroll: bool = False, sinks_kg=None, window: int = 0, slides=True):
     """The ring with XLA's blocks (`XlaBlocks`) on this device's shards: q [b, t, kv, g, h] already scaled.
     `unroll`: the loops unrolled (for XLA's cost estimate, which counts a loop's body once). `sinks_kg`: a sink
-    logit per query head [kv, g], or None."""
-    blocks = XlaBlocks(order_ct, axes, block, unroll)
+    logit per query head [kv, g], or None. `window`, `slides`: a sliding window (XlaBlocks')."""
+    blocks = XlaBlocks(order_ct, axes, block, unroll, window, slides)
     sinks = None if sinks_kg is None else sinks_kg[None, None]
     return ring(blocks, q_btkgh, k_bskh, v_bskh, q_seg_bt, k_seg_bs, len(order_ct), axes, unroll, sinks)

@@ -113,6 +113,7 @@ register(importlib.import_module("scaletrain.models.llama").FAMILY)
 register(importlib.import_module("scaletrain.models.mixtral").FAMILY)
 register(importlib.import_module("scaletrain.models.gpt_oss").FAMILY)
 register(importlib.import_module("scaletrain.models.deepseek").FAMILY)
+register(importlib.import_module("scaletrain.models.gemma").FAMILY)
 
 Llama = FAMILIES["llama"].decoder
 

@@ -27,10 +27,14 @@ def block_mask(q_segments_bt: jax.Array, k_segments_bs: jax.Array, q_index_t: ja
     return (causal & same_doc)[:, None, None, :, :]
 
 
-def dot_attention(q_btkgh, k_bskh, v_bskh, mask, sinks_kg: jax.Array | None = None) -> jax.Array:
-    """softmax(q k^T) v per kv group, with a float32 softmax; q is already scaled. `sinks_kg`: a logit per query
+def dot_attention(q_btkgh, k_bskh, v_bskh, mask, soft_cap: float = 0.0, sinks_kg: jax.Array | None = None
+                  ) -> jax.Array:
+    """softmax(q k^T) v per kv group, with a float32 softmax; q is already scaled. `soft_cap` > 0: the scores
+    capped to cap * tanh(score / cap) first (Gemma 2's model.attn_logit_softcap). `sinks_kg`: a logit per query
     head [kv, g] that joins each softmax's denominator as one more key without a value (model.attention_sinks)."""
     logits = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    if soft_cap:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     if sinks_kg is None:
         probs = jax.nn.softmax(logits, axis=-1).astype(q_btkgh.dtype)
@@ -49,8 +53,9 @@ def blocked_attention(q_btkgh, k_bskh, v_bskh, segment_ids_bt, block: int, unrol
     of each query and key slot: context parallelism's layout) say otherwise. `shards`: the devices the queries
     are split over along the sequence (context parallelism); each step of the loop takes the next block of every
     shard, so each device works on its own queries (a loop over the blocks of the whole sequence would take them
-    from one device at a time). `cfg`: the model's, for its sliding window (block_mask)."""
+    from one device at a time). `cfg`: the model's, for its sliding window (block_mask) and soft cap."""
     t = q_btkgh.shape[1]
+    soft_cap = cfg.attn_logit_softcap if cfg is not None else 0.0
     k_segments_bs = segment_ids_bt if k_segments_bs is None else k_segments_bs
     index_t = jnp.arange(t) if index_t is None else index_t
 
@@ -60,7 +65,8 @@ def blocked_attention(q_btkgh, k_bskh, v_bskh, segment_ids_bt, block: int, unrol
     @jax.checkpoint
     def one(args):
         q, seg, q_index = args
-        return dot_attention(q, k_bskh, v_bskh, block_mask(seg, k_segments_bs, q_index, index_t, cfg), sinks_kg)
+        return dot_attention(q, k_bskh, v_bskh, block_mask(seg, k_segments_bs, q_index, index_t, cfg), soft_cap,
+                             sinks_kg)
 
     _, out = jax.lax.scan(lambda _, args: (None, one(args)), None,
                           (blocks(q_btkgh), blocks(segment_ids_bt), blocks(index_t[None])[:, 0]), unroll=unroll)
@@ -94,8 +100,8 @@ class Attention(nnx.Module):
                                               ("wo", (n, h, d), ("heads", "head_dim", "embed"), 2)):
             lora.base_scale(cfg, self, name, shape, logical, in_dims)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")
-            self.k_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim")
+            self.q_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim", plus_one=cfg.norm_plus_one)
+            self.k_norm = RMSNorm(h, cfg.qk_norm_eps, pd, axis="head_dim", plus_one=cfg.norm_plus_one)
         if cfg.attention_bias:
             for name, shape, logical in (("bq", (n, h), ("heads", "head_dim")),
                                          ("bk", (k, h), ("kv_heads", "head_dim")),
@@ -162,8 +168,9 @@ class Attention(nnx.Module):
 
     def _queries_keys_values(self, x_btd: jax.Array, norm, sin_bth: jax.Array, cos_bth: jax.Array,
                              one_matmul: bool = True):
-        """Q (scaled by ModelConfig.softmax_scale: head_dim**-0.5, or YaRN's), K and V of norm(x), Q and K rotated
-        by RoPE: the input norm is applied with the projection (model.norm)."""
+        """Q (scaled by ModelConfig.softmax_scale: head_dim**-0.5 or model.query_pre_attn_scalar**-0.5, or YaRN's),
+        K and V of norm(x), Q and K rotated by RoPE (the layer kind's: models/window.py): the input norm is applied
+        with the projection (model.norm)."""
         cfg = self.cfg
         q_btnh, k_btkh, v_btkh = self._project_qkv(x_btd, norm, one_matmul)
         if cfg.attention_bias:
@@ -171,6 +178,7 @@ class Attention(nnx.Module):
                                                                               (v_btkh, self.bv)))
         if cfg.qk_norm:
             q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
+        sin_bth, cos_bth = window.layer_rope(cfg, sin_bth, cos_bth)
         q_btnh = constrain(rope.apply(q_btnh, sin_bth, cos_bth), ("batch", "seq", "heads", "head_dim"))
         k_btkh = constrain(rope.apply(k_btkh, sin_bth, cos_bth), ("batch", "seq", "kv_heads", "head_dim"))
         v_btkh = constrain(v_btkh, ("batch", "seq", "kv_heads", "head_dim"))
@@ -208,7 +216,7 @@ class Attention(nnx.Module):
             else:
                 out_btkgh = dot_attention(q_btkgh, k_btkh, v_btkh,
                                           block_mask(segment_ids_bt, k_segments_bt, index_t, index_t, cfg),
-                                          self._sinks(k))
+                                          cfg.attn_logit_softcap, self._sinks(k))
             out_btnh = checkpoint_name(out_btkgh.reshape(b, t, n, -1), "attention_out")  # V's head size
         return self._out(out_btnh)
 
@@ -226,7 +234,7 @@ class Attention(nnx.Module):
         q_index, k_index = start + jnp.arange(t), jnp.arange(k_cache.shape[1])
         causal = (q_index[:, None] >= k_index[None, :]) & window.visible(self.cfg, q_index, k_index)
         out_btkgh = dot_attention(q_btnh.reshape(b, t, k, n // k, h), k_cache, v_cache, causal[None, None, None],
-                                  self._sinks(k))
+                                  self.cfg.attn_logit_softcap, self._sinks(k))
         return self._out(out_btkgh.reshape(b, t, n, -1)), (k_cache, v_cache)
 
     def _kv_beside_queries(self, k_btkh, v_btkh) -> tuple[jax.Array, jax.Array, str]:
@@ -266,15 +274,21 @@ class Attention(nnx.Module):
         order_ct = (np.arange(t, dtype=np.int32) if order is None else order).reshape(shards, -1)
         block = self.cfg.attention_block
 
-        def attend(q_btnh, k_btkh, v_btkh, segments_bt, sinks_n):
+        slides = window.sliding(self.cfg)  # a traced kind enters the per-device code as an argument
+
+        def attend(q_btnh, k_btkh, v_btkh, segments_bt, sinks_n, slides):
             b, tl, n, h = q_btnh.shape
             q_btkgh = q_btnh.reshape(b, tl, k_btkh.shape[2], -1, h)
             out = ring_attention.ring_attention(q_btkgh, k_btkh, v_btkh, segments_bt, segments_bt, order_ct, axes,
                                                 block, self.cfg.unroll_loops,
-                                                None if sinks_n is None else sinks_n.reshape(q_btkgh.shape[2:4]))
+                                                None if sinks_n is None else sinks_n.reshape(q_btkgh.shape[2:4]),
+                                                self.cfg.sliding_window, slides)
             return out.reshape(q_btnh.shape)
 
-        return local(attend, logical, q_logical)(q_btnh, k_btkh, v_btkh, segment_ids_bt, sinks_n)
+        if isinstance(slides, bool):
+            return local(lambda *a: attend(*a, slides), logical, q_logical)(q_btnh, k_btkh, v_btkh, segment_ids_bt,
+                                                                            sinks_n)
+        return local(attend, (*logical, ()), q_logical)(q_btnh, k_btkh, v_btkh, segment_ids_bt, sinks_n, slides)
 
     def _flash(self, q_btnh, k_btkh, v_btkh, segment_ids_bt, order) -> jax.Array:
         """The flash kernel per device on its batch rows and heads (kernels/flash_attention.py). The kernel
@@ -285,10 +299,10 @@ class Attention(nnx.Module):
         by its kind (models/window.py)."""
         kernel = flash_attention.kernel_for(active_device())
         slides = window.sliding(self.cfg)
-        if slides is not False and not isinstance(kernel, flash_attention.Splash):
-            raise ConfigError("model.sliding_window with model.attention=flash runs splash attention's local mask "
-                              "(TPU, or interpreted on CPU); the GPU's Triton kernel takes no window: set "
-                              "model.attention=xla")
+        if (slides is not False or self.cfg.attn_logit_softcap) and not isinstance(kernel, flash_attention.Splash):
+            raise ConfigError("model.sliding_window or model.attn_logit_softcap with model.attention=flash runs "
+                              "splash attention (TPU, or interpreted on CPU); the GPU's Triton kernel takes no "
+                              "window and no soft cap: set model.attention=xla")
         if self.cfg.attention_sinks and not isinstance(kernel, flash_attention.Splash):
             raise ConfigError("model.attention_sinks=true with model.attention=flash runs splash attention (TPU, or "
                               "interpreted on CPU), whose log-sum-exp takes the sinks; on a GPU set "
@@ -309,7 +323,7 @@ class Attention(nnx.Module):
         sinks_n = self._sinks()  # None without them: an empty argument of the shard_maps below
         if ways("seq") == 1:
             return local(lambda q, k, v, seg, sinks: flash_attention.flash_attention(
-                q, k, v, seg, kernel, window_size, sinks_n=sinks),
+                q, k, v, seg, kernel, window_size, self.cfg.attn_logit_softcap, sinks_n=sinks),
                 (q_logical, kv_logical, kv_logical, ("batch", "seq"), ("heads",)), q_logical)(
                 q_btnh, k_btkh, v_btkh, segment_ids_bt, sinks_n)
         if not isinstance(kernel, flash_attention.Splash):
@@ -318,7 +332,7 @@ class Attention(nnx.Module):
         if order is None:  # the contiguous layout: each device's slots are in sequence order
             order = np.arange(q_btnh.shape[1], dtype=np.int32)
         splash = flash_attention.split_splash(q_btnh.shape[2] // ways("heads"), order, ways("seq"), kernel,
-                                              window_size, sinks=sinks_n is not None)
+                                              window_size, self.cfg.attn_logit_softcap, sinks=sinks_n is not None)
         kernel_spec = splash.manual_sharding_spec(placement((None, "seq")))
         axes, in_order = sharding.active_axes("seq"), np.argsort(order)
         return local(lambda splash, *qkv: flash_attention.split_attention(splash, axes, in_order, *qkv),

@@ -60,6 +60,13 @@ class Architecture:
     # skipped(config.json) -> whether a tensor name of the checkpoint is skipped on import (transformers' own
     # unexpected keys: DeepSeek's multi-token prediction layer); none by default.
     skipped: Callable[[dict], Callable[[str], bool]] | None = None
+    # The activation its config names (hidden_act, or hidden_activation), which model.mlp_activation computes.
+    hidden_act: str = "silu"
+    # Its own reading of the rope settings, (hf, refuse) -> keys, where the shared one cannot (rope per layer kind).
+    rope_keys: Callable[[dict, Callable[[str], Exception]], dict] | None = None
+    # model.* keys only its config.json represents (its keys_in sets them, its keys_out writes them): an
+    # architecture without one refuses a model that has it off its default (Gemma's pieces).
+    own_keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

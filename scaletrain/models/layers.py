@@ -71,14 +71,18 @@ class RMSNorm(nnx.Module):
     one Pallas kernel (kernels/norm_matmul.py)."""
 
     def __init__(self, dim: int, eps: float, param_dtype, mode: str = "standard", weightless: bool = False,
-                 axis: str = "embed"):
+                 axis: str = "embed", plus_one: bool = False):
         assert mode in NORMS, mode
-        self.eps, self.mode, self.dim = eps, mode, dim
-        # Weightless: the gain lives in the following weights (folded), so the norm has none.
-        self.scale = None if weightless else ones((dim,), (axis,), param_dtype)
+        self.eps, self.mode, self.dim, self.plus_one = eps, mode, dim, plus_one
+        # Weightless: the gain lives in the following weights (folded), so the norm has none. `plus_one`
+        # (Gemma's): the gain is 1 + w, w stored from zero, the sum taken in float32.
+        self.scale = None if weightless else nnx.Param(jnp.full((dim,), 0.0 if plus_one else 1.0, param_dtype),
+                                                       out_sharding=(axis,))
 
     def _gain(self) -> jax.Array:
-        return jnp.ones((self.dim,), jnp.float32) if self.scale is None else self.scale[...]
+        if self.scale is None:
+            return jnp.ones((self.dim,), jnp.float32)
+        return 1.0 + self.scale[...].astype(jnp.float32) if self.plus_one else self.scale[...]
 
     def _inv_rms(self, x_btd: jax.Array) -> jax.Array:
         x = x_btd.astype(jnp.float32)
@@ -88,7 +92,7 @@ class RMSNorm(nnx.Module):
         """x * g in x's dtype: what the deferred projections multiply (x itself with folded weights)."""
         if self.scale is None:
             return x_btd
-        return (x_btd.astype(jnp.float32) * self.scale[...].astype(jnp.float32)).astype(x_btd.dtype)
+        return (x_btd.astype(jnp.float32) * self._gain().astype(jnp.float32)).astype(x_btd.dtype)
 
     def project_unscaled(self, x_btd: jax.Array, w: jax.Array, quant: Quantization | None = None) -> jax.Array:
         """(x * g) @ w in float32: the projection of RMSNorm(x) before its rows are scaled by 1/rms(x). With
@@ -137,8 +141,10 @@ class RMSNorm(nnx.Module):
 
 
 class Embed(nnx.Module):
-    def __init__(self, vocab: int, dim: int, rngs: nnx.Rngs, param_dtype, std: float):
+    def __init__(self, vocab: int, dim: int, rngs: nnx.Rngs, param_dtype, std: float, scale: bool = False):
         self.table = param(rngs, (vocab, dim), ("vocab", "embed"), param_dtype, std)
+        # Gemma's: embeddings times sqrt(dim), the factor rounded to the compute dtype first as Hugging Face's is.
+        self.scale = math.sqrt(dim) if scale else None
 
     def __call__(self, tokens_bt: jax.Array, dtype) -> jax.Array:
         table = self.table[...].astype(dtype)
@@ -148,6 +154,8 @@ class Embed(nnx.Module):
             # every device. Gathered whole first, as FSDP gathers any weight its matmul reads.
             table = constrain(table, ("vocab", None))
         x_btd = jnp.take(table, tokens_bt, axis=0)
+        if self.scale is not None:
+            x_btd = x_btd * jnp.asarray(self.scale, dtype)
         return constrain(x_btd, ("batch", "residual_seq", "embed"))
 
     def attend(self, x_btd: jax.Array, quant: Quantization | None = None) -> jax.Array:

@@ -1,4 +1,5 @@
-"""The SwiGLU feed-forward block: down(silu(x W_gate) * (x W_up))."""
+"""The gated feed-forward block: down(act(x W_gate) * (x W_up)) - SwiGLU (act silu), or GeGLU with the tanh
+GELU (model.mlp_activation gelu_tanh: Gemma's)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from scaletrain.models import lora, quantize
 from scaletrain.models.layers import param, project
 from scaletrain.parallel.sharding import constrain, ways
 
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
 
 class MLP(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         d, f, pd = cfg.d_model, cfg.d_ff, cfg.param_dtype
+        self.activation = cfg.mlp_activation
         self.quant = quantize.for_group(cfg, "mlp")
         self.w_gate = param(rngs, (d, f), ("embed", "mlp"), pd, cfg.init_std, self.quant)
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), pd, cfg.init_std, self.quant)
@@ -47,6 +51,6 @@ class MLP(nnx.Module):
             gate_btf = lora.delta(self.w_gate_lora, normed, gate_btf)
             up_btf = lora.delta(self.w_up_lora, normed, up_btf)
         gate_btf, up_btf = checkpoint_name(gate_btf, "mlp_gate"), checkpoint_name(up_btf, "mlp_up")
-        h_btf = constrain(jax.nn.silu(gate_btf) * up_btf, ("batch", "seq", "mlp"))
+        h_btf = constrain(ACTIVATIONS[self.activation](gate_btf) * up_btf, ("batch", "seq", "mlp"))
         out_btd = lora.delta(self.w_down_lora, h_btf, project(h_btf, self.w_down[...], quant=self.quant))
         return checkpoint_name(constrain(out_btd, ("batch", "residual_seq", "embed")), "mlp_out")

@@ -1,4 +1,4 @@
-"""Rotary position embeddings, with Llama-3 or YaRN frequency scaling.
+"""Rotary position embeddings, with Llama-3, YaRN or linear frequency scaling.
 
 Rotate-half convention (as in the Hugging Face Llama): the first and second halves of each head are the
 pair's two coordinates.
@@ -22,6 +22,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: str = "none", fact
         return inv_freq.astype(np.float32)
     if scaling == "yarn":
         return _yarn(inv_freq, head_dim, theta, factor, original_max_position, yarn or Yarn())
+    if scaling == "linear":  # positions divided by `factor` (Gemma 3's global layers)
+        return (inv_freq / factor).astype(np.float32)
     # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
     wavelen = 2 * math.pi / inv_freq
     low_freq_wavelen = original_max_position / low_freq_factor

@@ -116,6 +116,14 @@ class ModelConfig:
     router_correction_bias: bool = False  # a per-expert bias added to the scores for selection only
     router_bias_update_rate: float = 0.0  # aux-loss-free balancing: the bias' step per update
     shared_experts: int = 0  # always-on experts, one SwiGLU of shared_experts x the experts' width
+    # Gemma's pieces (config_gemma.py)
+    rope_local_theta: float = 0.0  # > 0: the sliding layers' own RoPE base, unscaled
+    norm_plus_one: bool = False  # norm gains (1 + w), w from zero
+    embed_scale: bool = False  # embeddings times sqrt(d_model), rounded to the compute dtype
+    query_pre_attn_scalar: int = 0  # queries scaled by its -1/2; 0: head_dim's
+    mlp_activation: str = "silu"  # config_gemma.MLP_ACTIVATIONS: the gate's
+    attn_logit_softcap: float = 0.0  # > 0: attention scores capped to c tanh(s / c)
+    final_logit_softcap: float = 0.0  # > 0: output logits capped so
 
     @classmethod
     def from_config(cls, model_cfg: Mapping[str, Any] | None = None, **derived) -> "ModelConfig":
@@ -169,9 +177,9 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """What q is multiplied by before q k^T: head_dim**-0.5, times YaRN's mscale(factor, mscale_all_dim)**2
-        where it goes there (model.rope_softmax_mscale: DeepSeek's)."""
-        scale = self.head_dim ** -0.5
+        """What q is multiplied by before q k^T: head_dim**-0.5 (model.query_pre_attn_scalar**-0.5 where set),
+        times YaRN's mscale(factor, mscale_all_dim)**2 where it goes there (model.rope_softmax_mscale: DeepSeek's)."""
+        scale = (self.query_pre_attn_scalar or self.head_dim) ** -0.5
         if self.rope_scaling == "yarn" and self.rope_softmax_mscale and self.rope_mscale_all_dim:
             scale *= rope.yarn_mscale(self.rope_scaling_factor, self.rope_mscale_all_dim) ** 2
         return scale
@@ -184,9 +192,11 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         weightless = cfg.norm_weights != "standard"
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm, weightless)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm, weightless,
+                                 plus_one=cfg.norm_plus_one)
         self.attn = self.attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm, weightless)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm, weightless,
+                                plus_one=cfg.norm_plus_one)
         self.mlp = self.feed_forward(cfg, rngs)
 
     @staticmethod
@@ -226,7 +236,7 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = Embed(cfg.vocab_size, cfg.d_model, rngs, cfg.param_dtype, cfg.init_std)
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, rngs, cfg.param_dtype, cfg.init_std, cfg.embed_scale)
         unit = type(self).unit  # not self: the vmapped function must close over no module
 
         @nnx.split_rngs(splits=cfg.stack_layers // self.unit_layers(cfg))
@@ -237,7 +247,8 @@ class Decoder(nnx.Module):
         self.layers = make_layers(rngs)
         # With tied embeddings the final norm's gain cannot be folded: the table also embeds the input.
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm,
-                                  cfg.norm_weights != "standard" and not cfg.tie_embeddings)
+                                  cfg.norm_weights != "standard" and not cfg.tie_embeddings,
+                                  plus_one=cfg.norm_plus_one)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype,
                                  cfg.init_std, quantize.for_group(cfg, "output"))
@@ -269,7 +280,7 @@ class Decoder(nnx.Module):
         joins its weights, so that each layer drops its own elements (models/lora.py)."""
         cfg = self.cfg
         x_btd = self.embed(tokens_bt, cfg.dtype)
-        sin_bth, cos_bth = rope.sin_cos(positions_bt, cfg.inverse_frequencies(), cfg.rope_scale)
+        sin_bth, cos_bth = window.rope_tables(cfg, positions_bt)
         graphdef, stacked = nnx.split(self.layers)
         placed = functools.partial(_placed, cfg)
         extras = (sin_bth, cos_bth, segment_ids_bt)
@@ -344,7 +355,7 @@ class Decoder(nnx.Module):
         cfg = self.cfg
         x_btd = self.embed(tokens_bt, cfg.dtype)
         positions_bt = jnp.broadcast_to(start + jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
-        return x_btd, *rope.sin_cos(positions_bt, cfg.inverse_frequencies(), cfg.rope_scale)
+        return x_btd, *window.rope_tables(cfg, positions_bt)
 
     def logits(self, x_btd: jax.Array) -> jax.Array:
         """float32 logits [b, t, vocab] of `hidden`'s stream, or of any block of its positions."""
@@ -356,6 +367,9 @@ class Decoder(nnx.Module):
             logits = self.embed.attend(x_btd, quant)
         else:
             logits = project(x_btd, self.lm_head[...], out_dtype=jnp.float32, quant=quant)
+        if self.cfg.final_logit_softcap:  # Gemma 2's, in float32
+            cap = self.cfg.final_logit_softcap
+            logits = cap * jnp.tanh(logits / cap)
         return constrain(logits, ("batch", "seq", "vocab"))
 
 

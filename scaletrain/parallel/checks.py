@@ -144,8 +144,8 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
 
 
 def _window_problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
-    """Sliding-window layers (models/window.py): the runners that do not carry each layer's index, and the ring
-    schedule, whose passes' masks know no window."""
+    """Sliding-window layers (models/window.py): the runners that do not carry each layer's index, and the splash
+    ring, whose passes' masks know no window; soft-capped scores, which no ring caps."""
     m, out = cfg.model, []
     slides = sliding_layers(m.layer_types, m.num_layers)
     schedule = cfg.pipeline.schedule
@@ -153,9 +153,14 @@ def _window_problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
         out.append(f"model.layer_types='{m.layer_types}' mixes sliding and full layers, with pipeline.schedule="
                    f"{schedule}: its program takes each layer's vjp itself and does not carry the layers' indices "
                    f"(their kinds); use pipeline.schedule=gpipe or circular")
-    if m.sliding_window and axis_sizes["context"] > 1 and m.context_attention == "ring":
-        out.append("model.sliding_window with model.context_attention=ring: the ring's passes mask causally "
-                   "only; use model.context_attention=allgather")
+    if axis_sizes["context"] > 1 and m.context_attention == "ring":
+        if m.sliding_window and m.attention == "flash":
+            out.append("model.sliding_window with model.context_attention=ring and model.attention=flash: the "
+                       "splash ring's pass masks know no window; use model.attention=xla (its ring takes the "
+                       "window) or model.context_attention=allgather")
+        if m.attn_logit_softcap:
+            out.append("model.attn_logit_softcap with model.context_attention=ring: the ring's passes do not cap "
+                       "their scores; use model.context_attention=allgather")
     return out
 
 

@@ -68,10 +68,13 @@ ATTENTION_PASSES = {"xla": (2.0, 4.0), "flash": (1.0, 2.5)}
 
 
 def attention_pass(cfg, chip: str | None = None) -> float:
-    """One forward pass of attention as executed, in causal forwards: 2 for XLA; for flash 1 + (a key block)/T,
-    the diagonal blocks computed whole (the kernel's blocks on `chip`, kernels/flash_attention.py)."""
+    """One forward pass of attention as executed, in causal forwards: 2 for XLA (times the full layers' keys over
+    those a sliding window leaves: XLA computes every key, masked or not); for flash 1 + (a key block)/T, the
+    diagonal blocks computed whole (the kernel's blocks on `chip`, kernels/flash_attention.py) - with a sliding
+    window the band's other edge adds about as much again, not counted."""
     if cfg.model.attention == "xla":
-        return ATTENTION_PASSES["xla"][0]
+        m, seq = cfg.model, cfg.data.seq_len
+        return ATTENTION_PASSES["xla"][0] * m.num_layers * seq / 2 / flops.attention_keys(m, seq)
     _, _, block_kv = flash_attention.splash_blocks(cfg.data.seq_len, flash_attention.splash_for(chip))
     return 1.0 + block_kv / cfg.data.seq_len
 

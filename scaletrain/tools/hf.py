@@ -130,8 +130,8 @@ def model_keys(hf: dict, source: str) -> dict[str, Any]:
     def refuse(what: str) -> UserError:
         return UserError(f"{source}: {arch} with {what} is not supported (scaletrain's model has no such feature)")
 
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
+    act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+    if act != facts.hidden_act:
         raise refuse(f"hidden_act={act}")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key) and not facts.features.get(key):
@@ -150,11 +150,11 @@ def model_keys(hf: dict, source: str) -> dict[str, Any]:
     keys.setdefault("num_kv_heads", hf["num_attention_heads"])
     keys.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
     keys.setdefault("tie_embeddings", False)  # every supported architecture's default
-    keys |= _rope_keys(hf, refuse)
-    if facts.qk_norm:  # Qwen3 normalises q and k per head, with the model's eps
-        keys |= {"qk_norm": True, "qk_norm_eps": keys.get("norm_eps", 1e-6)}
+    keys |= (facts.rope_keys or _rope_keys)(hf, refuse)
     if facts.windows:  # sliding-window layers
         keys |= hf_window.keys_in(hf, refuse)
+    if facts.qk_norm:  # Qwen3 normalises q and k per head, with the model's eps
+        keys |= {"qk_norm": True, "qk_norm_eps": keys.get("norm_eps", 1e-6)}
     if facts.keys_in:
         keys |= facts.keys_in(hf, source, refuse)
     return keys | dict(facts.features)
@@ -182,7 +182,7 @@ def _rope_keys(hf: dict, refuse) -> dict[str, Any]:
     if any(isinstance(v, dict) for v in rope.values()):
         raise refuse("rope parameters per attention type")
     kind = rope.get("rope_type", rope.get("type")) or "default"
-    if kind not in ("default", "llama3", "yarn"):
+    if kind not in ("default", "llama3", "yarn", "linear"):
         raise refuse(f"rope_type {kind}")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}")
@@ -198,6 +198,8 @@ def _rope_keys(hf: dict, refuse) -> dict[str, Any]:
         # transformers reads an unset (null) one as its default, as the model.* defaults are
         keys |= {"rope_scaling": "yarn", **{ours: rope[theirs] for theirs, ours in YARN_ROPE_KEYS
                                             if rope.get(theirs) is not None}}
+    if kind == "linear":
+        keys |= {"rope_scaling": "linear", "rope_scaling_factor": rope["factor"]}
     return keys
 
 
@@ -220,15 +222,22 @@ def hf_config(model) -> dict:
     if model.sliding_window and not facts.windows:
         raise UserError(f"model.sliding_window={model.sliding_window}: Hugging Face's {arch} has no sliding-window "
                         f"layers")
+    off = config_lib.defaults().model  # another architecture's own keys (Gemma's pieces) at their defaults
+    kept = [f"model.{key}={model[key]}" for _, other in models.architectures().values() for key in other.own_keys
+            if key not in facts.own_keys and model[key] != off[key]]
+    if kept:
+        raise UserError(f"Hugging Face's {arch} cannot represent {', '.join(kept)}")
     rope_scaling = None
     if model.rope_scaling == "llama3":
         rope_scaling = {"rope_type": "llama3", **{theirs: model[ours] for theirs, ours in LLAMA3_ROPE_KEYS}}
     if model.rope_scaling == "yarn":  # the unset (0) magnitudes left out, as transformers reads them
         rope_scaling = {"rope_type": "yarn", **{theirs: model[ours] for theirs, ours in YARN_ROPE_KEYS
                                                 if model[ours] or model[ours] is False}}
+    if model.rope_scaling == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": model.rope_scaling_factor}
     return {"architectures": [arch], "model_type": facts.model_type,
             **{theirs: model[ours] for theirs, ours in facts.config_keys},
-            "hidden_act": "silu", **dict.fromkeys(facts.bias_keys, False),
+            "hidden_act": facts.hidden_act, **dict.fromkeys(facts.bias_keys, False),
             "rope_theta": model.rope_theta, "rope_scaling": rope_scaling,
             **(hf_window.keys_out(model) if facts.windows else {}),
             **(facts.keys_out(model) if facts.keys_out else {}), "dtype": model.param_dtype}

@@ -256,10 +256,10 @@ def token_losses(graphdef: nnx.GraphDef, params: Any, x_btd: jax.Array, targets_
 
 def projects_the_stream(cfg) -> bool:
     """Whether the logits are `hidden`'s stream times lm_head, nothing else (untied, the final norm applied
-    before, the head not quantized: the fused losses multiply in the compute dtype): what the fused losses
-    compute. FUSED_LOSS False keeps the plain paths, their twins in tests."""
+    before, the head not quantized: the fused losses multiply in the compute dtype; not soft-capped): what the
+    fused losses compute. FUSED_LOSS False keeps the plain paths, their twins in tests."""
     return (FUSED_LOSS and not cfg.tie_embeddings and cfg.norm == "standard"
-            and quantize.for_group(cfg, "output") is None)
+            and quantize.for_group(cfg, "output") is None and not cfg.final_logit_softcap)
 
 
 def _fused_loss(model, x_btd) -> bool:
