@@ -32,7 +32,8 @@ FAMILY_KEYS = {"deepseek": tuple(dict(family="deepseek", num_layers=3, num_heads
                                       rope_head_dim=8, q_lora_rank=q, first_dense_layers=1, shared_experts=1,
                                       router_score="sigmoid", router_correction_bias=True) for q in (0, 8)),
                # GPT-OSS's pieces on (Q and K not normalised: no such rows)
-               "gpt_oss": (dict(gpt_oss_hf.FEATURES, qk_norm=False),)}
+               "gpt_oss": (dict(gpt_oss_hf.FEATURES, qk_norm=False),),
+               "gemma": (dict(family="gemma", norm_plus_one=True, embed_scale=True, mlp_activation="gelu_tanh"),)}
 
 
 def _leaf_paths(tree: dict, prefix=()) -> set[tuple[str, ...]]:
