@@ -44,3 +44,10 @@ def check(m) -> None:
     if slides.any() and not slides.all() and m.num_experts and m.moe_every > 1:
         raise ConfigError(f"model.layer_types='{m.layer_types}' mixes sliding and full layers, which needs "
                           f"model.moe_every=1 (got {m.moe_every}): each scanned unit must be one layer")
+    if slides.any() and not slides.all() and m.first_dense_layers:
+        raise ConfigError(f"model.layer_types='{m.layer_types}' mixes sliding and full layers, which is not built "
+                          f"with dense first layers (model.first_dense_layers={m.first_dense_layers}): a layer's kind "
+                          f"rides with its index in one stack")
+    if m.rope_local_theta and m.kv_lora_rank:
+        raise ConfigError("model.rope_local_theta (a RoPE base per layer kind) is not built for latent attention "
+                          "(model.kv_lora_rank > 0), whose shared RoPE key takes one table")
