@@ -24,7 +24,7 @@ from safetensors.numpy import load_file, save_file
 from scaletrain import config as config_lib
 from scaletrain import models as model_lib
 from scaletrain.__main__ import main
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, UserError
 from scaletrain.models.deepseek import hf as deepseek_hf
 from scaletrain.tools import hf
 from scaletrain.tools.generate import generate_tokens
@@ -270,5 +270,5 @@ def test_bad_combinations_are_refused(overrides, message):
 def test_unrepresentable_hf_configs_are_refused(source):
     base = json.loads((source[0] / "config.json").read_text())
     for key, value in (("scoring_func", "softmax"), ("topk_method", "greedy"), ("index_topk", 2048)):
-        with pytest.raises(Exception, match=f"{key}={value}|DeepSeek-V3.2"):
+        with pytest.raises(UserError, match=f"{key}={value}|DeepSeek-V3.2's sparse attention indexer"):
             hf.model_keys(base | {key: value}, "config.json")

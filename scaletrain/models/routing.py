@@ -10,6 +10,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+# The logical axis of the router's selection bias (model.router_correction_bias): replicated, never weight-decayed
+# (optim.decay_mask), moved only by the decoder's after_update (models/deepseek: aux-loss-free balancing).
+ROUTER_BIAS = "router_bias"
+
 
 @dataclasses.dataclass(frozen=True)
 class Routing:

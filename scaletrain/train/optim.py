@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scaletrain.models.mixtral.moe import ROUTER_BIAS
+from scaletrain.models.routing import ROUTER_BIAS
 from scaletrain.parallel.sharding import is_logical
 
 
@@ -81,7 +81,7 @@ def decay_mask(optim_cfg, logical: Any) -> Any:
             return optim_cfg.decay_norms
         if "vocab" in dims:
             return optim_cfg.decay_embeddings
-        if dims == (ROUTER_BIAS,):  # no gradient, moved by its own rule (models/mixtral/moe.py)
+        if dims == (ROUTER_BIAS,):  # no gradient, moved by its own rule (models/routing.py)
             return False
         return True
 

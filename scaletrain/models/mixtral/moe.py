@@ -30,15 +30,12 @@ from jax.ad_checkpoint import checkpoint_name
 from scaletrain.models import lora, quantize
 from scaletrain.models.layers import added, param
 from scaletrain.models.mixtral import unit as unit_lib
-from scaletrain.models.routing import SOFTMAX, Routing
+from scaletrain.models.routing import ROUTER_BIAS, SOFTMAX, Routing
 from scaletrain.parallel.sharding import active_axes, active_device, constrain, local
 
 # Per-layer router statistics, summed over the batch (`router_stats`'s vector): the load-balancing loss (per
 # sequence, times its length), the z-loss (per token), the dropped assignments, then the assignments per expert.
 AUX, Z, DROPPED, LOAD = 0, 1, 2, 3
-# The logical axis of the router's selection bias (model.router_correction_bias): replicated, never weight-decayed
-# (optim.decay_mask), moved only by the decoder's after_update (models/deepseek: aux-loss-free balancing).
-ROUTER_BIAS = "router_bias"
 
 
 def sums(stats: jax.Array, tokens: int) -> dict:
