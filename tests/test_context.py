@@ -133,7 +133,7 @@ def test_the_ring_equals_attention_over_the_whole_sequence(layout, blocks):
     sinks = jnp.asarray(rng.normal(size=(k, g)), jnp.float32) if blocks == "splash" else None
 
     def whole(q, key, value, sinks):
-        return dot_attention(q, key, value, block_mask(segments, segments, index, index), sinks) @ weights
+        return dot_attention(q, key, value, block_mask(segments, segments, index, index), sinks_kg=sinks) @ weights
 
     mesh = Mesh(np.array(jax.devices()[:shards]), ("context",))
     split = P(None, "context")
