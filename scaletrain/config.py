@@ -88,17 +88,7 @@ def defaults() -> ml_collections.ConfigDict:
                 "quantization": "none",
                 "quantization_scale": "channel",
                 "quantized_matmuls": DEFAULT_QUANTIZED,
-                # Local/global attention layers (config_window.py)
-                "sliding_window": 0,
-                "layer_types": "",
-                # Gemma's pieces (config_gemma.py)
-                "rope_local_theta": 0.0,
-                "norm_plus_one": False,
-                "embed_scale": False,
-                "query_pre_attn_scalar": 0,
-                "mlp_activation": "silu",
-                "attn_logit_softcap": 0.0,
-                "final_logit_softcap": 0.0,
+                **config_window.DEFAULTS, **config_gemma.DEFAULTS,  # sliding-window layers; Gemma's pieces
             },
             "data": {
                 "source": "stdlib",
@@ -214,7 +204,6 @@ _NON_NEGATIVE = ("seed", "pipeline.microbatches", "train.hang.factor", "train.ha
                  "model.moe_d_ff", "model.capacity_factor", "model.router_aux_loss", "model.router_z_loss",
                  "lora.rank", "lora.alpha")
 _UNIT_INTERVAL = ("optim.min_lr_ratio", "optim.b1", "optim.b2")
-
 
 
 def flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
@@ -394,8 +383,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                           f"{m.qk_norm_eps}): RMSNorm(c q) = RMSNorm(q) needs eps = 0")
     _check_moe(m)
     _check_quantization(m)
-    config_window.check(m)
-    config_gemma.check(m)
+    config_gemma.check(m)  # the window's keys, then Gemma's
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
     if cfg.train.global_batch % cfg.train.grad_accum_steps:
