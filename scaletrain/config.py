@@ -96,9 +96,6 @@ def defaults() -> ml_collections.ConfigDict:
                 "expert_activation": "swiglu",
                 "swiglu_limit": 7.0,
                 "swiglu_alpha": 1.702,
-                # Local/global attention layers (config_window.py)
-                "sliding_window": 0,
-                "layer_types": "",
                 # YaRN RoPE (rope_scaling: yarn; docs/config.md): the ramp's bounds, truncation, attention magnitude
                 "rope_beta_fast": 32.0,
                 "rope_beta_slow": 1.0,
@@ -122,14 +119,7 @@ def defaults() -> ml_collections.ConfigDict:
                 "router_correction_bias": False,
                 "router_bias_update_rate": 0.0,
                 "shared_experts": 0,
-                # Gemma's pieces (config_gemma.py)
-                "rope_local_theta": 0.0,
-                "norm_plus_one": False,
-                "embed_scale": False,
-                "query_pre_attn_scalar": 0,
-                "mlp_activation": "silu",
-                "attn_logit_softcap": 0.0,
-                "final_logit_softcap": 0.0,
+                **config_window.DEFAULTS, **config_gemma.DEFAULTS,  # sliding-window layers; Gemma's pieces
             },
             "data": {
                 "source": "stdlib",
@@ -251,7 +241,6 @@ _NON_NEGATIVE = ("seed", "pipeline.microbatches", "train.hang.factor", "train.ha
                  "model.v_head_dim", "model.first_dense_layers", "model.router_bias_update_rate",
                  "model.shared_experts")
 _UNIT_INTERVAL = ("optim.min_lr_ratio", "optim.b1", "optim.b2")
-
 
 
 def flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
@@ -436,8 +425,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     config_gpt_oss.check(m)
     config_deepseek.check(m)
     _check_quantization(m)
-    config_window.check(m)
-    config_gemma.check(m)
+    config_gemma.check(m)  # the window's keys, then Gemma's
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
     if cfg.train.global_batch % cfg.train.grad_accum_steps:

@@ -9,6 +9,8 @@ import numpy as np
 from scaletrain.errors import ConfigError
 
 LAYER_TYPES = ("sliding", "full")
+# The model keys and their defaults (config.defaults()'s model section): no window, every layer full.
+DEFAULTS = {"sliding_window": 0, "layer_types": ""}
 
 
 def pattern(layer_types: str) -> tuple[str, ...]:
