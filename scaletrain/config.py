@@ -88,14 +88,7 @@ def defaults() -> ml_collections.ConfigDict:
                 "quantization": "none",
                 "quantization_scale": "channel",
                 "quantized_matmuls": DEFAULT_QUANTIZED,
-                # GPT-OSS's pieces (docs/gpt-oss.md): attention sinks, biases, the clamped SwiGLU of its experts
-                "attention_sinks": False,
-                "attention_bias": False,
-                "router_logit_bias": False,
-                "expert_bias": False,
-                "expert_activation": "swiglu",
-                "swiglu_limit": 7.0,
-                "swiglu_alpha": 1.702,
+                **config_gpt_oss.DEFAULTS,  # GPT-OSS's pieces (docs/gpt-oss.md)
                 # Local/global attention layers (config_window.py)
                 "sliding_window": 0,
                 "layer_types": "",
@@ -220,7 +213,6 @@ CHOICES = {
     "pipeline.gather_weights": ("per_use", "once"),
     "pipeline.keep": ("layer_inputs", "stage_inputs"),
     "optim.moment_dtype": ("float32", "bfloat16"),
-    "model.expert_activation": config_gpt_oss.EXPERT_ACTIVATIONS,
 }
 
 _POSITIVE = (
@@ -230,7 +222,7 @@ _POSITIVE = (
     "model.rope_original_max_position", "pipeline.repeats", "model.experts_per_token", "model.moe_every",
     "model.rope_theta", "model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
     "train.spike.window", "train.spike.limit", "dpo.beta", "model.router_groups", "model.router_topk_groups",
-    "model.router_scale", "model.swiglu_limit", "model.swiglu_alpha",
+    "model.router_scale",
 )
 _NON_NEGATIVE = ("seed", "pipeline.microbatches", "train.hang.factor", "train.hang.seconds", "train.hang.straggler",
                  "train.profile_start", "train.profile_steps", "train.eval_every_steps", "data.workers",
