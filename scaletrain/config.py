@@ -88,37 +88,7 @@ def defaults() -> ml_collections.ConfigDict:
                 "quantization": "none",
                 "quantization_scale": "channel",
                 "quantized_matmuls": DEFAULT_QUANTIZED,
-                # GPT-OSS's pieces (docs/gpt-oss.md): attention sinks, biases, the clamped SwiGLU of its experts
-                "attention_sinks": False,
-                "attention_bias": False,
-                "router_logit_bias": False,
-                "expert_bias": False,
-                "expert_activation": "swiglu",
-                "swiglu_limit": 7.0,
-                "swiglu_alpha": 1.702,
-                # YaRN RoPE (rope_scaling: yarn; docs/config.md): the ramp's bounds, truncation, attention magnitude
-                "rope_beta_fast": 32.0,
-                "rope_beta_slow": 1.0,
-                "rope_truncate": True,
-                "rope_mscale": 0.0,
-                "rope_mscale_all_dim": 0.0,
-                "rope_attention_factor": 0.0,
-                "rope_softmax_mscale": False,
-                # DeepSeek-V3 (docs/deepseek.md): latent attention, dense first layers, routing, shared experts
-                "q_lora_rank": 0,
-                "kv_lora_rank": 0,
-                "rope_head_dim": 0,
-                "v_head_dim": 0,
-                "rope_interleave": False,
-                "first_dense_layers": 0,
-                "router_score": "softmax",
-                "router_groups": 1,
-                "router_topk_groups": 1,
-                "router_scale": 1.0,
-                "router_norm_topk": True,
-                "router_correction_bias": False,
-                "router_bias_update_rate": 0.0,
-                "shared_experts": 0,
+                **config_gpt_oss.DEFAULTS, **config_deepseek.DEFAULTS,  # GPT-OSS's pieces; YaRN, DeepSeek-V3's
                 **config_window.DEFAULTS, **config_gemma.DEFAULTS,  # sliding-window layers; Gemma's pieces
             },
             "data": {
@@ -195,7 +165,6 @@ CHOICES = {
     "model.param_dtype": ("float32", "bfloat16"),
     "model.dtype": ("float32", "bfloat16"),
     "model.attention": ATTENTIONS,
-    "model.router_score": ("softmax", "sigmoid"),
     "model.context_attention": CONTEXT_ATTENTIONS,
     "model.norm": NORMS,
     "model.norm_weights": NORM_WEIGHTS,
@@ -218,7 +187,6 @@ CHOICES = {
     "pipeline.gather_weights": ("per_use", "once"),
     "pipeline.keep": ("layer_inputs", "stage_inputs"),
     "optim.moment_dtype": ("float32", "bfloat16"),
-    "model.expert_activation": config_gpt_oss.EXPERT_ACTIVATIONS,
 }
 
 _POSITIVE = (
@@ -227,8 +195,7 @@ _POSITIVE = (
     "train.log_every_steps", "train.eval_batches", "checkpoint.every_steps", "checkpoint.max_to_keep",
     "model.rope_original_max_position", "pipeline.repeats", "model.experts_per_token", "model.moe_every",
     "model.rope_theta", "model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
-    "train.spike.window", "train.spike.limit", "dpo.beta", "model.router_groups", "model.router_topk_groups",
-    "model.router_scale", "model.swiglu_limit", "model.swiglu_alpha",
+    "train.spike.window", "train.spike.limit", "dpo.beta",
 )
 _NON_NEGATIVE = ("seed", "pipeline.microbatches", "train.hang.factor", "train.hang.seconds", "train.hang.straggler",
                  "train.profile_start", "train.profile_steps", "train.eval_every_steps", "data.workers",
@@ -236,10 +203,7 @@ _NON_NEGATIVE = ("seed", "pipeline.microbatches", "train.hang.factor", "train.ha
                  "optim.warmup_steps", "optim.schedule_steps", "optim.weight_decay", "optim.eps",
                  "optim.grad_clip_norm", "model.norm_eps", "model.init_std", "model.qk_norm_eps", "model.num_experts",
                  "model.moe_d_ff", "model.capacity_factor", "model.router_aux_loss", "model.router_z_loss",
-                 "lora.rank", "lora.alpha", "model.rope_mscale", "model.rope_mscale_all_dim",
-                 "model.rope_attention_factor", "model.q_lora_rank", "model.kv_lora_rank", "model.rope_head_dim",
-                 "model.v_head_dim", "model.first_dense_layers", "model.router_bias_update_rate",
-                 "model.shared_experts")
+                 "lora.rank", "lora.alpha")
 _UNIT_INTERVAL = ("optim.min_lr_ratio", "optim.b1", "optim.b2")
 
 
@@ -406,9 +370,6 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
         raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
                           f"model.rope_low_freq_factor={m.rope_low_freq_factor}")
-    if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow <= m.rope_beta_fast:
-        raise ConfigError(f"model.rope_beta_fast={m.rope_beta_fast} must be >= model.rope_beta_slow="
-                          f"{m.rope_beta_slow} > 0 (rotations over the original context that bound YaRN's ramp)")
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
     for key in ("attention_block", "logits_block"):
@@ -421,11 +382,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     if m.norm_cancellation and m.qk_norm_eps != 0:
         raise ConfigError(f"model.norm_cancellation=true is exact only with model.qk_norm_eps=0 (got "
                           f"{m.qk_norm_eps}): RMSNorm(c q) = RMSNorm(q) needs eps = 0")
-    _check_moe(m)
-    config_gpt_oss.check(m)
-    config_deepseek.check(m)
-    _check_quantization(m)
-    config_gemma.check(m)  # the window's keys, then Gemma's
+    for check in (_check_moe, config_gpt_oss.check, config_deepseek.check, _check_quantization, config_gemma.check):
+        check(m)  # config_gemma.check: the window's keys, then Gemma's
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
     if cfg.train.global_batch % cfg.train.grad_accum_steps:

@@ -8,8 +8,52 @@ import ml_collections
 
 from scaletrain.errors import ConfigError
 
+# The model keys and their defaults (config.defaults()'s model section), every piece off. YaRN RoPE (rope_scaling:
+# yarn): the ramp's bounds, truncation, attention magnitude (GPT-OSS's too).
+DEFAULTS = {
+    "rope_beta_fast": 32.0,
+    "rope_beta_slow": 1.0,
+    "rope_truncate": True,
+    "rope_mscale": 0.0,
+    "rope_mscale_all_dim": 0.0,
+    "rope_attention_factor": 0.0,
+    "rope_softmax_mscale": False,
+    # DeepSeek-V3: latent attention, dense first layers, routing, shared experts
+    "q_lora_rank": 0,
+    "kv_lora_rank": 0,
+    "rope_head_dim": 0,
+    "v_head_dim": 0,
+    "rope_interleave": False,
+    "first_dense_layers": 0,
+    "router_score": "softmax",
+    "router_groups": 1,
+    "router_topk_groups": 1,
+    "router_scale": 1.0,
+    "router_norm_topk": True,
+    "router_correction_bias": False,
+    "router_bias_update_rate": 0.0,
+    "shared_experts": 0,
+}
+
+
+ROUTER_SCORES = ("softmax", "sigmoid")
+_POSITIVE = ("router_groups", "router_topk_groups", "router_scale")
+_NON_NEGATIVE = ("rope_mscale", "rope_mscale_all_dim", "rope_attention_factor", "q_lora_rank", "kv_lora_rank",
+                 "rope_head_dim", "v_head_dim", "first_dense_layers", "router_bias_update_rate", "shared_experts")
+
 
 def check(m: ml_collections.ConfigDict) -> None:
+    if m.router_score not in ROUTER_SCORES:
+        raise ConfigError(f"model.router_score must be one of {', '.join(ROUTER_SCORES)}; got '{m.router_score}'")
+    for key in _POSITIVE:
+        if m[key] <= 0:
+            raise ConfigError(f"model.{key} must be > 0, got {m[key]}")
+    for key in _NON_NEGATIVE:
+        if m[key] < 0:
+            raise ConfigError(f"model.{key} must be >= 0, got {m[key]}")
+    if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow <= m.rope_beta_fast:
+        raise ConfigError(f"model.rope_beta_fast={m.rope_beta_fast} must be >= model.rope_beta_slow="
+                          f"{m.rope_beta_slow} > 0 (rotations over the original context that bound YaRN's ramp)")
     _check_latent_attention(m)
     _check_routing(m)
 

@@ -13,10 +13,19 @@ from scaletrain.errors import ConfigError
 EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 # The keys that only a mixture of experts reads.
 _EXPERT_KEYS = ("router_logit_bias", "expert_bias")
+# The model section's keys of GPT-OSS's pieces and their defaults (config.defaults() takes them): all off.
+DEFAULTS = {"attention_sinks": False, "attention_bias": False, "router_logit_bias": False, "expert_bias": False,
+            "expert_activation": "swiglu", "swiglu_limit": 7.0, "swiglu_alpha": 1.702}
 
 
 def check(m: ml_collections.ConfigDict) -> None:
-    """ConfigError for a combination the model cannot compute."""
+    """ConfigError for a value or a combination the model cannot compute."""
+    if m.expert_activation not in EXPERT_ACTIVATIONS:
+        raise ConfigError(f"model.expert_activation must be one of {', '.join(EXPERT_ACTIVATIONS)}; got "
+                          f"'{m.expert_activation}'")
+    for key in ("swiglu_limit", "swiglu_alpha"):
+        if m[key] <= 0:
+            raise ConfigError(f"model.{key} must be > 0, got {m[key]}")
     if not m.num_experts:
         for key in _EXPERT_KEYS:
             if m[key]:

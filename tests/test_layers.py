@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # matching prefix decides.
 LAYERS = (
     ("base", ("scaletrain.errors", "scaletrain.config", "scaletrain.config_bounds", "scaletrain.remat",
-              "scaletrain.runtime", "scaletrain.config_window", "scaletrain.config_gemma")),
+              "scaletrain.runtime", "scaletrain.config_window", "scaletrain.config_gemma", "scaletrain.config_deepseek",
+              "scaletrain.config_gpt_oss")),
     ("hardware", ("scaletrain.facts.hardware",)),
     ("parallel", ("scaletrain.parallel",)),
     ("kernels", ("scaletrain.kernels",)),

@@ -29,7 +29,7 @@ from scaletrain import models
 from scaletrain.errors import UserError
 from scaletrain.models.family import Architecture, Interleaved
 from scaletrain.store import storage
-from scaletrain.tools import hf_window
+from scaletrain.tools import hf_features, hf_window
 from scaletrain.tools.hf_files import INDEX_FILE, SINGLE_FILE, Reader, read_json
 
 # rope_parameters / rope_scaling key -> model.* key, for rope_type llama3.
@@ -218,15 +218,7 @@ def hf_config(model) -> dict:
         raise UserError(f"model family {family.name} has no Hugging Face architecture to export to")
     arch = family.export(model)  # refuses what the family's architectures cannot represent
     facts = _arch(arch)
-    _check_features(model, arch, facts)
-    if model.sliding_window and not facts.windows:
-        raise UserError(f"model.sliding_window={model.sliding_window}: Hugging Face's {arch} has no sliding-window "
-                        f"layers")
-    off = config_lib.defaults().model  # another architecture's own keys (Gemma's pieces) at their defaults
-    kept = [f"model.{key}={model[key]}" for _, other in models.architectures().values() for key in other.own_keys
-            if key not in facts.own_keys and model[key] != off[key]]
-    if kept:
-        raise UserError(f"Hugging Face's {arch} cannot represent {', '.join(kept)}")
+    hf_features.check(model, arch, facts)
     rope_scaling = None
     if model.rope_scaling == "llama3":
         rope_scaling = {"rope_type": "llama3", **{theirs: model[ours] for theirs, ours in LLAMA3_ROPE_KEYS}}
@@ -241,18 +233,6 @@ def hf_config(model) -> dict:
             "rope_theta": model.rope_theta, "rope_scaling": rope_scaling,
             **(hf_window.keys_out(model) if facts.windows else {}),
             **(facts.keys_out(model) if facts.keys_out else {}), "dtype": model.param_dtype}
-
-
-def _check_features(model, arch: str, facts: Architecture) -> None:
-    """UserError where the model's feature keys (every architecture's Architecture.features) are not what `arch`
-    has: its own at their values, the others' at their defaults."""
-    defaults = config_lib.defaults().model
-    for _, other in models.architectures().values():
-        for key in other.features:
-            want = facts.features.get(key, defaults[key])
-            if key != "family" and model[key] != want:
-                raise UserError(f"model.{key}={json.dumps(model[key])}: Hugging Face's {arch} has {key} "
-                                f"{json.dumps(want)}")
 
 
 def _dtype(hf: dict, default: str) -> Any:
@@ -472,16 +452,11 @@ def _write_safetensors(params: dict, layout: list[Tensor], dtype, target: Path, 
                 arrays.setdefault(t.name, np.empty(t.hf_shape, dtype))[..., t.part.index::t.part.of] = x
         save_file(arrays, target / name, metadata={"format": "pt"})
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(math.prod(t.hf_shape) * itemsize for t in _whole(layout))},
+        index = {"metadata": {"total_size": sum(math.prod(t.hf_shape) * itemsize for t in layout
+                                               if t.part is None or t.part.index == 0)},
                  "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard}}
         (target / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return len(shards)
-
-
-def _whole(layout: list[Tensor]) -> list[Tensor]:
-    """One Tensor per Hugging Face tensor: the first part of those that interleave several (adjacent in the
-    layout: a layer's rows lie together)."""
-    return [t for t in layout if t.part is None or t.part.index == 0]
 
 
 def _shards(layout: list[Tensor], itemsize: int, limit: int) -> list[list[Tensor]]:
