@@ -172,7 +172,8 @@ def test_sink_gradient_through_splash_equals_autodiff_of_the_plain_softmax():
 
     def plain(q, k, v, sinks):
         mask = block_mask(segments, segments, jnp.arange(t), jnp.arange(t))
-        return dot_attention(q.reshape(b, t, kv, n // kv, h), k, v, mask, sinks_kg=sinks.reshape(kv, -1)).reshape(q.shape)
+        out = dot_attention(q.reshape(b, t, kv, n // kv, h), k, v, mask, sinks_kg=sinks.reshape(kv, -1))
+        return out.reshape(q.shape)
 
     def flash(q, k, v, sinks):
         return flash_attention.flash_attention(q, k, v, segments, flash_attention.INTERPRETED, sinks_n=sinks)
