@@ -29,18 +29,9 @@ from scaletrain import models
 from scaletrain.errors import UserError
 from scaletrain.models.family import Architecture, Interleaved
 from scaletrain.store import storage
-from scaletrain.tools import hf_features, hf_window
+from scaletrain.tools import hf_features, hf_rope, hf_window
 from scaletrain.tools.hf_files import INDEX_FILE, SINGLE_FILE, Reader, read_json
 
-# rope_parameters / rope_scaling key -> model.* key, for rope_type llama3.
-LLAMA3_ROPE_KEYS = (("factor", "rope_scaling_factor"), ("low_freq_factor", "rope_low_freq_factor"),
-                    ("high_freq_factor", "rope_high_freq_factor"),
-                    ("original_max_position_embeddings", "rope_original_max_position"))
-# rope_parameters / rope_scaling key -> model.* key, for rope_type yarn (its factor and original context as llama3's).
-YARN_ROPE_KEYS = (("factor", "rope_scaling_factor"), ("original_max_position_embeddings", "rope_original_max_position"),
-                  ("beta_fast", "rope_beta_fast"), ("beta_slow", "rope_beta_slow"), ("mscale", "rope_mscale"),
-                  ("mscale_all_dim", "rope_mscale_all_dim"), ("attention_factor", "rope_attention_factor"),
-                  ("truncate", "rope_truncate"))
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Copied into <run>/tokenizer/ and back: whichever exist.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -150,7 +141,7 @@ def model_keys(hf: dict, source: str) -> dict[str, Any]:
     keys.setdefault("num_kv_heads", hf["num_attention_heads"])
     keys.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
     keys.setdefault("tie_embeddings", False)  # every supported architecture's default
-    keys |= (facts.rope_keys or _rope_keys)(hf, refuse)
+    keys |= (facts.rope_keys or hf_rope.keys_in)(hf, refuse)
     if facts.windows:  # sliding-window layers
         keys |= hf_window.keys_in(hf, refuse)
     if facts.qk_norm:  # Qwen3 normalises q and k per head, with the model's eps
@@ -175,32 +166,6 @@ def _architecture(hf: dict, source: str) -> str:
     return names[0]
 
 
-def _rope_keys(hf: dict, refuse) -> dict[str, Any]:
-    """transformers 5 writes the rope settings as rope_parameters (theta included), earlier versions as rope_theta
-    and rope_scaling; rope_parameters wins where both are present, as in transformers."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if any(isinstance(v, dict) for v in rope.values()):
-        raise refuse("rope parameters per attention type")
-    kind = rope.get("rope_type", rope.get("type")) or "default"
-    if kind not in ("default", "llama3", "yarn", "linear"):
-        raise refuse(f"rope_type {kind}")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}")
-    keys = {"rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0))}
-    if kind == "llama3":
-        missing = [theirs for theirs, _ in LLAMA3_ROPE_KEYS if theirs not in rope]
-        if missing:
-            raise refuse(f"rope_type llama3 without {', '.join(missing)}")
-        keys |= {"rope_scaling": "llama3", **{ours: rope[theirs] for theirs, ours in LLAMA3_ROPE_KEYS}}
-    if kind == "yarn":
-        if rope.get("factor") is None or rope.get("original_max_position_embeddings") is None:
-            raise refuse("rope_type yarn without factor and original_max_position_embeddings")
-        # transformers reads an unset (null) one as its default, as the model.* defaults are
-        keys |= {"rope_scaling": "yarn", **{ours: rope[theirs] for theirs, ours in YARN_ROPE_KEYS
-                                            if rope.get(theirs) is not None}}
-    if kind == "linear":
-        keys |= {"rope_scaling": "linear", "rope_scaling_factor": rope["factor"]}
-    return keys
 
 
 def hf_config(model) -> dict:
@@ -219,18 +184,10 @@ def hf_config(model) -> dict:
     arch = family.export(model)  # refuses what the family's architectures cannot represent
     facts = _arch(arch)
     hf_features.check(model, arch, facts)
-    rope_scaling = None
-    if model.rope_scaling == "llama3":
-        rope_scaling = {"rope_type": "llama3", **{theirs: model[ours] for theirs, ours in LLAMA3_ROPE_KEYS}}
-    if model.rope_scaling == "yarn":  # the unset (0) magnitudes left out, as transformers reads them
-        rope_scaling = {"rope_type": "yarn", **{theirs: model[ours] for theirs, ours in YARN_ROPE_KEYS
-                                                if model[ours] or model[ours] is False}}
-    if model.rope_scaling == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": model.rope_scaling_factor}
     return {"architectures": [arch], "model_type": facts.model_type,
             **{theirs: model[ours] for theirs, ours in facts.config_keys},
             "hidden_act": facts.hidden_act, **dict.fromkeys(facts.bias_keys, False),
-            "rope_theta": model.rope_theta, "rope_scaling": rope_scaling,
+            "rope_theta": model.rope_theta, "rope_scaling": hf_rope.scaling_out(model),
             **(hf_window.keys_out(model) if facts.windows else {}),
             **(facts.keys_out(model) if facts.keys_out else {}), "dtype": model.param_dtype}
 
