@@ -47,7 +47,6 @@ def _batches(seq_len: int, rows: int = 8) -> list[dict]:
 MOE = ["model.num_experts=4", "model.moe_d_ff=64"]
 # (sequence, the model's overrides (the reference's too), the mesh's)
 MESHES = {
-    "context=8, xla": (32, [], ["mesh.context=8"]),
     "context=4 x fsdp=2, blocked xla, logits blocks": (32, ["model.attention_block=4", "model.logits_block=4"],
                                                        ["mesh.context=4", "mesh.fsdp=2"]),
     "context=2 x data=2 x tensor=2, contiguous": (32, [], ["mesh.context=2", "mesh.data=2", "mesh.tensor=2",
@@ -56,7 +55,6 @@ MESHES = {
     "context=2 x pipeline=2 x fsdp=2, 1f1b, full remat": (
         32, [], ["mesh.context=2", "mesh.pipeline=2", "mesh.fsdp=2", "pipeline.schedule=1f1b",
                  "pipeline.microbatches=2", "remat.policy=full"]),
-    "context=8, ring": (32, [], ["mesh.context=8", "model.context_attention=ring"]),
     "context=4 x fsdp=2, ring in tiles": (32, ["model.attention_block=4"], ["mesh.context=4", "mesh.fsdp=2",
                                                                            "model.context_attention=ring"]),
     "context=2 x data=2 x tensor=2, ring, contiguous": (32, [], ["mesh.context=2", "mesh.data=2", "mesh.tensor=2",
@@ -83,8 +81,6 @@ MESHES = {
     "context=4 x data=2, flash": (512, ["model.attention=flash"], ["mesh.context=4", "mesh.data=2"]),
     "context=2 x fsdp=2 x tensor=2, flash, contiguous": (512, ["model.attention=flash"], [
         "mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2", "sharding.context_layout=contiguous"]),
-    "context=8, flash, ring": (1024, ["model.attention=flash", "train.global_batch=2"],
-                               ["mesh.context=8", "model.context_attention=ring"]),
     "context=4 x fsdp=2, flash, ring": (512, ["model.attention=flash", "train.global_batch=2"],
                                         ["mesh.context=4", "mesh.fsdp=2", "model.context_attention=ring"]),
     "context=2 x data=2 x tensor=2, flash, ring": (512, ["model.attention=flash"], [

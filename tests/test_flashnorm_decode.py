@@ -1,7 +1,8 @@
 """FlashNorm serving decode: the decode-shaped kernels (a few rows) against their jnp twin; the ordering race of
 overlapping the norm's reduction with the matmul, caught in racy variants and absent from the shipped kernel;
 Mosaic and Triton lowering at decode shapes; and greedy decoding giving the same tokens in every model.norm mode,
-with and without folded gains, on a tiny model and on a converted model of Llama-3.2-1B's widths."""
+with and without folded gains, on a tiny model (and in the fused modes on a converted model of Llama-3.2-1B's
+widths)."""
 
 import dataclasses
 import functools
@@ -197,7 +198,7 @@ def test_greedy_tokens_are_identical_in_every_mode_on_a_tiny_model():
 def test_greedy_tokens_are_identical_in_every_mode_on_a_converted_llama_3_2_1b_shape(tmp_path):
     """A random Hugging Face model with Llama-3.2-1B's widths (d 2048, 32 heads over 8 kv heads of 64, d_ff 8192,
     the 128256 vocabulary, tied embeddings, Llama 3 RoPE scaling) and 2 of its 16 layers, through
-    `convert from-hf`, then decoded in fp32 at batch 2 in every mode."""
+    `convert from-hf`, then decoded in fp32 at batch 2 by the fused kernels and the standard norm."""
     import torch
     import transformers
     from transformers.initialization import no_init_weights
@@ -229,6 +230,6 @@ def test_greedy_tokens_are_identical_in_every_mode_on_a_converted_llama_3_2_1b_s
     setup = inference.one_device_setup(inference.load_config(tmp_path / "run", ["model.dtype=float32"]))
     _, params = restore_params(str(tmp_path / "run"), setup.abstract_state.params)
     prompts = np.array([[128000, 791, 6864, 315], [128000, 9906, 1917, 11]], np.int32)
-    # Every mode but a weightless norm before a plain matmul (the tiny model covers it).
-    modes = [m for m in MODES if m != ("standard", "folded")]
+    # The fused kernels, with and without folded gains, against the standard norm: the tiny model covers every mode.
+    modes = [("standard", "standard"), ("fused", "standard"), ("fused", "folded")]
     _assert_all_equal(_greedy_in_every_mode(setup.model_cfg, params, prompts, 6, modes))
