@@ -195,7 +195,7 @@ def test_greedy_tokens_are_identical_in_every_mode_on_a_tiny_model():
     _assert_all_equal(_greedy_in_every_mode(cfg, params, prompts, 12))
 
 
-def test_greedy_tokens_are_identical_in_every_mode_on_a_converted_llama_3_2_1b_shape(tmp_path):
+def test_greedy_tokens_are_identical_in_the_fused_modes_on_a_converted_llama_3_2_1b_shape(tmp_path):
     """A random Hugging Face model with Llama-3.2-1B's widths (d 2048, 32 heads over 8 kv heads of 64, d_ff 8192,
     the 128256 vocabulary, tied embeddings, Llama 3 RoPE scaling) and 2 of its 16 layers, through
     `convert from-hf`, then decoded in fp32 at batch 2 by the fused kernels and the standard norm."""
