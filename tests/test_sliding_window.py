@@ -134,6 +134,10 @@ def test_a_mesh_trains_like_one_device(mesh):
     (["model.sliding_window=8", "model.layer_types=local,full"], "unknown layer type"),
     (["model.sliding_window=8", "model.layer_types=sliding,full", "model.num_layers=4", "model.num_experts=4",
       "model.moe_every=2"], "needs model.moe_every=1"),
+    (["model.sliding_window=8", "model.layer_types=sliding,full", "model.num_layers=3", "model.num_experts=4",
+      "model.first_dense_layers=1"], "not built with dense first layers"),
+    (["model.sliding_window=8", "model.layer_types=sliding,full", "model.rope_local_theta=10000",
+      "model.num_kv_heads=4", "model.kv_lora_rank=8", "model.rope_head_dim=8"], "not built for latent attention"),
 ])
 def test_a_window_the_layers_cannot_take_is_refused(overrides, says):
     with pytest.raises(ConfigError, match=says):
