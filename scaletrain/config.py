@@ -186,7 +186,7 @@ CHOICES = {
     "pipeline.schedule": ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble"),
     "pipeline.gather_weights": ("per_use", "once"),
     "pipeline.keep": ("layer_inputs", "stage_inputs"),
-    "optim.moment_dtype": ("float32", "bfloat16"),
+    "optim.moment_dtype": ("float32", "bfloat16"), **config_deepseek.CHOICES, **config_gpt_oss.CHOICES,
 }
 
 _POSITIVE = (
@@ -195,7 +195,7 @@ _POSITIVE = (
     "train.log_every_steps", "train.eval_batches", "checkpoint.every_steps", "checkpoint.max_to_keep",
     "model.rope_original_max_position", "pipeline.repeats", "model.experts_per_token", "model.moe_every",
     "model.rope_theta", "model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
-    "train.spike.window", "train.spike.limit", "dpo.beta",
+    "train.spike.window", "train.spike.limit", "dpo.beta", *config_deepseek.POSITIVE, *config_gpt_oss.POSITIVE,
 )
 _NON_NEGATIVE = ("seed", "pipeline.microbatches", "train.hang.factor", "train.hang.seconds", "train.hang.straggler",
                  "train.profile_start", "train.profile_steps", "train.eval_every_steps", "data.workers",
@@ -203,7 +203,7 @@ _NON_NEGATIVE = ("seed", "pipeline.microbatches", "train.hang.factor", "train.ha
                  "optim.warmup_steps", "optim.schedule_steps", "optim.weight_decay", "optim.eps",
                  "optim.grad_clip_norm", "model.norm_eps", "model.init_std", "model.qk_norm_eps", "model.num_experts",
                  "model.moe_d_ff", "model.capacity_factor", "model.router_aux_loss", "model.router_z_loss",
-                 "lora.rank", "lora.alpha")
+                 "lora.rank", "lora.alpha", *config_deepseek.NON_NEGATIVE)
 _UNIT_INTERVAL = ("optim.min_lr_ratio", "optim.b1", "optim.b2")
 
 

@@ -36,21 +36,15 @@ DEFAULTS = {
 }
 
 
-ROUTER_SCORES = ("softmax", "sigmoid")
-_POSITIVE = ("router_groups", "router_topk_groups", "router_scale")
-_NON_NEGATIVE = ("rope_mscale", "rope_mscale_all_dim", "rope_attention_factor", "q_lora_rank", "kv_lora_rank",
-                 "rope_head_dim", "v_head_dim", "first_dense_layers", "router_bias_update_rate", "shared_experts")
+# The keys' choices and bounds, which config.validate checks with the rest of the schema's.
+CHOICES = {"model.router_score": ("softmax", "sigmoid")}
+POSITIVE = ("model.router_groups", "model.router_topk_groups", "model.router_scale")
+NON_NEGATIVE = tuple(f"model.{key}" for key in (
+    "rope_mscale", "rope_mscale_all_dim", "rope_attention_factor", "q_lora_rank", "kv_lora_rank", "rope_head_dim",
+    "v_head_dim", "first_dense_layers", "router_bias_update_rate", "shared_experts"))
 
 
 def check(m: ml_collections.ConfigDict) -> None:
-    if m.router_score not in ROUTER_SCORES:
-        raise ConfigError(f"model.router_score must be one of {', '.join(ROUTER_SCORES)}; got '{m.router_score}'")
-    for key in _POSITIVE:
-        if m[key] <= 0:
-            raise ConfigError(f"model.{key} must be > 0, got {m[key]}")
-    for key in _NON_NEGATIVE:
-        if m[key] < 0:
-            raise ConfigError(f"model.{key} must be >= 0, got {m[key]}")
     if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow <= m.rope_beta_fast:
         raise ConfigError(f"model.rope_beta_fast={m.rope_beta_fast} must be >= model.rope_beta_slow="
                           f"{m.rope_beta_slow} > 0 (rotations over the original context that bound YaRN's ramp)")

@@ -11,6 +11,9 @@ from scaletrain.errors import ConfigError
 # model.expert_activation: the experts' gated unit. swiglu: silu(gate) * up; clamped_swiglu: GPT-OSS's
 # (up + 1) * gate * sigmoid(alpha * gate), gate clamped above at the limit and up to [-limit, limit].
 EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
+# The keys' choices and bounds, which config.validate checks with the rest of the schema's.
+CHOICES = {"model.expert_activation": EXPERT_ACTIVATIONS}
+POSITIVE = ("model.swiglu_limit", "model.swiglu_alpha")
 # The keys that only a mixture of experts reads.
 _EXPERT_KEYS = ("router_logit_bias", "expert_bias")
 # The model section's keys of GPT-OSS's pieces and their defaults (config.defaults() takes them): all off.
@@ -20,12 +23,6 @@ DEFAULTS = {"attention_sinks": False, "attention_bias": False, "router_logit_bia
 
 def check(m: ml_collections.ConfigDict) -> None:
     """ConfigError for a value or a combination the model cannot compute."""
-    if m.expert_activation not in EXPERT_ACTIVATIONS:
-        raise ConfigError(f"model.expert_activation must be one of {', '.join(EXPERT_ACTIVATIONS)}; got "
-                          f"'{m.expert_activation}'")
-    for key in ("swiglu_limit", "swiglu_alpha"):
-        if m[key] <= 0:
-            raise ConfigError(f"model.{key} must be > 0, got {m[key]}")
     if not m.num_experts:
         for key in _EXPERT_KEYS:
             if m[key]:
