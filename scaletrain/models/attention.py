@@ -299,14 +299,15 @@ class Attention(nnx.Module):
         by its kind (models/window.py)."""
         kernel = flash_attention.kernel_for(active_device())
         slides = window.sliding(self.cfg)
-        if (slides is not False or self.cfg.attn_logit_softcap) and not isinstance(kernel, flash_attention.Splash):
-            raise ConfigError("model.sliding_window or model.attn_logit_softcap with model.attention=flash runs "
-                              "splash attention (TPU, or interpreted on CPU); the GPU's Triton kernel takes no "
-                              "window and no soft cap: set model.attention=xla")
-        if self.cfg.attention_sinks and not isinstance(kernel, flash_attention.Splash):
-            raise ConfigError("model.attention_sinks=true with model.attention=flash runs splash attention (TPU, or "
-                              "interpreted on CPU), whose log-sum-exp takes the sinks; on a GPU set "
-                              "model.attention=xla")
+        # What only splash takes: the GPU's Triton kernel has no window, no soft cap and no log-sum-exp to fold
+        # sinks in with.
+        splash_only = [key for key, on in (("model.sliding_window", slides is not False),
+                                           ("model.attn_logit_softcap", self.cfg.attn_logit_softcap),
+                                           ("model.attention_sinks", self.cfg.attention_sinks)) if on]
+        if splash_only and not isinstance(kernel, flash_attention.Splash):
+            raise ConfigError(f"{', '.join(splash_only)} with model.attention=flash runs splash attention (TPU, or "
+                              f"interpreted on CPU); the GPU's Triton kernel takes none of them: set "
+                              f"model.attention=xla")
 
         def run(window_size: int) -> jax.Array:
             return self._flash_kernel(kernel, window_size, q_btnh, k_btkh, v_btkh, segment_ids_bt, order)
