@@ -392,8 +392,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     if cfg.train.profile_steps and cfg.train.profile_start < 1:
         raise ConfigError(f"train.profile_steps={cfg.train.profile_steps} needs train.profile_start >= 1, the first "
                           f"step to trace (steps count from 1; leave the first few out: they compile)")
-    _check_data(cfg)
-    _check_post_training(cfg)
+    for check_run in (_check_data, _check_post_training, config_deepseek.check_run):
+        check_run(cfg)
 
 
 def _check_moe(m: ml_collections.ConfigDict) -> None:

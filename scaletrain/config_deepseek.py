@@ -33,6 +33,9 @@ DEFAULTS = {
     "router_correction_bias": False,
     "router_bias_update_rate": 0.0,
     "shared_experts": 0,
+    # multi-token prediction (models/mtp.py): modules after the stack, each predicting one token further ahead
+    "mtp_depth": 0,
+    "mtp_loss_weight": 0.1,
 }
 
 
@@ -41,7 +44,7 @@ CHOICES = {"model.router_score": ("softmax", "sigmoid")}
 POSITIVE = ("model.router_groups", "model.router_topk_groups", "model.router_scale")
 NON_NEGATIVE = tuple(f"model.{key}" for key in (
     "rope_mscale", "rope_mscale_all_dim", "rope_attention_factor", "q_lora_rank", "kv_lora_rank", "rope_head_dim",
-    "v_head_dim", "first_dense_layers", "router_bias_update_rate", "shared_experts"))
+    "v_head_dim", "first_dense_layers", "router_bias_update_rate", "shared_experts", "mtp_depth", "mtp_loss_weight"))
 
 
 def check(m: ml_collections.ConfigDict) -> None:
@@ -50,6 +53,25 @@ def check(m: ml_collections.ConfigDict) -> None:
                           f"{m.rope_beta_slow} > 0 (rotations over the original context that bound YaRN's ramp)")
     _check_latent_attention(m)
     _check_routing(m)
+
+
+def check_run(cfg: ml_collections.ConfigDict) -> None:
+    """What multi-token prediction (model.mtp_depth > 0) needs of the rest of the run."""
+    m = cfg.model
+    if not m.mtp_depth:
+        return
+    if m.family != "deepseek":
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth}: multi-token prediction is built for model.family=deepseek "
+                          f"(DeepSeek-V3's modules and checkpoint layer), got {m.family}")
+    if m.mtp_loss_weight <= 0:
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth} with model.mtp_loss_weight={m.mtp_loss_weight}: the modules "
+                          f"would learn nothing; set a weight > 0 (DeepSeek-V3: 0.3, then 0.1) or model.mtp_depth=0")
+    if cfg.train.objective != "lm":
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth} with train.objective={cfg.train.objective}: multi-token "
+                          f"prediction adds to the next-token loss only; set model.mtp_depth=0")
+    if cfg.lora.rank:
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth} with lora.rank={cfg.lora.rank}: LoRA trains without the "
+                          f"multi-token prediction modules; set model.mtp_depth=0")
 
 
 def _check_latent_attention(m: ml_collections.ConfigDict) -> None:

@@ -18,10 +18,8 @@ import jax
 from scaletrain import models as model_lib
 from scaletrain.config_window import sliding_layers
 from scaletrain.models import lora, quantize
+from scaletrain.models.transformer import STACKS
 from scaletrain.parallel.sharding import is_logical
-
-# The logical dims of a layer stack (models/transformer.py): the layers, and the dense layers within a group.
-_STACKED = ("layers", "sublayers", "dense_layers")
 
 
 @dataclass(frozen=True)
@@ -77,7 +75,7 @@ def param_count(model_cfg) -> ParamCount:
     names_of = [n for s in stacks for n in jax.tree.leaves(logical[s], is_leaf=is_logical)]
     rounded_of, added_of = ([r for s in stacks for r in jax.tree.leaves(tree[s])] for tree in (low, vectors))
     for (path, x), names, rounded, bias in zip(flat, names_of, rounded_of, added_of):
-        own = [n for n in names if n not in _STACKED]
+        own = [n for n in names if n not in STACKS]
         used = x.size // model_cfg.num_experts * model_cfg.experts_per_token if "experts" in names else x.size
         if lora.is_adapter(path):
             sizes["adapters"] += x.size

@@ -116,6 +116,8 @@ class ModelConfig:
     router_correction_bias: bool = False  # a per-expert bias added to the scores for selection only
     router_bias_update_rate: float = 0.0  # aux-loss-free balancing: the bias' step per update
     shared_experts: int = 0  # always-on experts, one SwiGLU of shared_experts x the experts' width
+    mtp_depth: int = 0  # multi-token prediction modules after the stack (models/mtp.py)
+    mtp_loss_weight: float = 0.1  # their losses' mean, times this, joins the objective
     # Gemma's pieces (config_gemma.py)
     rope_local_theta: float = 0.0  # > 0: the sliding layers' own RoPE base, unscaled
     norm_plus_one: bool = False  # norm gains (1 + w), w from zero
@@ -222,6 +224,11 @@ class Block(nnx.Module):
         return self._feed_forward(x_btd + attn_btd, one_matmul=False)[0], cache
 
 
+# The logical axes a stack of layers adds to its parameters: the scanned stack, the dense layers of a group
+# (model.moe_every > 1), DeepSeek's dense first layers, the multi-token prediction modules (models/mtp.py).
+STACKS = ("layers", "sublayers", "dense_layers", "mtp_layers")
+
+
 class Decoder(nnx.Module):
     """The skeleton. A family's decoder may override `unit` (the module the layer scan repeats, from the config:
     a Block here), `unit_layers` (how many layers one unit holds: 1 here), `penalty` and `aux_metrics`."""
@@ -317,6 +324,12 @@ class Decoder(nnx.Module):
             x_btd = constrain(self.final_norm(x_btd), ("batch", "residual_seq", "embed"))
         return constrain(x_btd, ("batch", "seq", "embed"))
 
+    def ahead(self, graphdef: nnx.GraphDef, params: Any, x_btd: jax.Array, batch: dict, head_loss) -> dict:
+        """Auxiliary sums the model computes from the stack's output stream `x_btd` (before the final norm) beside
+        the head, which `penalty` weighs: none here; DeepSeek's multi-token prediction (models/mtp.py), through
+        `head_loss` (train/loss.py's)."""
+        return {}
+
     def penalty(self, aux: dict) -> jax.Array:
         """What the objective adds for the layer stack's auxiliary sums (the runner's: [layers, ...], summed
         over the batch): none here; a mixture of experts' router losses (mixtral's). Linear in `aux`."""
@@ -386,6 +399,17 @@ def decode_scan(cfg: ModelConfig, layers: nnx.Module, x_btd, sin_bth, cos_bth, s
 
     ids = jnp.arange(jax.tree.leaves(stacked)[0].shape[0], dtype=jnp.uint32)
     return jax.lax.scan(layer, x_btd, (stacked, ids, *cache), unroll=cfg.unroll_loops)
+
+
+def layer_body(cfg: ModelConfig, graphdef: nnx.GraphDef, unrolled: bool | None = None):
+    """body(x, layer_params, *extras) -> (x, aux): a block of this graphdef (one layer of a stack, its weights
+    placed) under the config's remat policy, for a stack without per-layer indices (DeepSeek's dense first layers,
+    the multi-token prediction modules). `unrolled` (default model.unroll_loops): run outside a loop (remat.apply)."""
+    def layer(x_btd, layer_params, *extras):
+        x_btd = constrain(x_btd, ("batch", "residual_seq", "embed"))
+        return nnx.merge(graphdef, _placed(cfg, layer_params))(x_btd, *extras)
+
+    return remat.apply(layer, cfg.remat, cfg.remat_custom, cfg.unroll_loops if unrolled is None else unrolled)
 
 
 def _placed(cfg: ModelConfig, layer_params):

@@ -86,6 +86,10 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
             out.append(f"lora.dropout={cfg.lora.dropout} with pipeline.schedule={schedule}: its program takes each "
                        f"layer's vjp itself and does not carry the layers' dropout seeds; use pipeline.schedule=gpipe "
                        f"or circular, or lora.dropout=0")
+        if m.mtp_depth and schedule in pipeline_1f1b.OWN_GRADIENTS:
+            out.append(f"model.mtp_depth={m.mtp_depth} with pipeline.schedule={schedule}: its program runs the head "
+                       f"on each microbatch inside its loop, where the multi-token prediction modules do not run; "
+                       f"use pipeline.schedule=gpipe or circular")
         if cfg.train.objective == "dpo" and schedule in pipeline_1f1b.OWN_GRADIENTS:
             out.append(f"train.objective=dpo with pipeline.schedule={schedule}: its program returns summed losses, "
                        f"not the per-token log-probs of the reference's forward pass nor the rewards DPO logs; use "

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from scaletrain.models.routing import ROUTER_BIAS
+from scaletrain.models.transformer import STACKS
 from scaletrain.parallel.sharding import is_logical
 
 
@@ -76,7 +77,7 @@ def decay_mask(optim_cfg, logical: Any) -> Any:
     router's selection bias is never decayed."""
 
     def decays(names: tuple[str | None, ...]) -> bool:
-        dims = tuple(n for n in names if n not in ("layers", "dense_layers"))
+        dims = tuple(n for n in names if n not in STACKS)
         if dims in (("embed",), ("head_dim",), ("latent",)):  # RMSNorm gains, QK and latent norms' included
             return optim_cfg.decay_norms
         if "vocab" in dims:

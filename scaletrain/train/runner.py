@@ -28,7 +28,7 @@ from flax import nnx
 from scaletrain.parallel import pipeline, pipeline_1f1b, pipeline_zb
 from scaletrain.parallel.checks import microbatches
 from scaletrain.train import objective as objective_lib
-from scaletrain.train.loss import token_losses
+from scaletrain.train.loss import head_loss, token_losses
 
 SCAN = "scan"
 DROPOUT_SEEDS = "lora_seeds"  # the batch key of a training step's dropout seeds (lora.token_seeds)
@@ -103,7 +103,8 @@ class Runner:
              penalty: Callable[[dict], jax.Array],
              objective: objective_lib.Objective = objective_lib.NEXT_TOKEN) -> tuple[jax.Array, dict, dict]:
         """(The summed loss of `batch` - `objective`'s head over the final stream: the cross-entropy, or DPO's -,
-        the layer stack's auxiliary sums [layers, ...], the head's metric sums).
+        the layer stack's auxiliary sums [layers, ...] with those the model computes beside the head (Decoder.ahead:
+        multi-token prediction's), the head's metric sums).
 
         `penalty(aux)` is what the caller's objective adds for the auxiliary sums, linear in them: the 1F1B
         schedule forms the gradients itself, inside its loop, so it pulls the penalty's through each stage there;
@@ -118,7 +119,7 @@ class Runner:
             return total, aux, {}  # the head's sums: none (checks.py refuses an objective with some here)
         x_btd, aux = self._stack(model, batch)
         total, sums = objective.head(graphdef, params, model.final_stream(x_btd), rows)
-        return total, aux, sums
+        return total, aux | model.ahead(graphdef, params, x_btd, batch, head_loss), sums
 
     def token_losses(self, graphdef: nnx.GraphDef, params: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
         """Each position's cross-entropy [b, t] of `batch` - a forward pass alone, for DPO's reference. Through the

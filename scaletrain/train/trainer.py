@@ -27,7 +27,7 @@ from scaletrain.data import loader as data_lib
 from scaletrain.data import tokenizer as tokenizer_lib
 from scaletrain.errors import CheckpointError, UserError, first_line
 from scaletrain.facts import fit, flops, hardware
-from scaletrain.models import lora
+from scaletrain.models import lora, mtp
 from scaletrain.parallel import checks, context, sharding
 from scaletrain.parallel import mesh as mesh_lib
 from scaletrain.store import storage
@@ -95,13 +95,16 @@ class Setup:
 
     def put_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows (data.process_rows) -> global batch arrays on the mesh, each sequence laid out for
-        the `context` axis."""
+        the `context` axis, with the multi-token prediction modules' tokens ahead where the model has them."""
+        if self.cfg.model.mtp_depth:  # shifted in sequence order, before the layout (models/mtp.py)
+            local = local | mtp.lookahead(local, self.cfg.model.mtp_depth)
         return data_lib.to_global(context.lay_out(local, self.seq_order), self.batch_sharding,
                                   self.cfg.train.global_batch)
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         shape = (self.cfg.train.global_batch, self.cfg.data.seq_len)
         keys = BATCH_KEYS | {name: jnp.float32 for name in data_lib.extras(self.cfg)}
+        keys |= mtp.batch_keys(self.cfg.model.mtp_depth)
         return {k: jax.ShapeDtypeStruct(shape, dt, sharding=self.batch_sharding) for k, dt in keys.items()}
 
     def abstract_args(self) -> tuple:

@@ -13,15 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from scaletrain import remat
-from scaletrain.models import transformer
+from scaletrain.models import mtp
 from scaletrain.models.deepseek.mla import LatentAttention
 from scaletrain.models.mixtral import moe
 from scaletrain.models.mixtral.decoder import ROUTER, Mixtral, RoutedBlock
 from scaletrain.models.mlp import MLP
-from scaletrain.models.transformer import Block, ModelConfig, decode_scan
+from scaletrain.models.transformer import Block, ModelConfig, decode_scan, layer_body
 from scaletrain.parallel import pipeline
-from scaletrain.parallel.sharding import constrain
 
 
 class DenseBlock(Block):
@@ -76,6 +74,8 @@ class DeepSeek(Mixtral):
                 return DenseBlock(cfg, rngs)
 
             self.dense_layers = make_dense(rngs)
+        if cfg.mtp_depth:
+            self.mtp = mtp.stacked(cfg, type(self).unit, rngs)
 
     def stack_inputs(self, tokens_bt, positions_bt, segment_ids_bt, remat_layers: bool = True,
                      dropout_seeds=None, layer_ids=None):
@@ -88,30 +88,49 @@ class DeepSeek(Mixtral):
         return x_btd, body, stacked, extras
 
     def _dense(self, x_btd, sin_bth, cos_bth, segment_ids_bt):
-        cfg = self.cfg
         graphdef, stacked = nnx.split(self.dense_layers)
+        return pipeline.scan(layer_body(self.cfg, graphdef), x_btd, stacked, (sin_bth, cos_bth, segment_ids_bt),
+                             self.cfg.unroll_loops)[0]
 
-        def layer(x_btd, layer_params, *extras):
-            x_btd = constrain(x_btd, ("batch", "residual_seq", "embed"))
-            return nnx.merge(graphdef, transformer._placed(cfg, layer_params))(x_btd, *extras)
+    def ahead(self, graphdef, params, x_btd, batch, head_loss) -> dict:
+        """The multi-token prediction modules' sums (models/mtp.py), where model.mtp_depth > 0."""
+        return {mtp.MTP: mtp.sums(graphdef, params, x_btd, batch, head_loss)} if self.cfg.mtp_depth else {}
 
-        body = remat.apply(layer, cfg.remat, cfg.remat_custom, cfg.unroll_loops)
-        return pipeline.scan(body, x_btd, stacked, (sin_bth, cos_bth, segment_ids_bt), cfg.unroll_loops)[0]
+    def penalty(self, aux: dict) -> jax.Array:
+        """The stack's router losses, plus model.mtp_loss_weight / D x each module's loss: its cross-entropy and
+        its block's router losses."""
+        out = super().penalty(aux)
+        if mtp.MTP in aux:
+            cfg, sums = self.cfg, aux[mtp.MTP]
+            out += mtp.penalty(cfg.mtp_loss_weight, sums)
+            out += cfg.mtp_loss_weight * moe.penalty(cfg.router_aux_loss, cfg.router_z_loss, sums[ROUTER])
+        return out
+
+    def aux_metrics(self, aux: dict) -> dict:
+        return super().aux_metrics(aux) | (mtp.metrics(aux[mtp.MTP]) if mtp.MTP in aux else {})
 
     def after_update(self, params, aux: dict, keep: jax.Array, order: np.ndarray | None = None):
-        """Aux-loss-free balancing (model.router_bias_update_rate = u > 0): each mixture's selection bias moves
-        by u x sign(mean load - load) per expert, from the step's assignments counted over the whole batch,
-        centred so that the biases' mean stays put; nothing where the step's update was dropped."""
+        """Aux-loss-free balancing (model.router_bias_update_rate = u > 0): each mixture's selection bias - the
+        stack's and the multi-token prediction modules' - moves by u x sign(mean load - load) per expert, from
+        the step's assignments counted over the whole batch, centred so that the biases' mean stays put; nothing
+        where the step's update was dropped."""
         rate = self.cfg.router_bias_update_rate
         if not rate:
             return params
-        load = aux[ROUTER]["load"] if order is None else aux[ROUTER]["load"][order]  # [layers, experts]
-        step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
-        step = jnp.where(keep, step - jnp.mean(step, axis=-1, keepdims=True), 0.0)
-        layers = params["layers"]
-        mlp = layers["mlp"]
-        routed = {**mlp["routed"], "router_bias": mlp["routed"]["router_bias"] + step}
-        return {**params, "layers": {**layers, "mlp": {**mlp, "routed": routed}}}
+
+        def moved(stack: dict, load: jax.Array) -> dict:  # load: [layers, experts]
+            step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+            step = jnp.where(keep, step - jnp.mean(step, axis=-1, keepdims=True), 0.0)
+            mlp = stack["mlp"]
+            return {**stack, "mlp": {**mlp, "routed": {**mlp["routed"],
+                                                       "router_bias": mlp["routed"]["router_bias"] + step}}}
+
+        load = aux[ROUTER]["load"] if order is None else aux[ROUTER]["load"][order]
+        params = {**params, "layers": moved(params["layers"], load)}
+        if mtp.MTP in aux:
+            modules = params["mtp"]
+            params["mtp"] = {**modules, "block": moved(modules["block"], aux[mtp.MTP][ROUTER]["load"])}
+        return params
 
     def init_cache(self, batch: int, max_len: int):
         """(the dense first layers' cache, the stack's): keys [layers, b, max_len, heads, head_dim] and values

@@ -1,0 +1,156 @@
+"""Multi-token prediction (models/mtp.py, model.mtp_depth) on the tiny DeepSeek model of tests/test_deepseek.py.
+
+The host's lookahead arrays are checked by hand; the step's loss and gradient equal a slow twin that runs every
+packed document alone, unpadded, and shifts its tokens itself; 4 updates on 8 devices - context 2 (the zig-zag
+layout, documents cut inside its chunks) x fsdp x expert, and a GPipe pipeline - equal one device, the modules'
+router bias moving by its rule; the combinations it cannot take are refused. Hugging Face's MTP layer
+(model.layers.{num_hidden_layers}.*) against transformers' own decoder layer: tests/test_deepseek.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from scaletrain import config as config_lib
+from scaletrain import models as model_lib
+from scaletrain.errors import ConfigError
+from scaletrain.models import mtp
+from scaletrain.parallel import pipeline
+from scaletrain.train import step as step_lib
+from scaletrain.train.runner import Runner
+from tests import equivalence
+from tests.test_context import _packed
+from tests.test_deepseek import DEEPSEEK
+
+STEPS = 4
+MTP = [*DEEPSEEK, "model.mtp_depth=2", "model.mtp_loss_weight=0.3"]
+
+
+def _documents(batches: list[dict]) -> list[dict]:
+    """test_context's packing (four documents a row, cut inside the zig-zag's chunks), each document's last
+    target out of the loss: it is the next document's first token."""
+    out = []
+    for batch in _packed(batches):
+        last = np.zeros_like(batch["segment_ids"], bool)
+        last[:, :-1] = batch["segment_ids"][:, 1:] != batch["segment_ids"][:, :-1]
+        out.append({**batch, "loss_mask": np.where(last, 0, batch["loss_mask"]).astype(np.float32)})
+    return out
+
+
+def test_lookahead_shifts_within_each_document():
+    batch = {"tokens": np.array([[10, 11, 12, 13, 14, 15]]), "targets": np.array([[11, 12, 13, 14, 15, 16]]),
+             "segment_ids": np.array([[1, 1, 1, 2, 2, 2]]), "loss_mask": np.array([[1, 1, 0, 1, 1, 1]], np.float32)}
+    ahead = mtp.lookahead(batch, 2)
+    assert set(ahead) == set(mtp.batch_keys(2))
+    np.testing.assert_array_equal(ahead["mtp1_tokens"], [[11, 12, 13, 14, 15, 0]])
+    np.testing.assert_array_equal(ahead["mtp1_targets"], [[12, 13, 14, 15, 16, 0]])
+    np.testing.assert_array_equal(ahead["mtp1_mask"], [[1, 0, 0, 1, 1, 0]])  # 2 -> 3 crosses; 12's target is out
+    np.testing.assert_array_equal(ahead["mtp2_tokens"], [[12, 13, 14, 15, 0, 0]])
+    np.testing.assert_array_equal(ahead["mtp2_targets"], [[13, 14, 15, 16, 0, 0]])
+    np.testing.assert_array_equal(ahead["mtp2_mask"], [[0, 0, 0, 1, 0, 0]])
+    assert ahead["mtp1_tokens"].dtype == batch["tokens"].dtype and ahead["mtp2_mask"].dtype == np.float32
+
+
+def _twin_loss(graphdef, params, batch: dict, weight: float) -> jax.Array:
+    """The objective the slow way: each document of each row run alone (positions from 0, no segment ids to mask
+    with), the module k at its position i fed the document's token i + k and scored on its target i + k, where that
+    target exists and is in the loss; (sum of next-token losses + weight / D x sum of the modules') / tokens."""
+    model = nnx.merge(graphdef, params)
+    depths = model.cfg.mtp_depth
+    depth_def, stacked = nnx.split(model.mtp)
+    total = count = 0.0
+    for r in range(batch["tokens"].shape[0]):
+        for doc in np.unique(batch["segment_ids"][r]):
+            at = np.flatnonzero(batch["segment_ids"][r] == doc)
+            tokens, targets, mask = (jnp.asarray(batch[k][r, at][None]) for k in ("tokens", "targets", "loss_mask"))
+            n = len(at)
+            positions, ones = jnp.arange(n)[None], jnp.ones((1, n), jnp.int32)
+            x, body, layers, extras = model.stack_inputs(tokens, positions, ones)
+            h = pipeline.scan(body, x, layers, extras)[0]
+            ce = -jnp.take_along_axis(jax.nn.log_softmax(model.logits(model.final_stream(h))), targets[..., None], -1)
+            total, count = total + jnp.sum(ce[..., 0] * mask), count + jnp.sum(mask)
+            for k in range(1, depths + 1):
+                if n <= k:
+                    break
+                module = nnx.merge(depth_def, jax.tree.map(lambda a: a[k - 1], stacked))
+                sin, cos = extras[0][:, :n - k], extras[1][:, :n - k]
+                h, _ = module(h[:, :n - k], model.embed(tokens[:, k:], jnp.float32), sin, cos, ones[:, :n - k])
+                logits = model.logits(module.final_norm(h))
+                ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[:, k:, None], -1)[..., 0]
+                total += weight / depths * jnp.sum(ce * mask[:, k:])
+    return total / count
+
+
+def test_loss_and_gradient_equal_a_twin_that_runs_each_document_alone(batches):
+    cfg = equivalence.load_config(1, *MTP, "model.router_aux_loss=0", "model.router_z_loss=0")
+    model_cfg = model_lib.ModelConfig.from_config(cfg.model, dtype=jnp.float32, init_std=0.3)
+    graphdef = model_lib.abstract(model_cfg)[0]
+    params = model_lib.init_params(model_cfg, jax.random.PRNGKey(0))
+    batch = _documents(batches[:1])[0]
+    end = int(np.argmax(batch["segment_ids"][0] == 3))
+    batch = {k: v[:1, :end] for k, v in batch.items()}  # one row, its first two documents
+
+    def ours(params):
+        with_ahead = {k: jnp.asarray(v) for k, v in (batch | mtp.lookahead(batch, 2)).items()}
+        total, sums = step_lib.terms(graphdef, params, with_ahead, Runner())
+        return total / sums["count"], sums
+
+    (loss, sums), grads = jax.jit(jax.value_and_grad(ours, has_aux=True))(params)
+    want, want_grads = jax.jit(jax.value_and_grad(lambda p: _twin_loss(graphdef, p, batch, 0.3)))(params)
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    assert float(jnp.sum(sums["aux"]["mtp"]["loss"])) > 0 and loss > sums["loss"] / sums["count"]
+    # Each gradient array within 1e-5 in norm (the documents' sums run in another order: rounding-level
+    # differences in single elements, as tests/equivalence.py measures parameters).
+    for (path, g), w in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(want_grads)):
+        assert np.linalg.norm(g - w) <= 1e-5 * np.linalg.norm(w), jax.tree_util.keystr(path)
+    assert float(jnp.max(jnp.abs(grads["mtp"]["proj"]))) > 0  # the modules learn
+
+
+@pytest.fixture(scope="module")
+@equivalence.computed_once
+def reference(batches):
+    return equivalence.reference(_documents(batches), *MTP)
+
+
+MESHES = {
+    "context=2 x fsdp=2 x expert=2": ["mesh.context=2", "mesh.fsdp=2", "mesh.expert=2"],
+    "expert=2 x pipeline=2 (gpipe)": ["mesh.expert=2", "mesh.pipeline=2", "pipeline.schedule=gpipe"],
+}
+
+
+@pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
+def test_meshes_train_like_one_device(batches, reference, mesh):
+    equivalence.assert_same(equivalence.run(_documents(batches), *MTP, *mesh), reference,
+                            metrics=("loss", "grad_norm", "mtp_loss"))
+
+
+def test_the_modules_learn_and_their_router_bias_moves_by_the_rule(reference):
+    first, last = reference.metrics[0], reference.metrics[-1]
+    assert last["mtp_loss"] < first["mtp_loss"] - 0.1
+    bias = reference.params["mtp"]["block"]["mlp"]["routed"]["router_bias"]  # [depths, experts]
+    units = bias * 8 / 0.01
+    np.testing.assert_allclose(units, np.round(units), atol=1e-3)
+    assert np.any(bias != 0)
+    np.testing.assert_allclose(bias.sum(-1), 0, atol=1e-7)
+    assert np.all(reference.mu["mtp"]["block"]["mlp"]["routed"]["router_bias"] == 0)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.mtp_depth=1"], "built for model.family=deepseek"),
+    ([*MTP, "model.mtp_loss_weight=0"], "would learn nothing"),
+    ([*MTP, "lora.rank=4"], "LoRA trains without"),
+    ([*MTP, "train.objective=dpo", "data.format=preference", "data.source=synthetic", "dpo.reference=precomputed"],
+     "adds to the next-token loss only"),
+])
+def test_what_it_cannot_take_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config_lib.load(None, overrides)
+
+
+def test_a_pipeline_that_runs_the_head_in_its_loop_is_refused():
+    from scaletrain.train import trainer
+
+    cfg = equivalence.load_config(1, *MTP, "mesh.expert=2", "mesh.pipeline=2", "pipeline.schedule=1f1b")
+    with pytest.raises(ConfigError, match="model.mtp_depth=2 with pipeline.schedule=1f1b"):
+        trainer.build(cfg, jax.devices()[:4])
