@@ -1,12 +1,12 @@
-"""DeepSeek-V3 (models/deepseek) against transformers' DeepseekV3ForCausalLM, on a tiny random model with every
-option on: a query latent (q_lora_rank > 0), expert groups, sigmoid scores with the selection bias, shared
-experts, a dense first layer, YaRN (an attention factor on cos/sin and the magnitude in the softmax scale),
-interleaved RoPE. Its logits equal transformers' (float32) through XLA's attention and the flash kernel;
-HF -> scaletrain -> HF is bit-exact (the checkpoint's multi-token prediction layer skipped, as transformers skips
-it) and the config built for export reads back into transformers with the same logits; block-FP8 weights are
-dequantized on import; greedy decoding through the KV cache is the argmax of the full forward pass; the router
-bias moves by exactly model.router_bias_update_rate's rule and by nothing else; 4 updates on meshes of 8 devices
-(fsdp x tensor x expert 2, expert 4 x 2 pipeline stages) equal one device.
+"""DeepSeek-V3 (models/deepseek) against transformers' DeepseekV3ForCausalLM, on a tiny random model with every option
+on: a query latent (q_lora_rank > 0), expert groups, sigmoid scores with the selection bias, shared experts, a dense
+first layer, YaRN (an attention factor on cos/sin and the magnitude in the softmax scale), interleaved RoPE. Its
+logits equal transformers' (float32) through XLA's attention and the flash kernel; HF -> scaletrain -> HF is
+bit-exact (a multi-token prediction tensor its config.json does not name skipped, as transformers skips it; the MTP
+layer imported: tests/test_mtp.py) and the config built for export reads back into transformers with the same logits;
+block-FP8 weights are dequantized on import; greedy decoding through the KV cache is the argmax of the full forward
+pass; the router bias moves by exactly model.router_bias_update_rate's rule and by nothing else; 4 updates on meshes
+of 8 devices (fsdp x tensor x expert 2, expert 4 x 2 pipeline stages) equal one device.
 
 The transformers model is built and converted once (module-scoped fixtures)."""
 
@@ -41,7 +41,9 @@ HF_KEYS = dict(
     rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
                          beta_fast=32, beta_slow=1, mscale=0.8, mscale_all_dim=1.0))
 TOKENS = np.random.RandomState(0).randint(0, VOCAB, (2, 16))
-MTP_TENSOR = "model.layers.3.eh_proj.weight"  # the multi-token prediction layer's (num_hidden_layers = 3)
+# A multi-token prediction layer's tensor (num_hidden_layers = 3) in a checkpoint whose config.json names none
+# (num_nextn_predict_layers 0; transformers' config says 1 by default, and drops the layer when it saves).
+MTP_TENSOR = "model.layers.3.eh_proj.weight"
 
 
 def _logits(model) -> np.ndarray:
@@ -49,21 +51,28 @@ def _logits(model) -> np.ndarray:
         return model(torch.tensor(TOKENS)).logits.float().numpy()
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    """(a tiny random DeepseekV3ForCausalLM's folder, with an MTP tensor added, and its float32 logits)."""
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF_KEYS)).float().eval()
-    with torch.no_grad():  # far from the initialisation, norms and selection biases included
+def randomised(model):
+    """`model` with every weight far from its initialisation, norms and selection biases included."""
+    with torch.no_grad():
         for p in model.parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p) if p.ndim == 1 else 0.1 * torch.randn_like(p))
         for layer in model.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(8))
+    return model
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """(a tiny random DeepseekV3ForCausalLM's folder, with an MTP tensor added, and its float32 logits)."""
+    torch.manual_seed(0)
+    model = randomised(transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF_KEYS)).float().eval())
     folder = tmp_path_factory.mktemp("deepseek") / "hf"
     model.save_pretrained(folder)
     weights = load_file(folder / "model.safetensors")
     save_file(weights | {MTP_TENSOR: np.ones((48, 96), np.float32)}, folder / "model.safetensors",
               metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 0}))
     return folder, _logits(model)
 
 

@@ -30,7 +30,8 @@ TINY = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1
 # A family's own keys on top of TINY (each variant's parameters joined): its features on.
 FAMILY_KEYS = {"deepseek": tuple(dict(family="deepseek", num_layers=3, num_heads=2, num_kv_heads=2, kv_lora_rank=8,
                                       rope_head_dim=8, q_lora_rank=q, first_dense_layers=1, shared_experts=1,
-                                      router_score="sigmoid", router_correction_bias=True) for q in (0, 8)),
+                                      router_score="sigmoid", router_correction_bias=True,
+                                      mtp_depth=1) for q in (0, 8)),
                # GPT-OSS's pieces on (Q and K not normalised: no such rows)
                "gpt_oss": (dict(gpt_oss_hf.FEATURES, qk_norm=False),),
                "gemma": (dict(family="gemma", norm_plus_one=True, embed_scale=True, mlp_activation="gelu_tanh"),)}

@@ -3,17 +3,26 @@
 The host's lookahead arrays are checked by hand; the step's loss and gradient equal a slow twin that runs every
 packed document alone, unpadded, and shifts its tokens itself; 4 updates on 8 devices - context 2 (the zig-zag
 layout, documents cut inside its chunks) x fsdp x expert, and a GPipe pipeline - equal one device, the modules'
-router bias moving by its rule; the combinations it cannot take are refused. Hugging Face's MTP layer
-(model.layers.{num_hidden_layers}.*) against transformers' own decoder layer: tests/test_deepseek.py."""
+router bias moving by its rule; the combinations it cannot take are refused. A checkpoint's MTP layer
+(model.layers.{num_hidden_layers}.*: enorm, hnorm, eh_proj, a decoder layer, shared_head) imports into the
+modules, whose logits equal a torch twin built on transformers' own DeepseekV3DecoderLayer, and exports back
+bit-exact; a checkpoint without one converts without it, and a run asking for modules its init_from lacks is
+refused in one line."""
+
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import transformers
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 from scaletrain import config as config_lib
 from scaletrain import models as model_lib
+from scaletrain.__main__ import main
 from scaletrain.errors import ConfigError
 from scaletrain.models import mtp
 from scaletrain.parallel import pipeline
@@ -21,7 +30,7 @@ from scaletrain.train import step as step_lib
 from scaletrain.train.runner import Runner
 from tests import equivalence
 from tests.test_context import _packed
-from tests.test_deepseek import DEEPSEEK
+from tests.test_deepseek import DEEPSEEK, HF_KEYS, TOKENS, randomised
 
 STEPS = 4
 MTP = [*DEEPSEEK, "model.mtp_depth=2", "model.mtp_loss_weight=0.3"]
@@ -154,3 +163,107 @@ def test_a_pipeline_that_runs_the_head_in_its_loop_is_refused():
     cfg = equivalence.load_config(1, *MTP, "mesh.expert=2", "mesh.pipeline=2", "pipeline.schedule=1f1b")
     with pytest.raises(ConfigError, match="model.mtp_depth=2 with pipeline.schedule=1f1b"):
         trainer.build(cfg, jax.devices()[:4])
+
+
+# --- Hugging Face's MTP layer -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(a DeepSeek-V3 checkpoint of 3 layers and one MTP layer, as the hub's are laid out, and the torch modules
+    the twin runs). The MTP layer's decoder layer is the fourth layer of a 4-layer model: saved by transformers,
+    its tensors have the hub's names; its embedding and head repeat the model's."""
+    torch.manual_seed(0)
+    four = randomised(transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(**HF_KEYS | {"num_hidden_layers": 4})).float().eval())
+    folder = tmp_path_factory.mktemp("mtp") / "hf"
+    four.save_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    norms = [transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RMSNorm(48, 1e-6) for _ in range(3)]
+    eh_proj = torch.nn.Linear(96, 48, bias=False)
+    with torch.no_grad():
+        for module in (*norms, eh_proj):
+            module.weight.copy_(1 + 0.2 * torch.randn(48) if module in norms else 0.1 * torch.randn(48, 96))
+    extra = {"enorm": norms[0], "hnorm": norms[1], "shared_head.norm": norms[2], "eh_proj": eh_proj}
+    weights |= {f"model.layers.3.{name}.weight": m.weight.detach().numpy() for name, m in extra.items()}
+    weights |= {"model.layers.3.embed_tokens.weight": weights["model.embed_tokens.weight"],
+                "model.layers.3.shared_head.head.weight": weights["lm_head.weight"]}
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 3, "num_nextn_predict_layers": 1}))
+    return folder, four, extra
+
+
+def _torch_twin(four, extra, tokens) -> np.ndarray:
+    """The MTP layer's logits as vLLM and DeepSeek define them, on transformers' modules: the main model's stream
+    before its final norm (the first 3 layers of `four`), the next tokens' embedding, both normed (enorm, hnorm)
+    and concatenated in that order, eh_proj, the fourth decoder layer, shared_head's norm, the shared head."""
+    model = four.model
+    x = torch.tensor(tokens)
+    with torch.no_grad():
+        h = model.embed_tokens(x)
+        positions = torch.arange(x.shape[1])[None]
+        mask = torch.triu(torch.full((x.shape[1], x.shape[1]), -torch.inf), 1)[None, None]
+        for layer in model.layers[:3]:
+            h = layer(h, attention_mask=mask, position_ids=positions,
+                      position_embeddings=model.rotary_emb(h, positions))
+        e = model.embed_tokens(x[:, 1:])
+        y = extra["eh_proj"](torch.cat([extra["enorm"](e), extra["hnorm"](h[:, :-1])], -1))
+        y = model.layers[3](y, attention_mask=mask[..., :-1, :-1], position_ids=positions[:, :-1],
+                            position_embeddings=model.rotary_emb(y, positions[:, :-1]))
+        return four.lm_head(extra["shared_head.norm"](y)).float().numpy()
+
+
+def _scaletrain_ahead(run, tokens) -> np.ndarray:
+    """The converted run's first module's logits at each position (but the last): t_{i+2} predicted."""
+    from scaletrain.tools import inference
+    from scaletrain.train import init_from
+
+    cfg = config_lib.load(run / "config.yaml", ["model.dtype=float32"])
+    setup = inference.one_device_setup(cfg)
+    _, params = init_from.restore_run_params(str(run), setup, "test")
+    model = nnx.merge(model_lib.abstract(setup.model_cfg)[0], params)
+    t = jnp.asarray(tokens)
+    positions, ones = jnp.broadcast_to(jnp.arange(t.shape[1]), t.shape), jnp.ones(t.shape, jnp.int32)
+    x, body, layers, extras = model.stack_inputs(t, positions, ones)
+    h = pipeline.scan(body, x, layers, extras)[0]
+    depth_def, stacked = nnx.split(model.mtp)
+    module = nnx.merge(depth_def, jax.tree.map(lambda a: a[0], stacked))
+    y, _ = module(h[:, :-1], model.embed(t[:, 1:], jnp.float32), extras[0][:, :-1], extras[1][:, :-1],
+                  ones[:, :-1])
+    return np.asarray(model.logits(module.final_norm(y)))
+
+
+def test_a_checkpoints_mtp_layer_imports_runs_as_transformers_layer_and_exports_bit_exact(checkpoint, tmp_path):
+    folder, four, extra = checkpoint
+    run = tmp_path / "run"
+    assert main(["convert", "from-hf", "--hf-dir", str(folder), "--out", str(run)]) == 0
+    assert config_lib.load(run / "config.yaml").model.mtp_depth == 1
+    want = _torch_twin(four, extra, TOKENS)
+    np.testing.assert_allclose(_scaletrain_ahead(run, TOKENS), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert main(["convert", "to-hf", "--run-dir", str(run), "--out", str(tmp_path / "back")]) == 0
+    original, back = load_file(folder / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert set(back) == set(original)
+    for name, array in back.items():
+        np.testing.assert_array_equal(array, original[name], err_msg=name)
+    built = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert built["num_nextn_predict_layers"] == 1 and built["num_hidden_layers"] == 3
+
+
+def test_a_checkpoint_without_its_mtp_layer_converts_without_it_and_a_run_asking_for_it_is_refused(
+        checkpoint, tmp_path, capsys):
+    folder, _, _ = checkpoint
+    bare = tmp_path / "hf"
+    bare.mkdir()
+    weights = load_file(folder / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.startswith("model.layers.3.")},
+              bare / "model.safetensors", metadata={"format": "pt"})
+    (bare / "config.json").write_text((folder / "config.json").read_text())  # still names one MTP layer
+    assert main(["convert", "from-hf", "--hf-dir", str(bare), "--out", str(tmp_path / "run")]) == 0
+    assert "converted without it (model.mtp_depth=0)" in capsys.readouterr().out
+    assert config_lib.load(tmp_path / "run" / "config.yaml").model.mtp_depth == 0
+    code = main(["train", "--config", str(tmp_path / "run" / "config.yaml"), "--set", "model.mtp_depth=1",
+                 "--set", f"run_dir={tmp_path / 'tuned'}", "--set", f"checkpoint.init_from={tmp_path / 'run'}",
+                 "--set", "steps=1", "--set", "data.seq_len=16", "--set", "train.global_batch=8"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("error:") == 1 and "model.mtp_depth=1" in err and "Traceback" not in err

@@ -64,6 +64,13 @@ class Architecture:
     hidden_act: str = "silu"
     # Its own reading of the rope settings, (hf, refuse) -> keys, where the shared one cannot (rope per layer kind).
     rope_keys: Callable[[dict, Callable[[str], Exception]], dict] | None = None
+    # Tensors a checkpoint repeats in every layer of a stack that are one parameter of scaletrain's (DeepSeek's
+    # multi-token prediction layers' embedding and head): (name with {i}, the stack, the parameter's path, in_dims).
+    # Written as copies on export; on import not required and not read (the parameter's own tensor is).
+    copies: tuple[tuple[str, str, tuple[str, ...], int | None], ...] = ()
+    # (config.json, the tensor names the files hold) -> (model.* keys that depend on which tensors are there, a
+    # note to print or ""): DeepSeek's multi-token prediction layer, imported where the files have it.
+    keys_from_files: Callable[[dict, set], tuple[dict, str]] | None = None
     # model.* keys only its config.json represents (its keys_in sets them, its keys_out writes them): an
     # architecture without one refuses a model that has it off its default (Gemma's pieces).
     own_keys: tuple[str, ...] = ()

@@ -318,6 +318,10 @@ def params_source(path: str | os.PathLike, abstract_params: Any, what: str = "ch
     for name, x in wanted.items():
         if name not in saved and meta.get("base"):
             continue  # checked in the base's checkpoint (restore_params)
+        if name not in saved and name.startswith("['mtp']"):
+            raise CheckpointError(f"{what}: {directory / str(step)} has no multi-token prediction modules, which "
+                                  f"model.mtp_depth={x.shape[0]} asks for (its model was converted or trained "
+                                  f"without them); set model.mtp_depth=0, or start from a checkpoint that has them")
         if name not in saved:
             raise CheckpointError(f"{what}: {directory / str(step)} has no parameter {name}; "
                                   f"it was saved by another model (it has {len(saved)} parameter arrays)")

@@ -51,6 +51,7 @@ class Tensor:
     in_dims: int | None
     shape: tuple[int, ...]  # scaletrain's, without the stacked axes
     part: Interleaved | None = None  # one of the parameters the tensor interleaves (family.Interleaved)
+    copy: bool = False  # a repeat of the parameter's own tensor (Architecture.copies): written, never read
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -100,6 +101,11 @@ def tensors(abstract_params: dict, arch: str) -> list[Tensor]:
             part = in_dims if isinstance(in_dims, Interleaved) else None
             keyed.append(((*place, row), Tensor(name.format(**dict(zip("ij", numbered))), path, index,
                                                 None if part else in_dims, shape[stacked:], part)))
+    for row, (name, stack, path, in_dims) in enumerate(_arch(arch).copies, len(rows)):
+        layers = jax.tree.leaves(abstract_params[stack])[0].shape[0] if stack in abstract_params else 0
+        for layer in range(offsets[stack], offsets[stack] + layers):
+            keyed.append(((layer, -1, row), Tensor(name.format(i=layer), path, (), in_dims,
+                                                   _leaf(abstract_params, path).shape, copy=True)))
     return [t for _, t in sorted(keyed, key=lambda kt: kt[0])]
 
 
@@ -209,14 +215,21 @@ def from_hf(hf_dir: str, out: str) -> int:
 
     source = Path(hf_dir)
     keys, arch = read_source(hf_dir)
-    # Validated against the source's tokenizer (nothing is written yet), then written naming the copy.
-    cfg = _run_config(keys, out, _tokenizer(source))
-    setup = inference.one_device_setup(cfg)
     facts, hf = _arch(arch), read_json(source / "config.json", f"--hf-dir {hf_dir}")
     with ExitStack() as stack:
         reader = Reader(source, stack)
+        if facts.keys_from_files:
+            present, note = facts.keys_from_files(hf, set(reader.location))
+            keys |= present
+            if note:
+                print(note)
+        # Validated against the source's tokenizer (nothing is written yet), then written naming the copy.
+        cfg = _run_config(keys, out, _tokenizer(source))
+        setup = inference.one_device_setup(cfg)
         layout = tensors(setup.abstract_state.params, arch)
-        reader.check(layout, facts.skipped(hf) if facts.skipped else None)
+        copies = {t.name for t in layout if t.copy}
+        skipped = facts.skipped(hf) if facts.skipped else (lambda name: False)
+        reader.check([t for t in layout if not t.copy], lambda name: name in copies or skipped(name))
         params = _read_params(reader, layout, setup.abstract_state.params, setup.state_shardings.params,
                               _permute(facts, cfg.model, to_hf=False))
     run = storage.prepare(out)
@@ -275,7 +288,8 @@ def _read_params(reader: Reader, layout: list[Tensor], abstract_params: dict, sh
     _permute's, to scaletrain's order."""
     by_path: dict[tuple[str, ...], list[Tensor]] = {}
     for t in layout:
-        by_path.setdefault(t.path, []).append(t)
+        if not t.copy:
+            by_path.setdefault(t.path, []).append(t)
 
     def fill(path: tuple[str, ...]) -> jax.Array:
         target = _leaf(abstract_params, path)

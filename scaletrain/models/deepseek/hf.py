@@ -3,10 +3,12 @@ every tensor and its config.json keys. The dense first layers are scaletrain's `
 Face's first layers; the mixtures follow them (Architecture.stacks). Hugging Face's interleaved RoPE pairs
 (rope_interleave) become scaletrain's split halves by permuting the RoPE columns of the query and shared-key
 projections (`permute`), so the model itself always rotates split halves. The checkpoint's multi-token prediction
-layer (model.layers.{num_hidden_layers}.*) is skipped, as transformers skips it."""
+layers (model.layers.{num_hidden_layers}.* on) are the `mtp` modules (models/mtp.py) where config.json names them
+and the files hold them; else they are skipped, as transformers skips them."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -16,10 +18,11 @@ from scaletrain.models.family import Architecture, Row
 from scaletrain.models.llama import hf as llama_hf
 
 
-def _attention(stack: str) -> tuple[Row, ...]:
-    a = (stack, "attn")
+def _attention(*block: str) -> tuple[Row, ...]:
+    """A block's attention rows, the block at `block` in the parameters (a stack, or the MTP modules' blocks)."""
+    a = (*block, "attn")
     return (
-        ("model.layers.{i}.input_layernorm.weight", (stack, "attn_norm", "scale"), None),
+        ("model.layers.{i}.input_layernorm.weight", (*block, "attn_norm", "scale"), None),
         ("model.layers.{i}.self_attn.q_proj.weight", (*a, "wq"), 1),
         ("model.layers.{i}.self_attn.q_a_proj.weight", (*a, "wq_a"), 1),
         ("model.layers.{i}.self_attn.q_a_layernorm.weight", (*a, "q_a_norm", "scale"), None),
@@ -28,7 +31,7 @@ def _attention(stack: str) -> tuple[Row, ...]:
         ("model.layers.{i}.self_attn.kv_a_layernorm.weight", (*a, "kv_a_norm", "scale"), None),
         ("model.layers.{i}.self_attn.kv_b_proj.weight", (*a, "wkv_b"), 1),
         ("model.layers.{i}.self_attn.o_proj.weight", (*a, "wo"), 2),
-        ("model.layers.{i}.post_attention_layernorm.weight", (stack, "mlp_norm", "scale"), None),
+        ("model.layers.{i}.post_attention_layernorm.weight", (*block, "mlp_norm", "scale"), None),
     )
 
 
@@ -37,18 +40,34 @@ def _swiglu(prefix: str, path: tuple[str, ...]) -> tuple[Row, ...]:
                  for hf, ours in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")))
 
 
+def _mixture(*block: str) -> tuple[Row, ...]:
+    """A mixture block's rows: its attention, router, routed and shared experts."""
+    mlp = (*block, "mlp")
+    return (*_attention(*block),
+            ("model.layers.{i}.mlp.gate.weight", (*mlp, "routed", "router"), 1),
+            ("model.layers.{i}.mlp.gate.e_score_correction_bias", (*mlp, "routed", "router_bias"), None),
+            *_swiglu("model.layers.{i}.mlp.experts.{j}", (*mlp, "routed")),
+            *_swiglu("model.layers.{i}.mlp.shared_experts", (*mlp, "shared")))
+
+
 TENSORS: tuple[Row, ...] = (
     ("model.embed_tokens.weight", ("embed", "table"), None),
     *_attention("dense_layers"),
     *_swiglu("model.layers.{i}.mlp", ("dense_layers", "mlp")),
-    *_attention("layers"),
-    ("model.layers.{i}.mlp.gate.weight", ("layers", "mlp", "routed", "router"), 1),
-    ("model.layers.{i}.mlp.gate.e_score_correction_bias", ("layers", "mlp", "routed", "router_bias"), None),
-    *_swiglu("model.layers.{i}.mlp.experts.{j}", ("layers", "mlp", "routed")),
-    *_swiglu("model.layers.{i}.mlp.shared_experts", ("layers", "mlp", "shared")),
+    *_mixture("layers"),
+    # The multi-token prediction modules (models/mtp.py): the layers after the last one, each a mixture block with
+    # its two input norms, their projection and the norm before the head.
+    ("model.layers.{i}.enorm.weight", ("mtp", "embed_norm", "scale"), None),
+    ("model.layers.{i}.hnorm.weight", ("mtp", "hidden_norm", "scale"), None),
+    ("model.layers.{i}.eh_proj.weight", ("mtp", "proj"), 1),
+    *_mixture("mtp", "block"),
+    ("model.layers.{i}.shared_head.norm.weight", ("mtp", "final_norm", "scale"), None),
     ("model.norm.weight", ("final_norm", "scale"), None),
     ("lm_head.weight", ("lm_head",), 1),
 )
+# Each MTP layer repeats the model's embedding and output head: one parameter each in scaletrain.
+COPIES = (("model.layers.{i}.embed_tokens.weight", "mtp", ("embed", "table"), None),
+          ("model.layers.{i}.shared_head.head.weight", "mtp", ("lm_head",), 1))
 
 # The llama keys but head_dim, which DeepSeek's config.json gives as the RoPE dims (qk_rope_head_dim).
 CONFIG_KEYS = tuple((hf, ours) for hf, ours in llama_hf.CONFIG_KEYS if hf != "head_dim")
@@ -82,6 +101,7 @@ def keys_in(hf: dict, source: str, refuse) -> dict[str, Any]:
     keys = {ours: given[theirs] for theirs, ours in DEEPSEEK_KEYS}
     # transformers' latent attention expands keys and values for every head, whatever num_key_value_heads says
     return keys | {"family": "deepseek", "head_dim": hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
+                   "mtp_depth": hf.get("num_nextn_predict_layers") or 0,
                    "num_kv_heads": hf["num_attention_heads"],
                    "q_lora_rank": hf.get("q_lora_rank") or 0, "shared_experts": given["n_shared_experts"],
                    "router_score": "sigmoid", "router_correction_bias": True, "rope_softmax_mscale": True,
@@ -91,7 +111,8 @@ def keys_in(hf: dict, source: str, refuse) -> dict[str, Any]:
 def keys_out(model) -> dict[str, Any]:
     out = {theirs: model[ours] for theirs, ours in DEEPSEEK_KEYS}
     out |= {"q_lora_rank": model.q_lora_rank or None, "qk_nope_head_dim": model.head_dim - model.rope_head_dim,
-            "head_dim": model.rope_head_dim, "n_shared_experts": model.shared_experts, "num_nextn_predict_layers": 0}
+            "head_dim": model.rope_head_dim, "n_shared_experts": model.shared_experts,
+            "num_nextn_predict_layers": model.mtp_depth}
     if model.rope_scaling == "yarn":  # transformers' YaRN reads its factor from these when the config has none
         out["max_position_embeddings"] = int(model.rope_scaling_factor * model.rope_original_max_position)
     return out
@@ -136,14 +157,33 @@ def permute(model, path: tuple[str, ...], x: np.ndarray, to_hf: bool) -> np.ndar
     return x
 
 
-def mtp_layer(hf: dict):
-    """The checkpoint's multi-token prediction layer's tensors, which transformers (and so scaletrain) skip."""
-    prefix = f"model.layers.{hf.get('num_hidden_layers')}."
-    return lambda name: name.startswith(prefix)
+def mtp_layers(hf: dict):
+    """The checkpoint's multi-token prediction layers' tensors (model.layers.{num_hidden_layers}.* on): passed
+    over where the model has no MTP modules (config.json's num_nextn_predict_layers 0 or absent, or no such layer
+    in the files), as transformers passes over them."""
+    first = hf.get("num_hidden_layers")
+
+    def skipped(name: str) -> bool:
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        return layer is not None and int(layer[1]) >= first
+
+    return skipped
+
+
+def keys_from_files(hf: dict, names: set) -> tuple[dict, str]:
+    """model.mtp_depth 0 where config.json names MTP layers (num_nextn_predict_layers) the files do not hold:
+    transformers drops them when it saves a model."""
+    depth, first = hf.get("num_nextn_predict_layers") or 0, hf.get("num_hidden_layers")
+    if not depth or f"model.layers.{first}.eh_proj.weight" in names:
+        return {}, ""
+    return {"mtp_depth": 0}, (f"note: config.json's num_nextn_predict_layers={depth}, but the files hold no "
+                              f"multi-token prediction layer (model.layers.{first}.*): converted without it "
+                              f"(model.mtp_depth=0)")
 
 
 ARCHITECTURES = {
     "DeepseekV3ForCausalLM": Architecture("deepseek_v3", TENSORS, CONFIG_KEYS,
                                           bias_keys=("attention_bias",), keys_in=keys_in, keys_out=keys_out,
-                                          stacks=("dense_layers", "layers"), permute=permute, skipped=mtp_layer),
+                                          stacks=("dense_layers", "layers", "mtp"), permute=permute,
+                                          skipped=mtp_layers, copies=COPIES, keys_from_files=keys_from_files),
 }
