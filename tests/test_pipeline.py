@@ -14,7 +14,7 @@ from scaletrain.parallel import pipeline
 from scaletrain.store.checkpoint import Checkpointer
 from scaletrain.train import trainer
 from tests import equivalence
-from tests.conftest import run_cli, tiny_overrides
+from tests.conftest import run_main, tiny_overrides
 
 STEPS = 3
 # Four layers: four stages of one layer each, or two of two. optim.eps = the learning rate (3e-3), as in
@@ -127,21 +127,22 @@ def test_iterations_are_rematerialised_from_their_stage_inputs(monkeypatch):
     assert saved >= (8 + 2 - 1) * 3 * layer_input, (kept_inputs, every_layer)
 
 
-def test_a_circular_run_checkpoints_canonically_and_resumes_bitwise(tmp_path):
+def test_a_circular_run_checkpoints_canonically_and_resumes_bitwise(tmp_path, capfd):
     """The trainer's own save and restore around a circular schedule's layer order (Setup.to_disk, from_disk,
     with asynchronous saves, the live state's arrays donated to the reordering): stopped after step 2's
-    checkpoint, the run resumes to the same losses, bit for bit."""
+    checkpoint, the run resumes to the same losses, bit for bit. Both runs in this process (conftest.run_main: no
+    kill here, nothing a process of its own would prove), on its 8 devices: 2 stages x fsdp 4."""
     sets = tiny_overrides(tmp_path / "run", steps=4) + MODEL + [
         "mesh.pipeline=2", "pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.microbatches=2",
         "checkpoint.every_steps=2"]
-    args = ["--config", "configs/llama_tiny.yaml", "--cpu-devices", "2"] + [a for s in sets for a in ("--set", s)]
-    result = run_cli(args)
+    args = ["--config", "configs/llama_tiny.yaml"] + [a for s in sets for a in ("--set", s)]
+    result = run_main(args, capfd)
     assert result.returncode == 0, result.stderr
     losses = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     shutil.copytree(tmp_path / "run", tmp_path / "again")
     shutil.rmtree(tmp_path / "again" / "checkpoints" / "4")
     (tmp_path / "again" / "metrics.jsonl").write_text("\n".join(losses[:2]) + "\n")
-    result = run_cli([a.replace(str(tmp_path / "run"), str(tmp_path / "again")) for a in args])
+    result = run_main([a.replace(str(tmp_path / "run"), str(tmp_path / "again")) for a in args], capfd)
     assert result.returncode == 0, result.stderr
     assert "resumed at step 2" in result.stdout
     again = (tmp_path / "again" / "metrics.jsonl").read_text().splitlines()
