@@ -267,3 +267,21 @@ def test_a_checkpoint_without_its_mtp_layer_converts_without_it_and_a_run_asking
                  "--set", "steps=1", "--set", "data.seq_len=16", "--set", "train.global_batch=8"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("error:") == 1 and "model.mtp_depth=1" in err and "Traceback" not in err
+
+
+def test_the_planner_counts_each_module_as_a_mixture_layer_its_projection_and_a_head():
+    """A module's FLOPs per token are one more mixture layer's (the stack's one layer longer: attention included),
+    its 2d x d projection's and the output head's again; its parameters are the model's `mtp` subtree."""
+    from scaletrain.facts import flops
+
+    def model(depth: int, layers: int = 3):
+        return model_lib.ModelConfig.from_config(config_lib.load(
+            "configs/deepseek_tiny.yaml", [f"model.mtp_depth={depth}", f"model.num_layers={layers}"]).model)
+
+    base, ahead, longer = model(0), model(1), model(0, layers=4)
+    d, vocab, seq = base.d_model, base.vocab_size, 256
+    layer = flops.flops_per_token(longer, seq) - flops.flops_per_token(base, seq)
+    np.testing.assert_allclose(flops.flops_per_token(ahead, seq) - flops.flops_per_token(base, seq),
+                               layer + 6 * (2 * d * d + d * vocab), rtol=1e-12)
+    modules = sum(x.size for x in jax.tree.leaves(model_lib.abstract(ahead)[1]["mtp"]))
+    assert flops.param_count(ahead).total - flops.param_count(base).total == modules

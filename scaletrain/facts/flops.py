@@ -39,6 +39,7 @@ class ParamCount:
     # Vectors added, not multiplied (layers.added; no matmul FLOPs): GPT-OSS's biases and attention sinks
     biases: int = 0
     active_biases: int = 0  # of those, the ones a token uses (of a mixture's experts: k of E)
+    heads_ahead: int = 0  # the output projection's further uses per token: multi-token prediction's (models/mtp.py)
 
     @property
     def total(self) -> int:
@@ -54,9 +55,10 @@ class ParamCount:
     @property
     def matmul(self) -> int:
         """Weights each token is multiplied with: every layer's projections - of a mixture of experts, the router
-        and the k experts the token is routed to - and the output projection (the embedding table itself when
-        tied)."""
-        return self.attention + self.active_mlp + (self.lm_head or self.embedding)
+        and the k experts the token is routed to; the multi-token prediction modules' blocks and projections
+        among them - and the output projection (the embedding table itself when tied), once and again for each
+        module."""
+        return self.attention + self.active_mlp + (1 + self.heads_ahead) * (self.lm_head or self.embedding)
 
 
 def param_count(model_cfg) -> ParamCount:
@@ -69,8 +71,9 @@ def param_count(model_cfg) -> ParamCount:
     low, vectors = model_lib.quantized(model_cfg), model_lib.added(model_cfg)
     sizes = dict.fromkeys(("attention", "mlp", "active_mlp", "norms", "quantized", "adapters", "active_adapters",
                            "biases", "active_biases"), 0)
-    # every stack of layers: `layers`, and DeepSeek's dense first layers before it (models/deepseek)
-    stacks = [s for s in ("layers", "dense_layers") if s in params]
+    # every stack of layers: `layers`, DeepSeek's dense first layers before it and its multi-token prediction
+    # modules after it (models/deepseek, models/mtp.py: their projection counted with attention's)
+    stacks = [s for s in ("layers", "dense_layers", "mtp") if s in params]
     flat = [leaf for s in stacks for leaf in jax.tree_util.tree_flatten_with_path(params[s])[0]]
     names_of = [n for s in stacks for n in jax.tree.leaves(logical[s], is_leaf=is_logical)]
     rounded_of, added_of = ([r for s in stacks for r in jax.tree.leaves(tree[s])] for tree in (low, vectors))
@@ -101,8 +104,9 @@ def param_count(model_cfg) -> ParamCount:
     # The output head as its matmul takes it (the lm_head's own annotation says the same; a tied table's is the
     # lookup's compute dtype).
     head = quantize.for_group(model_cfg, "output") is not None
-    sizes["quantized"] += (size("lm_head") or size("embed")) if head else 0
-    return ParamCount(embedding=size("embed"), **sizes, final_norm=size("final_norm"), lm_head=size("lm_head"))
+    sizes["quantized"] += (1 + model_cfg.mtp_depth) * (size("lm_head") or size("embed")) if head else 0
+    return ParamCount(embedding=size("embed"), **sizes, final_norm=size("final_norm"), lm_head=size("lm_head"),
+                      heads_ahead=model_cfg.mtp_depth)
 
 
 def attention_keys(m, seq_len: int) -> float:
@@ -112,7 +116,8 @@ def attention_keys(m, seq_len: int) -> float:
     slides = int(sliding_layers(m.layer_types, m.num_layers).sum())
     w = m.sliding_window
     sliding = w - w * (w - 1) / (2 * seq_len) if 0 < w < seq_len else seq_len / 2
-    return (m.num_layers - slides) * seq_len / 2 + slides * sliding
+    # the multi-token prediction modules' blocks (models/mtp.py) attend in full
+    return (m.num_layers + m.mtp_depth - slides) * seq_len / 2 + slides * sliding
 
 
 def attention_flops_per_token(m, seq_len: int) -> float:

@@ -411,6 +411,7 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
             saved, working = kept_inputs, layer * micro + again
         else:
             saved, working = layer * stage_layers * tokens, 0.0
+        ahead = layer  # what a multi-token prediction module's block keeps per token
         offloaded = 0.0
         working += _attention_block_working(cfg, micro if runner.forms_gradients else tokens, t, ab,
                                             sharding.seq_ways(axes))
@@ -426,6 +427,7 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
         # buffer bf16[80, 32768, 8192], 40 GiB, where the split stream would take 5).
         inputs = elements["decoder_layer_input"] if pipelined else m.d_model * stage_layers
         saved, offloaded = (inputs + named * stage_layers) * ab * tokens, host * ab * tokens * stage_layers
+        ahead = (m.d_model + named) * ab
         if pipelined:
             working += elements["decoder_layer_input"] * ab * micro * stage_layers
     if pipelined:  # the whole batch's stream: embedded, leaving the stack (GPipe) or its gradient (1F1B), and that
@@ -436,7 +438,13 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     # Llama 3.2 1B's compiled step at 4096 tokens per chip has 4.3 GiB of temporaries, two copies would be 3.9.
     # Blocked (model.logits_block): a block's logits and its gradient, formed in the forward pass (loss.py).
     copies = 2 if logits_share(cfg, axes) < 1 else 1
-    logits = copies * logits_tokens * logits_share(cfg, axes) * m.vocab_size / t * 4
+    # The multi-token prediction modules (models/mtp.py) run after the stack on what leaves it: each keeps a
+    # block's activations and its head's logits, all alive when the backward pass starts, and the first gradient
+    # of logits is formed beside them rather than over them (a DeepSeek-shaped model at 4096 tokens and 32768 ids
+    # a chip compiled to 1.57 GiB more with one module: about three logits' worth, one its block's).
+    saved += m.mtp_depth * ahead * logits_tokens
+    logits = ((1 + m.mtp_depth) * copies + (m.mtp_depth > 0)) * logits_tokens * logits_share(cfg, axes) \
+        * m.vocab_size / t * 4
     # FSDP's layer at a time: the layer's weights gathered as its matmuls take them (weight matrices in the
     # compute dtype, int8 or fp8 where quantized, norm gains as they are: models.operand_dtypes), and the next
     # layer's gathered while it runs; its weight gradient formed whole before it is scattered (the 70B's

@@ -27,5 +27,7 @@ def quantized_flops(cfg, forward: Mapping[str, float], recompute: frozenset[str]
         return 0.0
     groups = set(config.quantized_groups(m.quantized_matmuls))
     layer = sum(f * (passes + (g in recompute)) for g, f in forward.items() if QUANTIZED_GROUPS.get(g) in groups)
-    head = (passes + logits_recomputed) * 2 * m.d_model * m.vocab_size if "output" in groups else 0.0
+    # the output projection, again for each multi-token prediction module (models/mtp.py)
+    head = ((passes + logits_recomputed) * 2 * m.d_model * m.vocab_size * (1 + m.mtp_depth) if "output" in groups
+            else 0.0)
     return m.num_layers * layer + head
