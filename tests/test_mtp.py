@@ -2,12 +2,11 @@
 
 The host's lookahead arrays are checked by hand; the step's loss and gradient equal a slow twin that runs every
 packed document alone, unpadded, and shifts its tokens itself; 4 updates on 8 devices - context 2 (the zig-zag
-layout, documents cut inside its chunks) x fsdp x expert, and a GPipe pipeline - equal one device, the modules'
-router bias moving by its rule; the combinations it cannot take are refused. A checkpoint's MTP layer
-(model.layers.{num_hidden_layers}.*: enorm, hnorm, eh_proj, a decoder layer, shared_head) imports into the
-modules, whose logits equal a torch twin built on transformers' own DeepseekV3DecoderLayer, and exports back
-bit-exact; a checkpoint without one converts without it, and a run asking for modules its init_from lacks is
-refused in one line."""
+layout, documents cut inside its chunks) x fsdp x expert, and expert 4 x a GPipe pipeline - equal one device, the
+modules' router bias moving by its rule; the combinations it cannot take are refused. A checkpoint's MTP layer
+(model.layers.{num_hidden_layers}.*: enorm, hnorm, eh_proj, a decoder layer, shared_head) imports into the modules,
+whose logits equal a torch twin built on transformers' own DeepseekV3DecoderLayer, and exports back bit-exact; a
+checkpoint without one converts without it, and a run asking for modules its init_from lacks is refused in one line."""
 
 import json
 
@@ -124,7 +123,9 @@ def reference(batches):
 
 MESHES = {
     "context=2 x fsdp=2 x expert=2": ["mesh.context=2", "mesh.fsdp=2", "mesh.expert=2"],
-    "expert=2 x pipeline=2 (gpipe)": ["mesh.expert=2", "mesh.pipeline=2", "pipeline.schedule=gpipe"],
+    # DeepSeek's one pipeline case (tests/test_deepseek.py leaves it here): the dense first layer on every stage,
+    # the mixtures split, the modules after the pipeline.
+    "expert=4 x pipeline=2 (gpipe)": ["mesh.expert=4", "mesh.pipeline=2", "pipeline.schedule=gpipe"],
 }
 
 
