@@ -6,6 +6,7 @@ loss and gradient norm, the final parameters and Adam moments; and the router's 
 """
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +97,23 @@ def test_dropless_block_equals_each_token_through_its_experts():
     got = _grads(lambda b, n, x: b(x, n)[0], block, norm, x, cot)
     want = _grads(_reference, block, norm, x, cot)
     _assert_trees_close(got, want)
+
+
+def test_dropless_block_moves_rows_by_gathers_in_both_passes():
+    """The rows sorted to their experts and back are permutations, moved by gathers forward and backward: a
+    scatter of [rows, d] (a forward `zeros.at[order].set`, or autodiff's transpose of a gather) compiles on TPU
+    to 32-bit buffers, three live per mixture layer's backward pass. Only the [rows] index inverse scatters."""
+    block, norm = _layer()
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 12, 16))
+    graphdef, params = nnx.split((block, norm), nnx.Param)
+
+    def loss(params, x):
+        b, n = nnx.merge(graphdef, params)
+        return jnp.sum(b(x, n)[0] ** 2)
+
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).as_text()
+    results = re.findall(r"stablehlo\.scatter.*?\) -> tensor<([0-9x]+)x[a-z]", hlo, re.S)
+    assert results and not [r for r in results if r.endswith(f"x{x.shape[-1]}")], results
 
 
 def _capacity_rule(top, capacity):

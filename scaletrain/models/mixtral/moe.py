@@ -297,14 +297,38 @@ def _dropless(h_td, top_e, experts, expert_axes, ragged_transport, grouped: _Gro
     shards = _axis_size(expert_axes)
     flat_e = top_e.T.reshape(-1)  # choice-major: assignment c x T + i is token i's choice c
     order = jnp.argsort(flat_e, stable=True)
-    rows = h_td[order % t]  # [k T, d], by expert
+    rows = _permute(jnp.tile(h_td, (k, 1)), order)  # [k T, d], by expert
     counts = jnp.bincount(flat_e, length=num_local * shards)  # this device's assignments per expert
     if shards == 1:
         out = grouped.swiglu(rows, counts, experts)
     else:
         received = rows_per_token(k, num_local * shards, shards, 0.0, 1, ragged_transport)[1]
         out = _expert_parallel(rows, counts, experts, expert_axes, ragged_transport, int(t * received), grouped)
-    return jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(k, t, -1)
+    return _permute(out, _inverse(order)).reshape(k, t, -1)
+
+
+def _inverse(order):
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
+
+
+@jax.custom_vjp
+def _permute(rows, order):
+    """rows[order] for a permutation `order`, whose gradient is the cotangent's rows put back by the inverse
+    permutation - a gather both ways. Autodiff's transpose of a gather, or a forward `zeros.at[order].set`, is a
+    scatter of whole [rows, d] arrays, which XLA:TPU widens to 32-bit buffers: three of them live per mixture
+    layer's backward pass (~10 GiB a chip for DeepSeek-V3 671B, docs/benchmarks.md)."""
+    return rows[order]
+
+
+def _permute_fwd(rows, order):
+    return rows[order], order
+
+
+def _permute_bwd(order, g):
+    return g[_inverse(order)], None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 def _axis_size(axes) -> int:
@@ -334,8 +358,8 @@ def _expert_parallel(rows, counts, experts, axes, ragged_transport, buffer_rows,
     ends = jnp.cumsum(mine, axis=1)  # [src, e]
     local_e = jax.vmap(lambda e_ends, q: jnp.searchsorted(e_ends, q, side="right"))(ends[source], offset)
     order = jnp.argsort(local_e, stable=True)  # rows past a source's count get num_local: last
-    out = grouped.swiglu(received[order], jnp.sum(mine, axis=0), experts)
-    out = jnp.zeros_like(out).at[order].set(out)
+    out = grouped.swiglu(_permute(received, order), jnp.sum(mine, axis=0), experts)
+    out = _permute(out, _inverse(order))
     if ragged_transport:
         return _ragged_exchange(out, send_offsets, sizes, me, rows.shape[0], axes, back=True)
     return _padded_exchange(out, send_offsets, sizes[me], axes, back=True)
