@@ -22,7 +22,7 @@ from scaletrain.errors import ConfigError
 from scaletrain.parallel import context
 
 LOGICAL_AXES = ("batch", "seq", "residual_seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
-                "experts", "moe_mlp", "sublayers", "stage")
+                "experts", "moe_mlp", "sublayers", "stage", "latent", "latent_in")
 
 # The config key that sets each logical dim: named in divisibility errors.
 SIZE_KEY = {
@@ -38,6 +38,7 @@ SIZE_KEY = {
     "layers": "model.num_layers",
     "experts": "model.num_experts",
     "moe_mlp": "model.moe_d_ff",
+    "latent_in": "model.q_lora_rank and model.kv_lora_rank",
 }
 
 RuleTable = Mapping[str, Any]
@@ -56,8 +57,12 @@ _TENSOR_ONLY: RuleTable = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tens
                            "vocab": "tensor", "experts": "expert", "stage": "pipeline", "layers": "pipeline"}
 # The `context` axis's devices hold other tokens of the same sequences: for the state they are data-parallel
 # devices, so FSDP and ZeRO shard over them too (as MaxText does), and their gradients are reduce-scattered.
-_FSDP: RuleTable = {**_TENSOR_ONLY, "embed": ("fsdp", "context")}
-_ZERO: RuleTable = {**_TENSOR_ONLY, "embed": ("data", "fsdp", "context")}
+# Latent attention's expansions (models/deepseek/mla.py) contract the latent (`latent_in`), no `embed` dim to
+# shard: their latent is split like `embed`, else every device would keep them whole (DeepSeek-V3 671B: 3.3 G
+# parameters, 12 GiB a chip in float32). The compressions' latent (`latent`) is an output beside `embed`: whole.
+_FSDP: RuleTable = {**_TENSOR_ONLY, "embed": ("fsdp", "context"), "latent_in": ("fsdp", "context")}
+_ZERO: RuleTable = {**_TENSOR_ONLY, "embed": ("data", "fsdp", "context"),
+                    "latent_in": ("data", "fsdp", "context")}
 
 
 @dataclass(frozen=True)

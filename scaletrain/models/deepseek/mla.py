@@ -38,13 +38,13 @@ class LatentAttention(Attention):
         if cfg.q_lora_rank:
             self.wq_a = param(rngs, (d, cfg.q_lora_rank), ("embed", "latent"), pd, std, self.quant)
             self.q_a_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, pd, axis="latent")
-            self.wq_b = param(rngs, (cfg.q_lora_rank, n, h), ("latent", "heads", "head_dim"), pd, std, self.quant)
+            self.wq_b = param(rngs, (cfg.q_lora_rank, n, h), ("latent_in", "heads", "head_dim"), pd, std, self.quant)
         else:
             self.wq = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pd, std, self.quant)
         # the latent and the shared RoPE key, one matmul: [kv_lora_rank | rope_head_dim] columns
         self.wkv_a = param(rngs, (d, cfg.kv_lora_rank + cfg.rope_head_dim), ("embed", "latent"), pd, std, self.quant)
         self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, pd, axis="latent")
-        self.wkv_b = param(rngs, (cfg.kv_lora_rank, n, nope + vh), ("latent", "heads", "head_dim"), pd, std,
+        self.wkv_b = param(rngs, (cfg.kv_lora_rank, n, nope + vh), ("latent_in", "heads", "head_dim"), pd, std,
                            self.quant)
         self.wo = param(rngs, (n, vh, d), ("heads", "head_dim", "embed"), pd, cfg.out_std, self.quant)
         self.wo_lora = None
