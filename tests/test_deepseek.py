@@ -24,10 +24,12 @@ from safetensors.numpy import load_file, save_file
 from scaletrain import config as config_lib
 from scaletrain import models as model_lib
 from scaletrain.__main__ import main
+from scaletrain.config import MESH_AXES
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.models.deepseek import hf as deepseek_hf
 from scaletrain.tools import hf
 from scaletrain.tools.generate import generate_tokens
+from scaletrain.train import layout
 from tests import equivalence
 
 STEPS = 4
@@ -255,6 +257,19 @@ def test_a_mesh_trains_like_one_device(batches, reference):
     tests/test_mtp.py."""
     equivalence.assert_same(equivalence.run(batches, *DEEPSEEK, "mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2"),
                             reference)
+
+
+def test_fsdp_splits_every_weight_matrix():
+    """Latent attention's expansions (wq_b, wkv_b) have no `embed` dim: FSDP splits their latent instead, or every
+    device would keep them whole (12 GiB a chip at DeepSeek-V3 671B)."""
+    cfg = config_lib.load(None, [*DEEPSEEK, "mesh.fsdp=8"])
+    axes = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
+    lay = layout.of(cfg, axes)
+    params = lay.shardings(layout.abstract_mesh(axes))[0]
+    matrices = [(jax.tree_util.keystr(path), s.spec) for path, s in jax.tree_util.tree_flatten_with_path(params)[0]
+                if len(s.spec) - ("layers" in jax.tree_util.keystr(path)) >= 2]
+    assert any("wkv_b" in p for p, _ in matrices)
+    assert [(p, spec) for p, spec in matrices if "fsdp" not in jax.tree.leaves(tuple(spec))] == []
 
 
 @pytest.mark.parametrize("overrides, message", [
