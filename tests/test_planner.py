@@ -737,23 +737,24 @@ def test_moe_capacity_buffers_move_every_slot():
 
 
 def test_moe_layer_activations():
-    # 32 tokens a device (fsdp = 2 x expert = 4), bf16. A MoE layer holds, per token, beside a dense layer's 3328
+    # 32 tokens a device (fsdp = 2 x expert = 4), bf16. A MoE layer saves, per token, beside a dense layer's 3328
     # bytes: the 2 rows it sends and the 2 that return, the 4 x min(2, 4 / 4) = 4 rows its expert's ragged buffer
     # receives and their outputs, 2 x (2 + 4) x 64, and the experts' gate, up and product for those 4 rows,
     # 3 x 4 x 64: (768 + 768) x 2 bytes = 3072. Full remat: that one layer rematerialised - what policy none saves
-    # and the experts' gate and up gradients for those 4 rows, 2 x 4 x 64 x 2 bytes = 1024 - and its weights
-    # (FSDP gathers the 12672 float32 parameters outside the experts; the device's expert, 12288, stays): twice
-    # - in bf16 but the 128 norm gains - and the float32 gradient, 24832 x 8 + 128 x 12; the layer inputs saved.
+    # - and, at the peak of its backward pass, 6 copies of the 4 rows received and one of the 2 sent, and 3 of
+    # their hidden (the gate's, up's and product's gradients): (26 x 64 + 12 x 64) x 2 = 4864; and its weights (FSDP gathers the 12672 float32 parameters outside the
+    # experts; the device's expert, 12288, stays): twice - in bf16 but the 128 norm gains - and the float32
+    # gradient, 24832 x 8 + 128 x 12; the layer inputs saved.
     axes = _axes(fsdp=2, expert=4)
     moe_layer = sum(residuals.per_token(ModelConfig.from_config(_cfg(**MOE).model))) + 768
     weights = (12544 + 12288) * 8 + 128 * 12
     full = memory.predict(_cfg(**MOE, **{"remat.policy": "full"}), axes)
-    assert (full.layer_working_set, full.saved_activations) == ((moe_layer + 1024 + 3072) * 32 + weights,
+    assert (full.layer_working_set, full.saved_activations) == ((moe_layer + 4864) * 32 + weights,
                                                                 2 * 32 * 64 * 2)
-    # Padded (GPU, CPU): 4 blocks of the device's 2 rows per token sent and received, and the experts' gate and up
-    # gradients for those 8 rows: (2 x 16 x 64 + 2 x 8 x 64) x 2.
+    # Padded (GPU, CPU): 4 blocks of the device's 2 rows per token sent and received - 8 rows each way:
+    # (56 x 64 + 24 x 64) x 2.
     padded = memory.predict(_cfg(**MOE, **{"remat.policy": "full"}), axes, ragged=False)
-    assert padded.layer_working_set == (moe_layer + 3072 + 6144) * 32 + weights
+    assert padded.layer_working_set == (moe_layer + 10240) * 32 + weights
     # Kept moe_gate and moe_up: the buffer's 4 rows x 64 each, every layer.
     kept = memory.predict(_cfg(**MOE, **{"remat.policy": "custom", "remat.custom.moe_gate": "device",
                                          "remat.custom.moe_up": "device"}), axes)

@@ -155,13 +155,27 @@ def expert_rows(cfg, axes: Mapping[str, int], ragged: bool = True) -> tuple[floa
                               cfg.data.seq_len, ragged)
 
 
-def routed_layer(cfg, axes: Mapping[str, int], dtype_bytes: int, ragged: bool) -> float:
+# The peak of a routed layer's backward pass, in the compiled TPU steps' live buffers (DeepSeek-V3 671B on
+# v5p:8x16x16 and a DeepSeek-shaped model of width 1024 on v5p:2x2x2, both 64 rows received per token): six
+# d_model-wide arrays of the rows the experts receive - the rows received (recomputed), sorted by expert for the
+# forward pass and again for the backward's, the gate's and up's input gradients and their sum -, one of the rows
+# sent, and three of the experts' hidden (the gate's, up's and their product's gradients).
+RECEIVED_COPIES, SENT_COPIES, HIDDEN_COPIES = 6, 1, 3
+
+
+def routed_layer(cfg, axes: Mapping[str, int], dtype_bytes: int, ragged: bool, peak: bool = False) -> float:
     """Bytes per token a MoE layer holds beyond its per-token tensors (those of the router and the combination:
-    residuals.per_token or NONE_TENSORS): the rows it sends and those that return, the rows its experts receive
-    and compute (the dispatch buffers), and the experts' hidden - gate, up and their product - for those."""
+    residuals.per_token or NONE_TENSORS). Saved for its backward pass: the rows it sends and those that return,
+    the rows its experts receive and compute (the dispatch buffers), and the experts' hidden - gate, up and their
+    product - for those. At the `peak` of its backward pass (a rematerialised layer's): the rows received, their
+    permutations and gradients, the rows sent and the hidden's gradients (RECEIVED_COPIES...)."""
     sent, received = expert_rows(cfg, axes, ragged)
     hidden = moe_d_ff(cfg.model) / axes["tensor"]
-    return (2 * (sent + received) * cfg.model.d_model + 3 * received * hidden) * dtype_bytes
+    if peak:
+        rows, hiddens = RECEIVED_COPIES * received + SENT_COPIES * sent, HIDDEN_COPIES * received
+    else:
+        rows, hiddens = 2 * (sent + received), 3 * received
+    return (rows * cfg.model.d_model + hiddens * hidden) * dtype_bytes
 
 
 def blocked_attention(cfg) -> bool:
@@ -228,7 +242,8 @@ def _rematerialised_layer(cfg, model_cfg, elements: Mapping[str, float], tensor:
     eight bf16[T, F] buffers of the MLP beside the recomputed layer's others (docs/planner.md). Under the other
     policies XLA interleaves the recomputation with the backward pass: NONE_TENSORS of d_model, and the scores."""
     if cfg.remat.policy == "full":
-        hidden = elements["mlp_gate"] + elements["mlp_up"] + elements["moe_gate"] + elements["moe_up"]
+        # (the experts' gate and up gradients are routed_layer's peak: HIDDEN_COPIES)
+        hidden = elements["mlp_gate"] + elements["mlp_up"]
         return _saved_layer(cfg, model_cfg, tensor, ring) + hidden * dtype_bytes
     d, sp = cfg.model.d_model, cfg.sharding.sequence_parallel
     residual = RESIDUAL_TENSORS * d / (tensor if sp else 1)
@@ -419,7 +434,8 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
         where = kept(policy, cfg.remat.custom)
         named = sum(elements[n] for n, w in where.items() if w == "device")
         host = sum(elements[n] for n, w in where.items() if w == "offload")
-        working = ((_rematerialised_layer(cfg, s.layout.model_cfg, elements, t, ab, ring) + routed) * micro
+        peak = routed_layer(cfg, axes, ab, ragged, peak=True) if moe else 0.0
+        working = ((_rematerialised_layer(cfg, s.layout.model_cfg, elements, t, ab, ring) + peak) * micro
                    + _attention_block_working(cfg, micro, t, ab, sharding.seq_ways(axes)))
         # The plain scan's saved layer inputs - the carries jax stacks for the backward pass - are held whole
         # along the sequence, sequence parallelism or not: XLA gathers them once in the forward pass, as the
