@@ -329,6 +329,16 @@ def gathered_layer(s: State, dtypes: Any = None, trained: bool = False) -> float
     return whole * stages if whole > held else 0.0
 
 
+def hoisted_experts(s: State) -> float:
+    """Bytes of the device's shard of every stacked layer's experts in the dtype their matmuls read, where that is
+    not the dtype they are kept in: XLA hoists the cast out of the layer loop (loop-invariant), and the copy lives
+    through the forward and backward passes. GPT-OSS-120B compiled for v5p:4x4x2 holds three bf16 [36 layers, 32
+    experts, ...] copies of its float32 experts at the peak, 6.7 GiB a chip (docs/planner.md)."""
+    table, dtypes = s.layout.rules.params, model_lib.operand_dtypes(s.layout.model_cfg)
+    kept, read = s.weights(table, experts=True)[0], s.weights(table, experts=True, dtypes=dtypes)[0]
+    return read * s.layout.model_cfg.num_layers if read != kept else 0.0
+
+
 def replica_tokens(cfg, axes: Mapping[str, int]) -> float:
     """Tokens of one microbatch that one device's matmuls see: its data-parallel replica's share of the batch
     (data x fsdp x expert ways: the expert axis's devices each route their own share, models/mixtral/moe.py) and
@@ -467,6 +477,7 @@ def predict(cfg, axes: Mapping[str, int], state_: State | None = None, ragged: b
     # full-remat compile holds them beside the recomputed layer: 41.6 GiB compiled, 32.7 planned without them).
     if not runner.gather_once:
         working += 2 * gathered_layer(s, model_lib.operand_dtypes(s.layout.model_cfg)) + gathered_layer(s, trained=True)
+        working += hoisted_experts(s)
     # Context parallelism: one layer's keys and values gathered whole, and their gradient formed whole before it
     # is scattered back; or the ring's blocks: the one worked on and the one in flight, each with its float32
     # gradient backward.
