@@ -742,9 +742,9 @@ def test_moe_layer_activations():
     # receives and their outputs, 2 x (2 + 4) x 64, and the experts' gate, up and product for those 4 rows,
     # 3 x 4 x 64: (768 + 768) x 2 bytes = 3072. Full remat: that one layer rematerialised - what policy none saves
     # - and, at the peak of its backward pass, 6 copies of the 4 rows received and one of the 2 sent, and 3 of
-    # their hidden (the gate's, up's and product's gradients): (26 x 64 + 12 x 64) x 2 = 4864; and its weights (FSDP gathers the 12672 float32 parameters outside the
-    # experts; the device's expert, 12288, stays): twice - in bf16 but the 128 norm gains - and the float32
-    # gradient, 24832 x 8 + 128 x 12; the layer inputs saved.
+    # their hidden (the gate's, up's and product's gradients): (26 x 64 + 12 x 64) x 2 = 4864; and its weights
+    # (FSDP gathers the 12672 float32 parameters outside the experts; the device's expert, 12288, stays): twice -
+    # in bf16 but the 128 norm gains - and the float32 gradient, 24832 x 8 + 128 x 12; the layer inputs saved.
     axes = _axes(fsdp=2, expert=4)
     moe_layer = sum(residuals.per_token(ModelConfig.from_config(_cfg(**MOE).model))) + 768
     # Beside them, the bf16 cast of the device's shard of both layers' experts, hoisted out of the layer loop:

@@ -242,8 +242,7 @@ def _rematerialised_layer(cfg, model_cfg, elements: Mapping[str, float], tensor:
     eight bf16[T, F] buffers of the MLP beside the recomputed layer's others (docs/planner.md). Under the other
     policies XLA interleaves the recomputation with the backward pass: NONE_TENSORS of d_model, and the scores."""
     if cfg.remat.policy == "full":
-        # (the experts' gate and up gradients are routed_layer's peak: HIDDEN_COPIES)
-        hidden = elements["mlp_gate"] + elements["mlp_up"]
+        hidden = elements["mlp_gate"] + elements["mlp_up"]  # the experts': routed_layer's peak
         return _saved_layer(cfg, model_cfg, tensor, ring) + hidden * dtype_bytes
     d, sp = cfg.model.d_model, cfg.sharding.sequence_parallel
     residual = RESIDUAL_TENSORS * d / (tensor if sp else 1)
@@ -330,10 +329,8 @@ def gathered_layer(s: State, dtypes: Any = None, trained: bool = False) -> float
 
 
 def hoisted_experts(s: State) -> float:
-    """Bytes of the device's shard of every stacked layer's experts in the dtype their matmuls read, where that is
-    not the dtype they are kept in: XLA hoists the cast out of the layer loop (loop-invariant), and the copy lives
-    through the forward and backward passes. GPT-OSS-120B compiled for v5p:4x4x2 holds three bf16 [36 layers, 32
-    experts, ...] copies of its float32 experts at the peak, 6.7 GiB a chip (docs/planner.md)."""
+    """The device's shard of every stacked layer's experts in the dtype their matmuls read, where it is not the one
+    they are kept in: XLA hoists the cast out of the layer loop and keeps it through the step (docs/planner.md)."""
     table, dtypes = s.layout.rules.params, model_lib.operand_dtypes(s.layout.model_cfg)
     kept, read = s.weights(table, experts=True)[0], s.weights(table, experts=True, dtypes=dtypes)[0]
     return read * s.layout.model_cfg.num_layers if read != kept else 0.0
