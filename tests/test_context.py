@@ -91,6 +91,12 @@ MESHES = {
 }
 
 
+# Adam's mu of the attention's q/k projections after 4 updates on the circular schedule: 1.14e-5 relative from one
+# device on a 2-core x86 machine (float32 sums in another order over 4 stage passes; the loss, gradient norm and
+# parameters within 1e-5), where other CPUs stayed under 1e-5.
+MU_RTOL = {"context=2 x pipeline=2 x fsdp=2, circular": 2e-5}
+
+
 @pytest.mark.parametrize("mesh", MESHES)
 def test_a_context_parallel_run_equals_one_device(mesh):
     seq_len, model, layout = MESHES[mesh]
@@ -98,7 +104,7 @@ def test_a_context_parallel_run_equals_one_device(mesh):
     batches = _batches(seq_len, rows)  # the flash kernel's blocks are 128 queries: 128 per context shard
     overrides = [f"data.seq_len={seq_len}", *model]
     got = equivalence.run(batches, *overrides, *layout)
-    equivalence.assert_same(got, equivalence.reference(batches, *overrides))
+    equivalence.assert_same(got, equivalence.reference(batches, *overrides), mu=MU_RTOL.get(mesh, 1e-5))
     assert got.setup.mesh.shape["context"] > 1
 
 
