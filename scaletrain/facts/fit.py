@@ -20,7 +20,7 @@ def compiled(stats) -> dict[str, int]:
     host = {"arguments": stats.host_argument_size_in_bytes, "temporaries": stats.host_temp_size_in_bytes,
             "outputs": stats.host_output_size_in_bytes - stats.host_alias_size_in_bytes}
     # XLA's own simulated peak of the live buffers, where the backend reports it: on TPU it can lie well under
-    # the total, which reserves the temporaries' whole heap (docs/planner.md).
+    # the total (docs/planner.md), which `fits` and the planner's comparisons use.
     peak = getattr(stats, "peak_memory_in_bytes", 0) or 0
     return {**{f"device_{k}": v for k, v in device.items()}, "device_total": sum(device.values()),
             "device_peak": peak,

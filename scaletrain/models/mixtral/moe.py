@@ -297,35 +297,37 @@ def _dropless(h_td, top_e, experts, expert_axes, ragged_transport, grouped: _Gro
     shards = _axis_size(expert_axes)
     flat_e = top_e.T.reshape(-1)  # choice-major: assignment c x T + i is token i's choice c
     order = jnp.argsort(flat_e, stable=True)
-    rows = _permute(jnp.tile(h_td, (k, 1)), order)  # [k T, d], by expert
+    inverse = _inverse(order)
+    rows = _permute(jnp.tile(h_td, (k, 1)), order, inverse)  # [k T, d], by expert
     counts = jnp.bincount(flat_e, length=num_local * shards)  # this device's assignments per expert
     if shards == 1:
         out = grouped.swiglu(rows, counts, experts)
     else:
         received = rows_per_token(k, num_local * shards, shards, 0.0, 1, ragged_transport)[1]
         out = _expert_parallel(rows, counts, experts, expert_axes, ragged_transport, int(t * received), grouped)
-    return _permute(out, _inverse(order)).reshape(k, t, -1)
+    return _permute(out, inverse, order).reshape(k, t, -1)
 
 
 def _inverse(order):
+    """The inverse of permutation `order` (a scatter of its [rows] indices only)."""
     return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
 
 
 @jax.custom_vjp
-def _permute(rows, order):
-    """rows[order] for a permutation `order`, whose gradient is the cotangent's rows put back by the inverse
-    permutation - a gather both ways. Autodiff's transpose of a gather, or a forward `zeros.at[order].set`, is a
-    scatter of whole [rows, d] arrays, which XLA:TPU widens to 32-bit buffers: three of them live per mixture
-    layer's backward pass (~10 GiB a chip for DeepSeek-V3 671B, docs/benchmarks.md)."""
+def _permute(rows, order, inverse):
+    """rows[order] for a permutation `order` whose inverse is `inverse`; its gradient is the cotangent's rows put
+    back by `inverse` - a gather both ways. Autodiff's transpose of a gather, or a forward `zeros.at[order].set`,
+    is a scatter of whole [rows, d] arrays, which XLA:TPU widens to 32-bit buffers: three of them live per
+    mixture layer's backward pass (9.3 GiB a chip for DeepSeek-V3 671B, docs/moe.md)."""
     return rows[order]
 
 
-def _permute_fwd(rows, order):
-    return rows[order], order
+def _permute_fwd(rows, order, inverse):
+    return rows[order], inverse
 
 
-def _permute_bwd(order, g):
-    return g[_inverse(order)], None
+def _permute_bwd(inverse, g):
+    return g[inverse], None, None
 
 
 _permute.defvjp(_permute_fwd, _permute_bwd)
@@ -358,8 +360,9 @@ def _expert_parallel(rows, counts, experts, axes, ragged_transport, buffer_rows,
     ends = jnp.cumsum(mine, axis=1)  # [src, e]
     local_e = jax.vmap(lambda e_ends, q: jnp.searchsorted(e_ends, q, side="right"))(ends[source], offset)
     order = jnp.argsort(local_e, stable=True)  # rows past a source's count get num_local: last
-    out = grouped.swiglu(_permute(received, order), jnp.sum(mine, axis=0), experts)
-    out = _permute(out, _inverse(order))
+    inverse = _inverse(order)
+    out = grouped.swiglu(_permute(received, order, inverse), jnp.sum(mine, axis=0), experts)
+    out = _permute(out, inverse, order)
     if ragged_transport:
         return _ragged_exchange(out, send_offsets, sizes, me, rows.shape[0], axes, back=True)
     return _padded_exchange(out, send_offsets, sizes[me], axes, back=True)
