@@ -86,6 +86,29 @@ def test_topology(text, dims, slices, chips, wraps):
     assert (topo.dims, topo.slices, topo.num_chips, topo.wraps) == (dims, slices, chips, wraps)
 
 
+@pytest.mark.parametrize("topology", ["v5p:4x4x4", "v5e:16x16", "v5p:4x4x2"])
+def test_compiles_target_the_slices_wraparound(topology):
+    """The ahead-of-time compiles see the wraparound links the planner assumes (aot._wrap): libtpu's default is
+    none, and then it compiles an all-gather over a whole v5p:4x4x4 as a zero-filled buffer, a
+    dynamic-update-slice and an all-reduce - twice the bytes of the slice it stands for."""
+    from jax.experimental import mesh_utils
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import jax.numpy as jnp
+
+    from scaletrain.planner import aot
+
+    name = topology.split(":")[1]
+    assert aot._wrap(topology)["wrap"][:len(name.split("x"))] == hardware.topology(topology).wraps
+    devices = aot.topology_devices(topology)
+    mesh = Mesh(mesh_utils.create_device_mesh((len(devices),), devices), ("fsdp",))
+    # A weight of 7168 x 2048 (bf16, 29 MB, a DeepSeek-V3 expert's): small ones go by all-reduce on any slice.
+    weight = jax.ShapeDtypeStruct((7168, 2048), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+    text = jax.jit(lambda w: w * 2, out_shardings=NamedSharding(mesh, P())).lower(weight).compile().as_text()
+    assert " all-gather(" in text or " all-gather-start(" in text
+    assert " all-reduce(" not in text and " all-reduce-start(" not in text
+
+
 @pytest.mark.parametrize("text, says", [
     ("v9:4x4", "unknown chip 'v9'"),
     ("v5p4x4x4", "is not of the form"),

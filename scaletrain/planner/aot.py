@@ -41,13 +41,32 @@ def topology_devices(topology: str) -> list:
                           f"v5p:4x4x4, v6e:8x8, 2xv5p:4x4x4")
     slices, name = int(match.group(1) or 1), match.group(2)
     try:
-        return list(topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=slices).devices)
+        return list(topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=slices,
+                                                 **_wrap(name)).devices)
     except Exception as e:  # noqa: BLE001 - libtpu's errors name no fix
         if "lockfile" in str(e):  # the machine's state, not the config's: a sweep retries it on a rerun
             raise UserError("another process on this machine holds libtpu (its lockfile); wait for it, or set "
                             "ALLOW_MULTIPLE_LIBTPU_LOAD=1 where no TPU is attached") from None
         raise ConfigError(f"libtpu does not know topology '{topology}' ({str(e).splitlines()[0][:160]}); expected "
                           f"a TPU generation and chip grid, e.g. v5e:2x2, v5p:2x2x2, v6e:8x8") from None
+
+
+def _wrap(name: str) -> dict:
+    """libtpu's `wrap` for a slice `CHIP:DIMS`: the wraparound links the rented slice has (hardware.wraparound,
+    what the planner's collectives assume). libtpu's default is none, and without them it compiles a collective
+    over a whole torus axis as another: an FSDP all-gather over a v5p:4x4x4 or larger becomes a zero-filled
+    buffer, a dynamic-update-slice and an all-reduce, twice the bytes (docs/maxtext-comparison.md, DeepSeek-V3).
+    Nothing for a chip the table lacks: libtpu then says what it does not know."""
+    chip_name, dims_text = name.split(":")
+    try:
+        chip = hardware.spec(chip_name)
+    except ConfigError:
+        return {}
+    dims = tuple(int(d) for d in dims_text.split("x"))
+    if chip.is_gpu or len(dims) != chip.torus_dims:
+        return {}
+    wraps = hardware.wraparound(chip, dims)
+    return {"wrap": wraps + (False,) * (3 - len(wraps))}
 
 
 def devices_for(topology: str) -> list:
