@@ -46,48 +46,51 @@ def _batches(seq_len: int, rows: int = 8) -> list[dict]:
 
 MOE = ["model.num_experts=4", "model.moe_d_ff=64"]
 # The splash kernel (interpreted on CPU) at 512 tokens, 128 per context shard: 2 rows, one per data or fsdp shard -
-# the kernel's work is per row, and the four flash meshes share one one-device reference.
+# the kernel's work is per row, and the three flash meshes share one one-device reference.
 FLASH = ["model.attention=flash", "train.global_batch=2"]
-# (sequence, the model's overrides (the reference's too), the mesh's)
+# Blocked attention (tiles of 4 queries under the ring), logits a block of 4 positions at a time and 2 accumulated
+# microbatches: features the sequence split composes with, together in one model for the all-gather (its logits
+# blocks through loss.blocked_linear_cross_entropy) and, with FlashNorm, for the ring (FlashNorm's head is no plain
+# projection of the stream: its logits blocks take the checkpointed scan over context.blocks).
+BLOCKED = ["model.attention_block=4", "model.logits_block=4", "train.grad_accum_steps=2"]
+# (sequence, the model's overrides (the reference's too), the mesh's). Where each claim of docs/context.md's table
+# is trained: the all-gather blocked, logits blocks and accumulation on context=4 x fsdp=2; the ring in tiles over
+# the DCN and ICI levels (with the same features, and FlashNorm); the contiguous layout with sequence parallelism
+# (all-gather, ring); experts, with the state offloaded and remat save_dots; each pipeline schedule - 1F1B with
+# the ring and experts, zero-bubble with the optimizer state offloaded (its pairing of tests/test_pairings.py),
+# GPipe under full remat (which GPipe rematerialises; 1F1B's own backward uses no policy), circular; flash
+# zig-zag, contiguous with tensor, and the ring through splash over 4 context shards with sequence parallelism.
 MESHES = {
-    "context=4 x fsdp=2, blocked xla, logits blocks": (32, ["model.attention_block=4", "model.logits_block=4"],
-                                                       ["mesh.context=4", "mesh.fsdp=2"]),
+    "context=4 x fsdp=2, blocked xla, logits blocks, 2 microbatches accumulated": (
+        32, BLOCKED, ["mesh.context=4", "mesh.fsdp=2"]),
     "context=2 x data=2 x tensor=2, contiguous": (32, [], ["mesh.context=2", "mesh.data=2", "mesh.tensor=2",
                                                           "sharding.context_layout=contiguous"]),
-    "context=2 x expert=2 x fsdp=2, experts": (32, MOE, ["mesh.context=2", "mesh.expert=2", "mesh.fsdp=2"]),
-    "context=2 x pipeline=2 x fsdp=2, 1f1b, full remat": (
-        32, [], ["mesh.context=2", "mesh.pipeline=2", "mesh.fsdp=2", "pipeline.schedule=1f1b",
-                 "pipeline.microbatches=2", "remat.policy=full"]),
-    "context=4 x fsdp=2, ring in tiles": (32, ["model.attention_block=4"], ["mesh.context=4", "mesh.fsdp=2",
-                                                                           "model.context_attention=ring"]),
+    "context=2 x expert=2 x fsdp=2, experts, state offloaded, save_dots": (
+        32, MOE, ["mesh.context=2", "mesh.expert=2", "mesh.fsdp=2", "optim.offload=true", "params.offload=true",
+                  "remat.policy=save_dots"]),
+    "dcn_context=2 x context=2 x fsdp=2, ring in tiles, logits blocks, FlashNorm, 2 microbatches accumulated": (
+        32, [*BLOCKED, "model.norm=fused"], ["mesh.dcn_context=2", "mesh.context=2", "mesh.fsdp=2",
+                                              "model.context_attention=ring"]),
     "context=2 x data=2 x tensor=2, ring, contiguous": (32, [], ["mesh.context=2", "mesh.data=2", "mesh.tensor=2",
                                                                 "sharding.context_layout=contiguous",
                                                                 "model.context_attention=ring"]),
     "context=2 x pipeline=2 x fsdp=2, experts, 1f1b, ring": (
         32, MOE, ["mesh.context=2", "mesh.pipeline=2", "mesh.fsdp=2", "pipeline.schedule=1f1b",
                   "pipeline.microbatches=2", "model.context_attention=ring"]),
-    "context=4 x fsdp=2, ring, 2 microbatches accumulated": (32, ["train.grad_accum_steps=2"], [
-        "mesh.context=4", "mesh.fsdp=2", "model.context_attention=ring"]),
-    "context=2 x pipeline=2 x fsdp=2, zero-bubble": (
+    "context=2 x pipeline=2 x fsdp=2, zero-bubble, optimizer state offloaded": (
         32, [], ["mesh.context=2", "mesh.pipeline=2", "mesh.fsdp=2", "pipeline.schedule=zero_bubble",
-                 "pipeline.microbatches=2"]),
-    "context=2 x pipeline=2 x data=2, gpipe": (32, [], ["mesh.context=2", "mesh.pipeline=2", "mesh.data=2",
-                                                       "pipeline.schedule=gpipe", "pipeline.microbatches=2"]),
+                 "pipeline.microbatches=2", "optim.offload=true"]),
+    "context=2 x pipeline=2 x data=2, gpipe, full remat": (
+        32, [], ["mesh.context=2", "mesh.pipeline=2", "mesh.data=2", "pipeline.schedule=gpipe",
+                 "pipeline.microbatches=2", "remat.policy=full"]),
     "context=2 x pipeline=2 x fsdp=2, circular": (32, ["model.num_layers=4"], [
         "mesh.context=2", "mesh.pipeline=2", "mesh.fsdp=2", "pipeline.schedule=circular", "pipeline.repeats=2",
         "pipeline.microbatches=2"]),
-    "context=4 x fsdp=2, FlashNorm": (32, ["model.norm=fused"], ["mesh.context=4", "mesh.fsdp=2"]),
-    "context=2 x fsdp=4, state offloaded, save_dots": (32, [], ["mesh.context=2", "mesh.fsdp=4", "optim.offload=true",
-                                                             "params.offload=true", "remat.policy=save_dots"]),
-    "dcn_context=2 x context=2 x fsdp=2, ring": (32, [], ["mesh.dcn_context=2", "mesh.context=2", "mesh.fsdp=2",
-                                                        "model.context_attention=ring"]),
     "context=4 x data=2, flash": (512, FLASH, ["mesh.context=4", "mesh.data=2"]),
     "context=2 x fsdp=2 x tensor=2, flash, contiguous": (512, FLASH, [
         "mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2", "sharding.context_layout=contiguous"]),
-    "context=4 x fsdp=2, flash, ring": (512, FLASH,
-                                        ["mesh.context=4", "mesh.fsdp=2", "model.context_attention=ring"]),
-    "context=2 x data=2 x tensor=2, flash, ring": (512, FLASH, [
-        "mesh.context=2", "mesh.data=2", "mesh.tensor=2", "model.context_attention=ring"]),
+    "context=4 x tensor=2, flash, ring": (512, FLASH, [
+        "mesh.context=4", "mesh.tensor=2", "model.context_attention=ring"]),
 }
 
 

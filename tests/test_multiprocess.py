@@ -1,6 +1,11 @@
 """Two processes x 4 CPU devices (jax.distributed + gloo) train, checkpoint and resume as one 8-device job: every
 step's loss and gradient norm, and the final parameters and Adam moments, within 1e-5 relative
-(tests/equivalence.py)."""
+(tests/equivalence.py).
+
+Every two-process run costs two processes' start (about 10 s of CPU each, whatever their steps), so one run plays
+several parts: the two-process run the other tests read resumes the one-process run's step-2 checkpoint (one
+process's checkpoint read in two), and the preempted and killed run starts from the same checkpoint, so that its
+losses are that run's, bitwise."""
 
 import json
 import os
@@ -61,32 +66,52 @@ def _resumed_step(stdout):
     return int(re.search(r"resumed at step (\d+)", stdout).group(1))
 
 
+# Where the two-process runs take over from the one-process run (its checkpoint at this step).
+SEED = 2
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """One process of 8 devices: this one (conftest.run_main), sparing a process start."""
+    """One process of 8 devices: this one (conftest.run_main), sparing a process start. Every checkpoint kept: the
+    two-process runs start from its step-SEED one (_seeded)."""
     run_dir = tmp_path_factory.mktemp("one")
-    result = run_main(_args(run_dir) + ["--cpu-devices", "8"])
+    result = run_main(_args(run_dir, **{"checkpoint.max_to_keep": STEPS}) + ["--cpu-devices", "8"])
     assert result.returncode == 0, result.stderr
     return run_dir, equivalence.from_run_dir(run_dir)
 
 
+def _seeded(run_dir, one_process):
+    """`run_dir` as the one-process run left it after step SEED (its later checkpoints removed: a run resumes from
+    its newest, and writes the steps after it again)."""
+    shutil.copytree(one_process[0], run_dir, dirs_exist_ok=True)
+    for step in range(SEED + 1, STEPS + 1):
+        shutil.rmtree(run_dir / "checkpoints" / str(step), ignore_errors=True)
+    return run_dir
+
+
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory):
-    """Two processes of 4 devices, process 1's data source stalling 10 s as it makes step 6's batch
-    (tests/faults.py), watched with a 3 s threshold: (run directory, its run, each process's stderr). The stall
-    changes no number; test_a_stalled_process_is_dumped_and_names_itself reads what the watchdog made of it."""
-    run_dir = tmp_path_factory.mktemp("two")
-    procs = _start_two(run_dir, faults=(None, ("stall", 5)), **{"train.hang.seconds": 3, "train.hang.factor": 1})
+def two_processes(tmp_path_factory, one_process):
+    """Two processes of 4 devices resuming the one-process run's step-2 checkpoint (one process's checkpoint read in
+    two: they must read exactly the batches one process would have read next) for its steps 3-8, process 1's data
+    source stalling 10 s as it makes step 6's batch (tests/faults.py: its 4th batch since the resume), watched with
+    a 3 s threshold: (run directory, its run, each process's stderr). The stall changes no number;
+    test_a_stalled_process_is_dumped_and_names_itself reads what the watchdog made of it."""
+    run_dir = _seeded(tmp_path_factory.mktemp("two"), one_process)
+    procs = _start_two(run_dir, faults=(None, ("stall", 5 - SEED)), **{"train.hang.seconds": 3,
+                                                                        "train.hang.factor": 1})
     outputs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     stdout = [out for out, _ in outputs]
     assert "8 cpu devices" in stdout[0] and "scaletrain:" not in stdout[1]  # only process 0 reports
+    assert _resumed_step(stdout[0]) == SEED
     assert len(_losses(run_dir)) == STEPS
     return run_dir, equivalence.from_run_dir(run_dir), [err for _, err in outputs]
 
 
 def test_two_processes_equal_one(one_process, two_processes):
-    # Gloo sums in another order than in-process collectives: equal to rounding, not bitwise.
+    """Steps 3-8 in two processes, from the one-process run's step-2 checkpoint, equal its own steps 3-8 (from scratch
+    in two processes: the pipeline runs below). Gloo sums in another order than in-process collectives: equal to
+    rounding, not bitwise."""
     equivalence.assert_same(two_processes[1], one_process[1])
 
 
@@ -102,23 +127,25 @@ def test_a_pipeline_across_the_two_processes_equals_one(tmp_path, one_process, s
 
 
 def test_two_process_checkpoint_resumes_in_one_and_back(tmp_path, one_process, two_processes, capfd):
-    """Each process count reads exactly the batches the other would have read next."""
-    in_one = lambda d: run_main(_args(d) + ["--cpu-devices", "8"], capfd).stdout  # noqa: E731
-    for (source, want), run_dir, command in ((two_processes[:2], tmp_path / "in_one", in_one),
-                                             (one_process, tmp_path / "in_two", lambda d: _run_two(d)[0])):
-        shutil.copytree(source, run_dir)
-        shutil.rmtree(run_dir / "checkpoints" / str(STEPS))  # as if stopped after the step-6 save
-        assert _resumed_step(command(run_dir)) == 6
-        equivalence.assert_same(equivalence.from_run_dir(run_dir), want)
+    """Each process count reads exactly the batches the other would have read next: the two-process run resumed
+    from one process's checkpoint (the two_processes fixture, compared by test_two_processes_equal_one), and its
+    own step-6 checkpoint resumes in one process."""
+    source, want = two_processes[:2]
+    shutil.copytree(source, tmp_path / "in_one")
+    shutil.rmtree(tmp_path / "in_one" / "checkpoints" / str(STEPS))  # as if stopped after the step-6 save
+    assert _resumed_step(run_main(_args(tmp_path / "in_one") + ["--cpu-devices", "8"], capfd).stdout) == 6
+    equivalence.assert_same(equivalence.from_run_dir(tmp_path / "in_one"), want)
 
 
-def test_preempted_then_killed_two_process_run_resumes_bitwise(tmp_path, two_processes):
+def test_preempted_then_killed_two_process_run_resumes_bitwise(tmp_path, one_process, two_processes):
+    """From the one-process step-2 checkpoint, as the two_processes run: its losses are then this run's, bitwise."""
     uninterrupted = _losses(two_processes[0])
+    _seeded(tmp_path, one_process)
     # SIGTERM reaches process 1 only: both processes agree to save at the same step and exit 0. Time-based
     # saves (every ~30 ms by process 0's clock) must be agreed alike, or a save would hang.
-    stdout = _run_two(tmp_path, faults=(None, ("sigterm", 2)), **{"checkpoint.every_minutes": 0.0005})
+    stdout = _run_two(tmp_path, faults=(None, ("sigterm", SEED + 2)), **{"checkpoint.every_minutes": 0.0005})
     preempted = int(re.search(r"preempted: checkpointed at step (\d+)", stdout[0]).group(1))
-    assert 2 < preempted < STEPS and (tmp_path / "checkpoints" / str(preempted)).is_dir()
+    assert SEED + 2 < preempted < STEPS - 1 and (tmp_path / "checkpoints" / str(preempted)).is_dir()
 
     # Process 1's host dies (SIGKILL); the scheduler then kills process 0 and restarts the job.
     procs = _start_two(tmp_path, faults=(None, ("between-steps", preempted + 2)))

@@ -4,8 +4,12 @@ every pairing it refuses is refused with its reason.
 
 The pairings here are the ones that were refused before the stack runner was chosen once (runner.py): a pipeline
 of every schedule with flash attention, with a mixture of experts (its router losses and statistics summed across
-stages and microbatches exactly as without stages), with the optimizer state and with the parameters in host
-memory; parameters in host memory with gradient accumulation."""
+stages and microbatches exactly as without stages) and with the parameters in host memory - the three together
+in one run per schedule, against one device with neither stages nor offload. Elsewhere, beside runs those modules
+make anyway: the parameters in host memory with gradient accumulation in tests/test_parallel.py's matrix case
+"fsdp data=1 fsdp=2 tensor=4"; the optimizer state alone in host memory (optim.offload, whose update runs after
+the pipeline) with each schedule - gpipe and circular in tests/test_pipeline.py, 1f1b and interleaved_1f1b in
+tests/test_pipeline_1f1b.py, zero_bubble in tests/test_context.py (context=2 x pipeline=2 x fsdp=2)."""
 
 import jax
 import pytest
@@ -23,6 +27,8 @@ MODEL = ["model.num_layers=4", "optim.eps=3e-3"]  # eps = lr: a rounding differe
 MOE = ["model.num_experts=4", "model.experts_per_token=2", "model.moe_d_ff=64", "model.router_aux_loss=0.5",
        "model.router_z_loss=0.2"]
 ROUTER_METRICS = ("router_aux_loss", "router_z_loss", "expert_load_max", "dropped_fraction")
+# The model every schedule trains: flash attention and a mixture of experts in every layer.
+FEATURES = ["model.attention=flash", *MOE]
 
 SCHEDULES = {
     "gpipe": ["mesh.pipeline=2", "pipeline.microbatches=4"],
@@ -32,44 +38,43 @@ SCHEDULES = {
                          "pipeline.microbatches=4"],
     "zero_bubble": ["mesh.pipeline=2", "pipeline.schedule=zero_bubble", "pipeline.microbatches=4"],
 }
-# (the feature's overrides, the rest of the 8-device mesh beside the 2 pipeline stages: 2 ways of the batch - a
-# microbatch of the 8 rows is 2 - and 2 of tensor)
-FEATURES = {
-    "flash attention": (["model.attention=flash"], ["mesh.data=2", "mesh.tensor=2"]),
-    "mixture of experts": (MOE, ["mesh.expert=2", "mesh.tensor=2"]),
-    "optimizer offload": (["optim.offload=true"], ["mesh.fsdp=2", "mesh.tensor=2"]),
-    "parameter offload": (["params.offload=true"], ["mesh.fsdp=2", "mesh.tensor=2"]),
+# The rest of the 8-device mesh beside the 2 stages: 2 ways of the batch (a microbatch of the 8 rows is 2) and 2 of
+# tensor (flash's 2 key/value heads split, sequence parallelism). The batch's 2 ways are `expert` (expert
+# parallelism inside the stages) for gpipe, 1f1b and zero_bubble, `fsdp` (the host-memory parameters sharded
+# over it) for circular and interleaved_1f1b.
+BESIDE = {
+    "gpipe": ["mesh.expert=2", "mesh.tensor=2"],
+    "circular": ["mesh.fsdp=2", "mesh.tensor=2"],
+    "1f1b": ["mesh.expert=2", "mesh.tensor=2"],
+    "interleaved_1f1b": ["mesh.fsdp=2", "mesh.tensor=2"],
+    "zero_bubble": ["mesh.expert=2", "mesh.tensor=2"],
 }
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("feature", FEATURES)
-def test_a_pipeline_composes_with(batches, feature, schedule):
-    overrides, mesh = FEATURES[feature]
-    want = equivalence.reference(batches, *MODEL, *overrides)
-    got = equivalence.run(batches, *MODEL, *overrides, *SCHEDULES[schedule], *mesh)
-    metrics = ("loss", "grad_norm") + (ROUTER_METRICS if overrides is MOE else ())
-    equivalence.assert_same(got, want, metrics=metrics)
-    if feature == "parameter offload":  # trained from host memory, a stage's weights fetched whole (runner.py)
-        assert not got.setup.runner.fetches_layers
-        kinds = {s.memory_kind for s in jax.tree.leaves(got.setup.state_shardings.params)}
-        assert kinds == {"pinned_host"}
+def test_a_pipeline_composes_with_flash_experts_and_parameter_offload(batches, schedule):
+    """Each schedule with flash attention, a mixture of experts (the four router metrics compared every step
+    too) and the parameters (so the moments too) in host memory, against one device with the same model and the
+    state on the device: a feature that went wrong under the schedule - flash's or the router's gradient, the
+    router's sums over stages and microbatches, the stage's weights fetched from host memory - shows in the loss,
+    the gradient norm, a router metric, a parameter or Adam's moment."""
+    want = equivalence.reference(batches, *MODEL, *FEATURES)
+    got = equivalence.run(batches, *MODEL, *FEATURES, "params.offload=true", *SCHEDULES[schedule],
+                          *BESIDE[schedule])
+    equivalence.assert_same(got, want, metrics=("loss", "grad_norm") + ROUTER_METRICS)
+    # Trained from host memory, a stage's weights fetched whole (runner.py).
+    assert not got.setup.runner.fetches_layers
+    kinds = {s.memory_kind for s in jax.tree.leaves(got.setup.state_shardings.params)}
+    assert kinds == {"pinned_host"}
 
 
 def test_the_router_penalty_shows_in_the_gradient_norm(batches):
     """What makes the mixture-of-experts pairings able to fail: a schedule that lost the penalty's gradient (1F1B
     pulls it through its hand-written backward slots, pipeline_1f1b.py) would train on the cross-entropy alone,
     whose gradient norm differs from the penalised one's by more than the tests' 1e-5."""
-    plain = equivalence.reference(batches, *MODEL, *MOE[:3], "model.router_aux_loss=0", "model.router_z_loss=0")
-    penalised = equivalence.reference(batches, *MODEL, *MOE)
+    plain = equivalence.reference(batches, *MODEL, *FEATURES, "model.router_aux_loss=0", "model.router_z_loss=0")
+    penalised = equivalence.reference(batches, *MODEL, *FEATURES)
     assert abs(penalised.grad_norms[0] - plain.grad_norms[0]) > 1e-3 * plain.grad_norms[0]
-
-
-def test_parameter_offload_composes_with_gradient_accumulation(batches):
-    want = equivalence.reference(batches)
-    got = equivalence.run(batches, "params.offload=true", "train.grad_accum_steps=2", "mesh.fsdp=4",
-                          "mesh.tensor=2")
-    equivalence.assert_same(got, want)
 
 
 @pytest.mark.parametrize("overrides, reason", [

@@ -31,41 +31,52 @@ def reference(batches):
     return equivalence.reference(batches, *MODEL)
 
 
+# Every case trains through NaN bubbles (`trained`). Which case covers what: gpipe alone with more microbatches
+# than stages (and through NaN bubbles: the 1F1B comparison's GPipe run, tests/test_pipeline_1f1b.py); data x
+# fsdp, as many microbatches as stages, each iteration rematerialised from its stage inputs under save_dots;
+# fsdp x tensor with the optimizer state in host memory (gpipe's optim.offload pairing, tests/test_pairings.py);
+# 4 stages with fsdp, as many microbatches as stages; circular beside data x tensor with more microbatches than
+# stages and the optimizer state in host memory (its optim.offload pairing). Circular with as many microbatches as
+# stages: tests/test_context.py's circular case (2 stages x 2 repeats, 2 microbatches, beside context x fsdp).
 CASES = {
-    "pipeline=2": ["mesh.pipeline=2"],
-    "pipeline=4": ["mesh.pipeline=4"],
     "pipeline=2 microbatches=4": ["mesh.pipeline=2", "pipeline.microbatches=4"],
-    "pipeline=2 data=2 fsdp=2": ["mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2"],
-    "pipeline=2 fsdp=2 tensor=2": ["mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2"],
+    "pipeline=2 data=2 fsdp=2 remat=save_dots": ["mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2",
+                                                 "remat.policy=save_dots"],
+    "pipeline=2 fsdp=2 tensor=2 optimizer offload": ["mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2",
+                                                     "optim.offload=true"],
     "pipeline=4 fsdp=2 microbatches=4": ["mesh.pipeline=4", "mesh.fsdp=2", "pipeline.microbatches=4"],
-    # Each iteration rematerialised from its stage inputs, its layers keeping what the policy says.
-    "pipeline=2 remat=save_dots microbatches=4": ["mesh.pipeline=2", "pipeline.microbatches=4",
-                                                  "remat.policy=save_dots"],
-    "circular pipeline=2 repeats=2": ["mesh.pipeline=2", "pipeline.schedule=circular", "pipeline.repeats=2"],
-    "circular pipeline=2 repeats=2 microbatches=4 data=2 tensor=2": [
+    "circular pipeline=2 repeats=2 microbatches=4 data=2 tensor=2 optimizer offload": [
         "mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2", "pipeline.schedule=circular", "pipeline.repeats=2",
-        "pipeline.microbatches=4"],
+        "pipeline.microbatches=4", "optim.offload=true"],
 }
+# Cases another test compares with (tests/test_pipeline_1f1b.py's test_1f1b_equals_gpipe): trained once per test
+# run (equivalence.reference), whichever test asks first - always through NaN bubbles.
+SHARED = {"pipeline=2 microbatches=4"}
 
 
 def assert_like_one_device(batches, reference, overrides):
     equivalence.assert_same(equivalence.run(batches, *MODEL, *overrides), reference)
 
 
+def trained(batches, monkeypatch, overrides, shared=False):
+    """The tiny model with `overrides`, trained with the shift buffers (and 1F1B's kept stage inputs) starting full
+    of NaN: stages idle in the bubble would compute on it, and its NaN would reach every weight's gradient through
+    them (0 x NaN) were their inputs not masked. `shared`: through equivalence.reference (once per test run)."""
+    monkeypatch.setattr(pipeline, "BUBBLE_FILL", float("nan"))
+    return (equivalence.reference if shared else equivalence.run)(batches, *MODEL, *overrides)
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_pipeline_equals_one_device(batches, reference, case):
-    assert_like_one_device(batches, reference, CASES[case])
+def test_pipeline_equals_one_device(batches, reference, monkeypatch, case):
+    equivalence.assert_same(trained(batches, monkeypatch, CASES[case], shared=case in SHARED), reference)
 
 
 def assert_bubbles_reach_nothing(batches, reference, monkeypatch, *schedule):
     """The shift buffers (and 1F1B's kept stage inputs) start full of NaN: stages idle in the bubble would compute
-    on it, and its NaN would reach every weight's gradient through them (0 x NaN) were their inputs not masked."""
+    on it, and its NaN would reach every weight's gradient through them (0 x NaN) were their inputs not masked.
+    (This module's and tests/test_pipeline_1f1b.py's cases all train so, `trained`.)"""
     monkeypatch.setattr(pipeline, "BUBBLE_FILL", float("nan"))
     assert_like_one_device(batches, reference, ["mesh.pipeline=2", *schedule, "pipeline.microbatches=4"])
-
-
-def test_nothing_in_a_bubble_reaches_the_loss_or_a_gradient(batches, reference, monkeypatch):
-    assert_bubbles_reach_nothing(batches, reference, monkeypatch, "pipeline.schedule=gpipe")
 
 
 def _setup(*overrides):
@@ -81,8 +92,10 @@ def test_a_checkpoint_restores_across_stage_counts(tmp_path):
     (the same order), into zero-bubble's of 4 stages (canonical), and back with 4 - as the trainer saves and
     restores (Setup.to_disk, from_disk)."""
     setup = _setup("mesh.pipeline=4")
-    on_disk = setup.init(jax.random.PRNGKey(0))
-    want = jax.device_get(on_disk)
+    # The one-device init (the equivalence cases' start, computed once per run), placed on the 4 stages as a
+    # restored checkpoint is: canonical order is GPipe's own (init is mesh-independent, test_parallel.py).
+    want = equivalence.initial_state(*MODEL)
+    on_disk = jax.device_put(want, setup.state_shardings)
     circular = ["mesh.pipeline=2", "mesh.fsdp=2", "pipeline.schedule=circular", "pipeline.repeats=2",
                 "pipeline.microbatches=2"]
     interleaved = ["mesh.pipeline=2", "pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2",

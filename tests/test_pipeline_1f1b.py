@@ -7,8 +7,8 @@ collective out of the loop."""
 import pytest
 
 from scaletrain.planner import hlo, memory
-from tests import equivalence
-from tests.test_pipeline import MODEL, _setup, assert_bubbles_reach_nothing, assert_like_one_device
+from tests import equivalence, test_pipeline
+from tests.test_pipeline import MODEL, _setup, trained
 
 STEPS = 3
 INTERLEAVED = ["pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2"]
@@ -20,18 +20,23 @@ def reference(batches):
     return equivalence.reference(batches, *MODEL)
 
 
+# Every case trains through NaN bubbles (test_pipeline.trained): nothing in a bubble reaches the loss or a
+# gradient, for 1F1B (2 stages alone, 4 microbatches: also the run test_1f1b_equals_gpipe compares) and for
+# interleaved 1F1B (2 stages, 4 microbatches) as for the rest. As many microbatches as stages: the data x fsdp
+# cases (gathering once). The optimizer state in host memory (each schedule's optim.offload pairing,
+# tests/test_pairings.py) rides on the fsdp x tensor cases.
 CASES = {
-    "1f1b pipeline=2": ["mesh.pipeline=2", "pipeline.schedule=1f1b"],
-    "1f1b pipeline=4 microbatches=8": ["mesh.pipeline=4", "pipeline.schedule=1f1b", "pipeline.microbatches=8"],
-    "1f1b pipeline=4 data=2 keeping stage inputs": ["mesh.pipeline=4", "mesh.data=2", "pipeline.schedule=1f1b",
-                                                    "pipeline.keep=stage_inputs"],
+    "1f1b pipeline=2 microbatches=4": ["mesh.pipeline=2", "pipeline.schedule=1f1b", "pipeline.microbatches=4"],
+    # 4 stages, twice as many microbatches, each stage keeping its stage inputs (not its layers' inputs).
+    "1f1b pipeline=4 microbatches=8 keeping stage inputs": ["mesh.pipeline=4", "pipeline.schedule=1f1b",
+                                                            "pipeline.microbatches=8", "pipeline.keep=stage_inputs"],
     "1f1b pipeline=2 data=2 fsdp=2 gather once": ["mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2",
                                                   "pipeline.schedule=1f1b", "pipeline.gather_weights=once",
                                                   "pipeline.microbatches=2"],
     # Blocked attention: the stage's own sharding constraints, inside shard_map over the pipeline axis.
-    "1f1b pipeline=2 fsdp=2 tensor=2 microbatches=4": ["mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2",
-                                                      "pipeline.schedule=1f1b", "pipeline.microbatches=4",
-                                                      "model.attention_block=16"],
+    "1f1b pipeline=2 fsdp=2 tensor=2 microbatches=4 optimizer offload": [
+        "mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.schedule=1f1b", "pipeline.microbatches=4",
+        "model.attention_block=16", "optim.offload=true"],
     # Interleaved: stage 0 runs layers 0 and 2, stage 1 layers 1 and 3; microbatches in groups of 2.
     "interleaved pipeline=2 microbatches=4 keeping stage inputs": ["mesh.pipeline=2", *INTERLEAVED,
                                                                    "pipeline.microbatches=4",
@@ -39,29 +44,25 @@ CASES = {
     "interleaved pipeline=2 data=2 fsdp=2 gather once": ["mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2",
                                                          *INTERLEAVED, "pipeline.gather_weights=once",
                                                          "pipeline.microbatches=2"],
-    "interleaved pipeline=2 fsdp=2 tensor=2 microbatches=4": ["mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2",
-                                                              *INTERLEAVED, "pipeline.microbatches=4",
-                                                              "model.attention_block=16"],
+    "interleaved pipeline=2 fsdp=2 tensor=2 microbatches=4 optimizer offload": [
+        "mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2", *INTERLEAVED, "pipeline.microbatches=4",
+        "model.attention_block=16", "optim.offload=true"],
 }
+SHARED = {"1f1b pipeline=2 microbatches=4"}  # trained once per test run: test_1f1b_equals_gpipe compares it too
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_1f1b_equals_one_device(batches, reference, case):
-    assert_like_one_device(batches, reference, CASES[case])
+def test_1f1b_equals_one_device(batches, reference, monkeypatch, case):
+    equivalence.assert_same(trained(batches, monkeypatch, CASES[case], shared=case in SHARED), reference)
 
 
-@pytest.mark.parametrize("schedule", [["pipeline.schedule=1f1b"], INTERLEAVED])
-def test_nothing_in_a_bubble_reaches_the_loss_or_a_gradient(batches, reference, monkeypatch, schedule):
-    assert_bubbles_reach_nothing(batches, reference, monkeypatch, *schedule)
-
-
-def test_interleaved_on_4_stages_equals_one_device(batches):
+def test_interleaved_on_4_stages_equals_one_device(batches, monkeypatch):
     """8 layers, 4 stages of 2 blocks (stage s runs layers s and 4 + s), 4 microbatches: each microbatch leaves
     stage 3 for stage 0 again, and its cotangent the other way round."""
     eight = [*MODEL, "model.num_layers=8"]
-    assert_like_one_device(batches, equivalence.reference(batches, *eight),
-                           ["model.num_layers=8", "mesh.pipeline=4", "mesh.data=2", *INTERLEAVED,
-                            "pipeline.microbatches=4"])
+    got = trained(batches, monkeypatch, ["model.num_layers=8", "mesh.pipeline=4", "mesh.data=2", *INTERLEAVED,
+                                         "pipeline.microbatches=4"])
+    equivalence.assert_same(got, equivalence.reference(batches, *eight))
 
 
 @pytest.mark.parametrize("stages, microbatches, repeats", [(2, 4, 1), (4, 8, 1), (2, 4, 2), (4, 4, 2), (4, 8, 3)])
@@ -100,12 +101,13 @@ def test_the_timeline_is_the_bubble_the_planner_counts(stages, microbatches, rep
     assert 1 - ideal / seconds == pytest.approx(comms.bubble(stages, microbatches, repeats))
 
 
-def test_1f1b_equals_gpipe(batches):
-    """The same pipeline, scheduled 1F1B by hand (pipeline_1f1b.py) or GPipe by jax.grad: the same sums, in
-    another order - losses and parameters within 1e-6, gradient norms and Adam moments within 1e-5."""
-    mesh = ("mesh.pipeline=2", "mesh.fsdp=2", "pipeline.microbatches=4")
-    gpipe = equivalence.reference(batches, *MODEL, *mesh)
-    one_f_one_b = equivalence.run(batches, *MODEL, *mesh, "pipeline.schedule=1f1b")
+def test_1f1b_equals_gpipe(batches, monkeypatch):
+    """The same pipeline (2 stages, 4 microbatches), scheduled 1F1B by hand (pipeline_1f1b.py) or GPipe by
+    jax.grad: the same sums, in another order - losses and parameters within 1e-6, gradient norms and Adam
+    moments within 1e-5. Both runs are cases of their own modules' equivalence tests (trained once per test run,
+    through NaN bubbles), compared here more closely."""
+    gpipe = trained(batches, monkeypatch, test_pipeline.CASES["pipeline=2 microbatches=4"], shared=True)
+    one_f_one_b = trained(batches, monkeypatch, CASES["1f1b pipeline=2 microbatches=4"], shared=True)
     equivalence.assert_same(one_f_one_b, gpipe, loss=1e-6, params=1e-6)
 
 
@@ -145,11 +147,15 @@ def test_1f1b_holds_less_than_gpipe_by_about_the_predicted_ratio(monkeypatch):
     assert abs(gpipe_predicted / gpipe - 1) <= 0.13
 
 
-def test_gathering_once_moves_every_batch_axis_collective_out_of_the_loop():
+def test_gathering_once_moves_every_batch_axis_collective_out_of_the_loop(monkeypatch):
     """pipeline.gather_weights=once: the 1F1B loop runs per device along data and fsdp too, so no collective over
     them runs per tick - FSDP's gathers happen once on the way in, every gradient reduction once on the way out.
     Per use (the default), FSDP gathers and reduces inside the loop, and data parallelism's reductions still
     wait for the end (the loop runs per device along `data`, whose devices hold the same weights)."""
+    # The bubbles' fill as the equivalence cases train (test_pipeline.trained): gathering once is then the program
+    # the "gather once" case compiled, which the persistent compilation cache (tests/conftest.py) holds.
+    monkeypatch.setattr(test_pipeline.pipeline, "BUBBLE_FILL", float("nan"))
+
     def batch_axis_collectives(*overrides):
         setup = _setup("mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2", "pipeline.schedule=1f1b",
                        "pipeline.microbatches=2", *overrides)

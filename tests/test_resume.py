@@ -83,49 +83,91 @@ def _resumed_step(result):
     return int(match.group(1))
 
 
-@pytest.mark.parametrize("point, step", [("between-steps", 14), ("mid-step", 11), ("mid-save", 8)])
-def test_sigkill_at_any_moment_then_rerun_is_bitwise_identical(tmp_path, uninterrupted, point, step, capfd):
+# Killed at each moment in turn, in one run directory: a save half written (step 8), a step running (step 11),
+# between steps (step 14). Each rerun resumes from the newest committed step and is the next one killed; the last
+# runs to the end.
+KILLS = [("mid-save", 8), ("mid-step", 11), ("between-steps", 14)]
+
+
+def test_sigkill_at_any_moment_then_rerun_is_bitwise_identical(tmp_path, uninterrupted, capfd):
     _, uninterrupted = uninterrupted
-    killed = _run_with_fault(point, step, tmp_path)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    committed = max(_finished_checkpoints(tmp_path))
-    if point == "mid-save":  # the half-written step is on disk, uncommitted; the older one is untouched
-        assert (tmp_path / "checkpoints" / f"{step}.orbax-checkpoint-tmp").is_dir()
-        assert committed == step - EVERY
+    resumed = 0
+    for point, step in KILLS:
+        # mid-step counts the batches this process makes (tests/faults.py): after a resume at R, its k-th is step
+        # R + k's. The other points name the step itself.
+        killed = _run_with_fault(point, step - resumed if point == "mid-step" else step, tmp_path)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        if resumed:
+            assert _resumed_step(killed) == resumed
+        if point != "mid-save":  # (the save runs in the background: the steps after it go on)
+            last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+            assert last == step if point == "between-steps" else last in (step - 1, step), (point, last)
+        committed = max(_finished_checkpoints(tmp_path))
+        if point == "mid-save":  # the half-written step is on disk, uncommitted; the older one is untouched
+            assert (tmp_path / "checkpoints" / f"{step}.orbax-checkpoint-tmp").is_dir()
+            assert committed == step - EVERY
+        # Nothing committed is lost. A save waits for the previous one, so the newest durable save is at most two
+        # save intervals old: that many steps at most are redone.
+        assert committed >= step - 2 * EVERY
+        resumed = committed
     result = run_main(_command(tmp_path), capfd)
     assert result.returncode == 0, result.stderr
-    # Nothing committed is lost. A save waits for the previous one, so the newest durable save is at most two
-    # save intervals old: that many steps at most are redone.
-    assert _resumed_step(result) == committed >= step - 2 * EVERY
+    assert _resumed_step(result) == resumed
     assert _losses(tmp_path) == uninterrupted
-    assert not list((tmp_path / "checkpoints").glob("*tmp*"))  # the killed save's leftovers are gone
+    assert not list((tmp_path / "checkpoints").glob("*tmp*"))  # the killed saves' leftovers are gone
+
+
+def _refused_beside(proc, run_dir, capfd) -> None:
+    """Once `proc` (train.py on `run_dir`) holds run.lock, the same command beside it exits 2 with one line naming
+    it, having touched nothing (the caller then checks `proc`'s output)."""
+    while not (epath.Path(run_dir) / "run.lock").exists():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    second = run_main(_command(run_dir), capfd)
+    assert second.returncode == 2
+    [line] = [x for x in second.stderr.splitlines() if x.strip()]
+    assert line.startswith(f"error: run_dir '{run_dir}' is in use by process {proc.pid} on ")
 
 
 def test_sigkill_mid_save_in_a_bucket_then_rerun_is_bitwise_identical(bucket, uninterrupted, capfd):
     """In a bucket a step is written in its final folder (no rename): the killed save leaves step 8 there without
-    its commit markers, and the rerun must resume from step 4, not read it."""
-    from etils import epath
-
+    its commit markers, and the rerun must resume from step 4, not read it. While the killed run held the bucket's
+    lock, a second run of the same command was refused, and nothing the first wrote was lost (two runs on one run
+    directory in a bucket: the local one is test_sigterm_saves_exits_0_and_resumes_at_the_next_step's)."""
     _, uninterrupted = uninterrupted
     run_dir = epath.Path(f"{bucket}/mid-save")
-    killed = _run_with_fault("mid-save", 8, run_dir)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    first = subprocess.Popen([sys.executable, str(ROOT / "tests" / "faults.py"), "mid-save", "8",
+                              *_command(run_dir)], cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _refused_beside(first, run_dir, capfd)
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == -signal.SIGKILL, err
     assert (run_dir / "checkpoints" / "8").exists() and max(_finished_checkpoints(run_dir)) == 4
+    # The bucket's metrics.jsonl, synced at each save: the killed run's steps to its step-4 save at least.
+    assert 4 <= len(_losses(run_dir)) and _losses(run_dir) == uninterrupted[:len(_losses(run_dir))]
     result = run_main(_command(run_dir), capfd)
     assert result.returncode == 0, result.stderr
     assert _resumed_step(result) == 4
     assert _losses(run_dir) == uninterrupted
+    assert not (run_dir / "run.lock").exists()
 
 
 def test_sigterm_saves_exits_0_and_resumes_at_the_next_step(tmp_path, uninterrupted, capfd):
+    """While the run holds its directory's lock, a second run of the same command is refused, and nothing the first
+    writes is lost (two runs on one run directory, locally: the bucket's is
+    test_sigkill_mid_save_in_a_bucket_then_rerun_is_bitwise_identical's)."""
     _, uninterrupted = uninterrupted
     proc = _start(tmp_path)
+    _refused_beside(proc, tmp_path, capfd)
     _wait_for_step(proc, tmp_path, 5)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     saved = max(_finished_checkpoints(tmp_path))
     assert saved < STEPS and f"preempted: checkpointed at step {saved}" in out
+    ran = _losses(tmp_path)
+    assert len(ran) >= saved and ran == uninterrupted[:len(ran)]  # every step it ran, as the uninterrupted run's
+    assert not (tmp_path / "run.lock").exists()  # removed on the way out
     result = run_main(_command(tmp_path), capfd)
     assert result.returncode == 0, result.stderr
     assert f"resumed at step {saved}" in result.stdout
@@ -225,24 +267,6 @@ def test_a_checkpoints_path_that_is_a_file_is_refused_before_compiling(tmp_path,
     assert result.returncode == 2 and "compiled" not in result.stdout
     [line] = [x for x in result.stderr.splitlines() if x.strip()]
     assert line == f"error: '{tmp_path / 'checkpoints'}' is a file; expected the run's checkpoints folder (or nothing)"
-
-
-@pytest.mark.parametrize("where", ["local", "bucket"])
-def test_two_runs_on_one_directory_one_proceeds(tmp_path, request, uninterrupted, where, capfd):
-    _, uninterrupted = uninterrupted
-    run_dir = tmp_path if where == "local" else f"{request.getfixturevalue('bucket')}/two-runs"
-    first = _start(run_dir)
-    while not (epath.Path(run_dir) / "run.lock").exists():
-        assert first.poll() is None, first.communicate()
-        time.sleep(0.05)
-    second = run_main(_command(run_dir), capfd)
-    assert second.returncode == 2
-    [line] = [x for x in second.stderr.splitlines() if x.strip()]
-    assert line.startswith(f"error: run_dir '{run_dir}' is in use by process {first.pid} on ")
-    out, err = first.communicate(timeout=300)
-    assert first.returncode == 0, err
-    assert _losses(epath.Path(run_dir)) == uninterrupted  # nothing of the first run's output lost
-    assert not (epath.Path(run_dir) / "run.lock").exists()
 
 
 def test_time_based_saves(tmp_path, capfd):
