@@ -91,10 +91,10 @@ def test_compiles_target_the_slices_wraparound(topology):
     """The ahead-of-time compiles see the wraparound links the planner assumes (aot._wrap): libtpu's default is
     none, and then it compiles an all-gather over a whole v5p:4x4x4 as a zero-filled buffer, a
     dynamic-update-slice and an all-reduce - twice the bytes of the slice it stands for."""
-    from jax.experimental import mesh_utils
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
     import jax.numpy as jnp
+    from jax.experimental import mesh_utils
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from scaletrain.planner import aot
 
