@@ -27,6 +27,9 @@ MESH_AXES = ("data", "fsdp", "expert", "pipeline", "context", "tensor")
 ATTENTIONS = ("xla", "flash")
 # model.context_attention: how attention meets a sequence split over mesh.context (docs/context.md).
 CONTEXT_ATTENTIONS = ("allgather", "ring")
+# model.moe_matmul: the experts' grouped matmul - XLA's ragged dot or megablox's Pallas kernels; auto: megablox
+# on a TPU, ragged_dot elsewhere (kernels/grouped_matmul.py).
+MOE_MATMULS = ("auto", "ragged_dot", "megablox")
 NORMS = ("standard", "deferred", "fused")
 NORM_WEIGHTS = ("standard", "folded", "weightless")
 # model.quantization: the dtype of the chosen matmuls' operands; model.quantized_matmuls: which groups of matmuls,
@@ -82,6 +85,7 @@ def defaults() -> ml_collections.ConfigDict:
                 "moe_d_ff": 0,
                 "moe_every": 1,
                 "capacity_factor": 0.0,
+                "moe_matmul": "auto",
                 "router_aux_loss": 0.01,
                 "router_z_loss": 0.001,
                 "family": "auto",
@@ -166,6 +170,7 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
     "model.attention": ATTENTIONS,
     "model.context_attention": CONTEXT_ATTENTIONS,
+    "model.moe_matmul": MOE_MATMULS,
     "model.norm": NORMS,
     "model.norm_weights": NORM_WEIGHTS,
     "model.quantization": QUANTIZATIONS,
@@ -428,6 +433,10 @@ def _check_quantization(m: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"model.quantization={m.quantization} with model.norm=fused: the fused norm+matmul kernels "
                           f"multiply in the compute dtype, so the matmuls after a norm cannot be quantized; use "
                           f"model.norm=deferred (the same arithmetic in XLA, which quantizes its matmul)")
+    if m.moe_matmul == "megablox" and m.num_experts and "experts" in groups:
+        raise ConfigError(f"model.moe_matmul=megablox with model.quantization={m.quantization} on the experts: "
+                          "megablox's kernels multiply in the compute dtype; quantized experts run their own grouped "
+                          "matmul (model.moe_matmul=auto picks it), or leave experts out of model.quantized_matmuls")
 
 
 def moe_d_ff(m) -> int:

@@ -28,9 +28,9 @@ E, K = 8, 2
 MOE = [f"model.num_experts={E}", f"model.experts_per_token={K}", "model.moe_d_ff=64"]
 
 
-def _layer(capacity_factor=0.0, d=16, f=32, experts=4, k=2):
+def _layer(capacity_factor=0.0, d=16, f=32, experts=4, k=2, moe_matmul="auto"):
     cfg = ModelConfig.from_config(dict(d_model=d, num_experts=experts, experts_per_token=k, moe_d_ff=f,
-                                       capacity_factor=capacity_factor, dtype="float32"))
+                                       capacity_factor=capacity_factor, dtype="float32", moe_matmul=moe_matmul))
     block = moe.MoE(cfg, nnx.Rngs(0))
     norm = RMSNorm(d, cfg.norm_eps, jnp.float32)
     norm.scale[...] = 1 + 0.1 * jax.random.normal(jax.random.PRNGKey(3), (d,))
@@ -87,8 +87,10 @@ def _assert_trees_close(got, want, tol=1e-5):
         assert np.linalg.norm(a - b) <= tol * max(np.linalg.norm(b), 1e-12), jax.tree_util.keystr(path)
 
 
-def test_dropless_block_equals_each_token_through_its_experts():
-    block, norm = _layer()
+@pytest.mark.parametrize("moe_matmul", ["ragged_dot", "megablox"])
+def test_dropless_block_equals_each_token_through_its_experts(moe_matmul):
+    """Through XLA's ragged dot and megablox's kernels (interpreted here: model.moe_matmul)."""
+    block, norm = _layer(moe_matmul=moe_matmul)
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 12, 16))
     cot = jax.random.normal(jax.random.PRNGKey(2), x.shape)
     out, stats = _run(_block, block, norm, x)
@@ -97,6 +99,26 @@ def test_dropless_block_equals_each_token_through_its_experts():
     got = _grads(lambda b, n, x: b(x, n)[0], block, norm, x, cot)
     want = _grads(_reference, block, norm, x, cot)
     _assert_trees_close(got, want)
+
+
+def test_megablox_zeroes_the_rows_past_the_groups():
+    """Expert parallelism's receive buffer holds rows past the groups, which megablox's kernels leave unwritten
+    (NaN when interpreted) in the product and in the input's gradient: they come out as ragged_dot's, zeros."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((48, 16)), jnp.float32)
+    experts = tuple(jnp.asarray(rng.standard_normal(shape) * 0.1, jnp.float32)
+                    for shape in [(4, 16, 32), (4, 16, 32), (4, 32, 16)])
+    sizes = jnp.array([5, 0, 20, 10])  # 35 of 48 rows
+
+    def loss(kernel):
+        grouped = moe._GroupedMatmul(None, (), (), kernel=kernel)
+        return lambda x, experts: jnp.sum(jnp.sin(grouped.swiglu(x, sizes, experts, filled=False)) + 1)
+
+    (got, got_grads), (want, want_grads) = (jax.value_and_grad(loss(k), (0, 1))(x, experts)
+                                            for k in ("megablox", "ragged_dot"))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    _assert_trees_close(got_grads, want_grads)
+    assert np.all(np.asarray(got_grads[0])[35:] == 0)
 
 
 def test_dropless_block_moves_rows_by_gathers_in_both_passes():
@@ -197,7 +219,8 @@ MESHES = {  # on as many devices as the mesh has; expert=2 alone is test_accumul
     "expert=4": ["mesh.expert=4"],
     "expert=8": ["mesh.expert=8"],
     "expert=4 x tensor=2": ["mesh.expert=4", "mesh.tensor=2"],
-    "data=2 x fsdp=2 x expert=2, full remat": ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "remat.policy=full"],
+    "data=2 x fsdp=2 x expert=2, full remat, megablox": ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2",
+                                                          "remat.policy=full", "model.moe_matmul=megablox"],
     "fsdp=4 x expert=2, offloaded": ["mesh.fsdp=4", "mesh.expert=2", "params.offload=true", "optim.offload=true"],
 }
 # Capacity buffers, and a dense layer before each MoE layer (moe_every=2).
@@ -241,13 +264,14 @@ def test_all_to_alls_per_moe_layer_move_the_predicted_bytes():
 @pytest.mark.parametrize("overrides, message", [
     (["mesh.expert=2"], "needs a mixture-of-experts model"),
     (MOE + ["mesh.expert=3"], "not divisible by mesh.expert=3"),
+    (MOE + ["model.moe_matmul=megablox", "model.quantization=int8"], "megablox's kernels multiply in the compute"),
 ])
 def test_expert_refusals_name_the_keys(overrides, message):
     from scaletrain.errors import ConfigError
     from scaletrain.parallel import checks
 
-    cfg = config.load(None, tiny_overrides("unused") + overrides)
     with pytest.raises(ConfigError, match=message):
+        cfg = config.load(None, tiny_overrides("unused") + overrides)
         checks.check(cfg, {a: cfg.mesh[a] for a in config.MESH_AXES})
 
 

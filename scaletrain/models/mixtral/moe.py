@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from scaletrain.kernels import grouped_matmul
 from scaletrain.models import lora, quantize
 from scaletrain.models.layers import added, param
 from scaletrain.models.mixtral import unit as unit_lib
@@ -89,7 +90,7 @@ def rows_per_token(k: int, experts: int, shards: int, capacity_factor: float, se
 class MoE(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         d, f, e, pd = cfg.d_model, cfg.expert_d_ff, cfg.num_experts, cfg.param_dtype
-        self.k, self.capacity_factor = cfg.experts_per_token, cfg.capacity_factor
+        self.k, self.capacity_factor, self.moe_matmul = cfg.experts_per_token, cfg.capacity_factor, cfg.moe_matmul
         self.quant = quantize.for_group(cfg, "experts")
         self.router = param(rngs, (d, e), ("embed", None), pd, cfg.init_std)
         # Routing hook (models/routing.py): the scores, groups and scale; a selection-only bias, float32 always
@@ -121,10 +122,12 @@ class MoE(nnx.Module):
         # permuted, past where a norm could be fused into their matmul.
         h_btd = constrain(norm(x_btd), ("batch", "seq", "embed"))
         adapters = (self.w_gate_lora, self.w_up_lora, self.w_down_lora)
+        platform = active_device().platform
         fn = _per_device(self.k, self.capacity_factor, active_axes("experts"), active_axes("moe_mlp"),
-                         active_device().platform == "tpu", self.quant, active_axes("batch"), active_axes("seq"),
+                         platform == "tpu", self.quant, active_axes("batch"), active_axes("seq"),
                          tuple(None if a is None else a.scale for a in adapters), self.routing,
-                         self.router_bias is not None, self.unit, *self.gpt_oss_biases)
+                         self.router_bias is not None, self.unit, *self.gpt_oss_biases,
+                         kernel=grouped_matmul.kind(self.moe_matmul, platform), platform=platform)
         up, down = ("experts", "embed", "moe_mlp"), ("experts", "moe_mlp", "embed")
         # The experts' weights, then each adapter's A and B, with their logical axes (models/lora.py's rule).
         weights = [(self.w_gate[...], up), (self.w_up[...], up), (self.w_down[...], down)]
@@ -196,7 +199,8 @@ def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], te
                 ragged_transport: bool, quant: quantize.Quantization | None, batch_axes: tuple[str, ...] = (),
                 seq_axes: tuple[str, ...] = (), lora_scales: tuple[float | None, ...] = (None, None, None),
                 routing: Routing = SOFTMAX, router_bias: bool = False, unit: unit_lib.Unit = unit_lib.SWIGLU,
-                router_logit_bias: bool = False, expert_bias: bool = False):
+                router_logit_bias: bool = False, expert_bias: bool = False, kernel: str = "ragged_dot",
+                platform: str = "cpu"):
     """The block on one device's tokens and weights: h [b, t, d], router [d, E], the device's experts
     [E_l, d, f_l] and [E_l, f_l, d] -> (output [b, t, d], statistics [1, stats]). `quant`: the experts' matmuls'
     low-precision mode (the router's stays float32); `batch_axes` the mesh axes that split the batch, `seq_axes`
@@ -205,11 +209,12 @@ def _per_device(k: int, capacity_factor: float, expert_axes: tuple[str, ...], te
     experts' weights, in that order (models/lora.py). `routing` how the router picks and weighs (models/routing.py);
     `router_bias`: the router's selection bias [E] follows the router. After the adapters, with `router_logit_bias`
     the router's logit bias [E], and with `expert_bias` the experts' biases [E_l, f_l], [E_l, f_l], [E_l, d];
-    `unit` the gated unit between the up and down projections."""
+    `unit` the gated unit between the up and down projections; `kernel` the grouped matmul's on a device of
+    `platform` (kernels/grouped_matmul.py)."""
     # An expert's rows lie on the devices of its expert shard: across the other batch and sequence axes (and,
     # being the same rows, not across `tensor`) a quantized matmul takes its gradient's scales as maxima over all.
     rows = tuple(a for a in batch_axes if a not in expert_axes) + seq_axes
-    grouped = _GroupedMatmul(quant, tensor_axes, rows, unit)
+    grouped = _GroupedMatmul(quant, tensor_axes, rows, unit, kernel, platform)
     adapted = 2 * sum(scale is not None for scale in lora_scales)
 
     def fn(h_btd, router_de, *weights):
@@ -261,24 +266,32 @@ def _swiglu(rows_rd, w_gate, w_up, w_down, matmul, down_matmul=None, plain=None,
 
 
 class _GroupedMatmul:
-    """The experts' grouped matmuls on one device: jax.lax.ragged_dot, or quantized (`quant`), where the hidden
-    dim's mesh axes (`tensor_axes`: the gate and up projections' outputs, the down projection's contraction) and
-    the axes across which an expert's rows are spread (`row_axes`) share the scales."""
+    """The experts' grouped matmuls on one device: jax.lax.ragged_dot or megablox's kernels (`kernel`, on a
+    device of `platform`: kernels/grouped_matmul.py), or quantized (`quant`), where the hidden dim's mesh axes
+    (`tensor_axes`: the gate and up projections' outputs, the down projection's contraction) and the axes across
+    which an expert's rows are spread (`row_axes`) share the scales."""
 
     def __init__(self, quant: quantize.Quantization | None, tensor_axes: tuple[str, ...],
-                 row_axes: tuple[str, ...], unit: unit_lib.Unit = unit_lib.SWIGLU):
+                 row_axes: tuple[str, ...], unit: unit_lib.Unit = unit_lib.SWIGLU, kernel: str = "ragged_dot",
+                 platform: str = "cpu"):
         self.quant, self.tensor_axes, self.row_axes, self.unit = quant, tensor_axes, row_axes, unit
+        self.kernel, self.platform = kernel, platform
 
-    def swiglu(self, rows, group_sizes, experts):
+    def swiglu(self, rows, group_sizes, experts, filled: bool = True):
         """The SwiGLU of rows sorted by expert, `group_sizes[e]` of them for expert e (rows past their sum:
-        zeros, or their biases'). `experts`: the three weights, then their biases where the experts have them."""
+        zeros, or their biases'; `filled`: there are none). `experts`: the three weights, then their biases where
+        the experts have them."""
         def plain(x, w):
             return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=x.dtype)
 
         biases = unit_lib.rows_of_groups(experts[3:], group_sizes, rows.shape[0]) if experts[3:] else None
         experts = experts[:3]
         if self.quant is None:
-            return _swiglu(rows, *experts, plain, unit=self.unit, biases=biases)
+            matmul = plain
+            if self.kernel == "megablox":
+                def matmul(x, w):  # the adapters' small matmuls stay ragged dots (`plain`)
+                    return grouped_matmul.megablox(x, w, group_sizes, filled, self.platform)
+            return _swiglu(rows, *experts, matmul, plain=plain, unit=self.unit, biases=biases)
 
         def up(x, w):
             return self.quant.ragged_dot(x, w, group_sizes, out_axes=self.tensor_axes, row_axes=self.row_axes)
@@ -361,7 +374,7 @@ def _expert_parallel(rows, counts, experts, axes, ragged_transport, buffer_rows,
     local_e = jax.vmap(lambda e_ends, q: jnp.searchsorted(e_ends, q, side="right"))(ends[source], offset)
     order = jnp.argsort(local_e, stable=True)  # rows past a source's count get num_local: last
     inverse = _inverse(order)
-    out = grouped.swiglu(_permute(received, order, inverse), jnp.sum(mine, axis=0), experts)
+    out = grouped.swiglu(_permute(received, order, inverse), jnp.sum(mine, axis=0), experts, filled=False)
     out = _permute(out, inverse, order)
     if ragged_transport:
         return _ragged_exchange(out, send_offsets, sizes, me, rows.shape[0], axes, back=True)
