@@ -41,10 +41,13 @@ def row_tile(rows: int, platform: str) -> int | None:
     return None if platform == "tpu" and tile % _SUBLANES else tile
 
 
-def megablox(x: jax.Array, w: jax.Array, group_sizes: jax.Array, filled: bool, platform: str) -> jax.Array:
+def megablox(x: jax.Array, w: jax.Array, group_sizes: jax.Array, platform: str) -> jax.Array:
     """jax.lax.ragged_dot(x [M, K], w [G, K, N], group_sizes) in x's dtype, by megablox's kernels (interpreted off a
-    TPU). The kernels leave rows past the groups unwritten, in the product and in x's gradient: unless every row
-    lies in a group (`filled`), those rows are zeroed on the way in and out, as ragged_dot's are."""
+    TPU), for the rows in the groups. The kernels leave rows past the groups unwritten, in the product and in x's
+    gradient (ragged_dot makes them zeros): expert parallelism's receive buffer has such rows, and nothing reads
+    them - the exchange takes back only the groups' rows, the weights' gradients sum only theirs, and the experts'
+    biases give them none (unit.rows_of_groups). Masking them would cost the buffer's size again in memory
+    (GPT-OSS-120B: +6 GiB a chip)."""
     m, k = x.shape
     tile = row_tile(m, platform)
     if tile is None:
@@ -54,10 +57,5 @@ def megablox(x: jax.Array, w: jax.Array, group_sizes: jax.Array, filled: bool, p
     from jax.experimental.pallas.ops.tpu.megablox import ops
 
     tiling = (tile, min(_TILES[1], k), min(_TILES[2], w.shape[-1]))
-    group_sizes = group_sizes.astype(jnp.int32)
-    if filled:
-        return ops.gmm(x, w.astype(x.dtype), group_sizes, x.dtype, tiling, interpret=platform != "tpu")
-    inside = (jnp.arange(m) < jnp.sum(group_sizes))[:, None]
-    out = ops.gmm(jnp.where(inside, x, 0), w.astype(x.dtype), group_sizes, x.dtype, tiling,
-                  interpret=platform != "tpu")
-    return jnp.where(inside, out, 0)
+    return ops.gmm(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), x.dtype, tiling,
+                   interpret=platform != "tpu")

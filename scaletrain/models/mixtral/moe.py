@@ -277,10 +277,10 @@ class _GroupedMatmul:
         self.quant, self.tensor_axes, self.row_axes, self.unit = quant, tensor_axes, row_axes, unit
         self.kernel, self.platform = kernel, platform
 
-    def swiglu(self, rows, group_sizes, experts, filled: bool = True):
-        """The SwiGLU of rows sorted by expert, `group_sizes[e]` of them for expert e (rows past their sum:
-        zeros, or their biases'; `filled`: there are none). `experts`: the three weights, then their biases where
-        the experts have them."""
+    def swiglu(self, rows, group_sizes, experts):
+        """The SwiGLU of rows sorted by expert, `group_sizes[e]` of them for expert e (rows past their sum are
+        padding, which nothing reads: zeros with ragged_dot, left unwritten by megablox). `experts`: the three
+        weights, then their biases where the experts have them."""
         def plain(x, w):
             return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=x.dtype)
 
@@ -290,7 +290,7 @@ class _GroupedMatmul:
             matmul = plain
             if self.kernel == "megablox":
                 def matmul(x, w):  # the adapters' small matmuls stay ragged dots (`plain`)
-                    return grouped_matmul.megablox(x, w, group_sizes, filled, self.platform)
+                    return grouped_matmul.megablox(x, w, group_sizes, self.platform)
             return _swiglu(rows, *experts, matmul, plain=plain, unit=self.unit, biases=biases)
 
         def up(x, w):
@@ -374,7 +374,7 @@ def _expert_parallel(rows, counts, experts, axes, ragged_transport, buffer_rows,
     local_e = jax.vmap(lambda e_ends, q: jnp.searchsorted(e_ends, q, side="right"))(ends[source], offset)
     order = jnp.argsort(local_e, stable=True)  # rows past a source's count get num_local: last
     inverse = _inverse(order)
-    out = grouped.swiglu(_permute(received, order, inverse), jnp.sum(mine, axis=0), experts, filled=False)
+    out = grouped.swiglu(_permute(received, order, inverse), jnp.sum(mine, axis=0), experts)
     out = _permute(out, inverse, order)
     if ragged_transport:
         return _ragged_exchange(out, send_offsets, sizes, me, rows.shape[0], axes, back=True)

@@ -34,6 +34,9 @@ SWIGLU = Unit()  # the default: plain SwiGLU
 
 def rows_of_groups(biases: tuple[jax.Array, ...], group_sizes: jax.Array, rows: int) -> tuple[jax.Array, ...]:
     """Each expert bias ([E, n]) per row of rows sorted by expert, `group_sizes[e]` of them expert e's (rows past
-    their sum, which are padding, take the last expert's)."""
-    expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=rows)
-    return tuple(jnp.take(b, expert, axis=0) for b in biases)
+    their sum, which are padding, take zeros: whatever their gradient holds - megablox leaves it unwritten - it
+    reaches no bias)."""
+    experts = group_sizes.shape[0]
+    expert = jnp.repeat(jnp.arange(experts), group_sizes, total_repeat_length=rows)
+    expert = jnp.where(jnp.arange(rows) < jnp.sum(group_sizes), expert, experts)
+    return tuple(jnp.take(b, expert, axis=0, mode="fill", fill_value=0) for b in biases)
