@@ -6,7 +6,7 @@ them). model.moe_matmul picks (docs/moe.md); `auto` takes megablox on a TPU and 
 Why megablox on a TPU: its input gradient reads the weight transposed inside the kernel (`transpose_rhs`), where
 XLA:TPU's ragged dot lays out a transposed copy of each gathered expert for it. Under FSDP every layer gathers its
 experts twice (the forward pass and the backward pass's recomputation) and each gathered weight is laid out once
-for either kernel; with ragged_dot the backward pass lays them out twice more. DeepSeek-V3 671B on a v5p-512
+for either kernel; with ragged_dot the backward pass lays each out once more, transposed. DeepSeek-V3 671B on a v5p-512
 (FSDP 256, 3 dense + 2 mixture layers compiled ahead of time): 1,006 GB moved a chip and step by XLA's count with
 ragged_dot, 969 with megablox, MaxText 898; XLA's step 0.619 s, 0.603 s, MaxText 0.591 s (docs/benchmarks.md).
 Off a TPU the kernels run interpreted: slow, for tests only.
