@@ -18,7 +18,7 @@ import ml_collections
 import yaml
 from etils import epath
 
-from scaletrain import config_bounds, config_deepseek, config_gemma, config_gpt_oss, config_window, remat
+from scaletrain import config_bounds, config_deepseek, config_gemma, config_gpt_oss, config_moe, config_window, remat
 from scaletrain.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "pipeline", "context", "tensor")
@@ -27,9 +27,6 @@ MESH_AXES = ("data", "fsdp", "expert", "pipeline", "context", "tensor")
 ATTENTIONS = ("xla", "flash")
 # model.context_attention: how attention meets a sequence split over mesh.context (docs/context.md).
 CONTEXT_ATTENTIONS = ("allgather", "ring")
-# model.moe_matmul: the experts' grouped matmul - XLA's ragged dot or megablox's Pallas kernels; auto: megablox
-# on a TPU, ragged_dot elsewhere (kernels/grouped_matmul.py).
-MOE_MATMULS = ("auto", "ragged_dot", "megablox")
 NORMS = ("standard", "deferred", "fused")
 NORM_WEIGHTS = ("standard", "folded", "weightless")
 # model.quantization: the dtype of the chosen matmuls' operands; model.quantized_matmuls: which groups of matmuls,
@@ -170,7 +167,7 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
     "model.attention": ATTENTIONS,
     "model.context_attention": CONTEXT_ATTENTIONS,
-    "model.moe_matmul": MOE_MATMULS,
+    "model.moe_matmul": config_moe.MOE_MATMULS,
     "model.norm": NORMS,
     "model.norm_weights": NORM_WEIGHTS,
     "model.quantization": QUANTIZATIONS,
@@ -387,7 +384,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     if m.norm_cancellation and m.qk_norm_eps != 0:
         raise ConfigError(f"model.norm_cancellation=true is exact only with model.qk_norm_eps=0 (got "
                           f"{m.qk_norm_eps}): RMSNorm(c q) = RMSNorm(q) needs eps = 0")
-    for check in (_check_moe, config_gpt_oss.check, config_deepseek.check, _check_quantization, config_gemma.check):
+    for check in (config_moe.check, config_gpt_oss.check, config_deepseek.check, _check_quantization,
+                  config_gemma.check):
         check(m)  # config_gemma.check: the window's keys, then Gemma's
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
@@ -399,17 +397,6 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                           f"step to trace (steps count from 1; leave the first few out: they compile)")
     for check_run in (_check_data, _check_post_training, config_deepseek.check_run):
         check_run(cfg)
-
-
-def _check_moe(m: ml_collections.ConfigDict) -> None:
-    if not m.num_experts:
-        return
-    if m.experts_per_token > m.num_experts:
-        raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be <= model.num_experts="
-                          f"{m.num_experts}: each token goes to that many different experts")
-    if m.num_layers % m.moe_every:
-        raise ConfigError(f"model.num_layers={m.num_layers} must be divisible by model.moe_every={m.moe_every}: "
-                          f"the stack repeats groups of moe_every layers, the last of each a mixture of experts")
 
 
 def quantized_groups(spec: str) -> tuple[str, ...]:
@@ -433,10 +420,6 @@ def _check_quantization(m: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"model.quantization={m.quantization} with model.norm=fused: the fused norm+matmul kernels "
                           f"multiply in the compute dtype, so the matmuls after a norm cannot be quantized; use "
                           f"model.norm=deferred (the same arithmetic in XLA, which quantizes its matmul)")
-    if m.moe_matmul == "megablox" and m.num_experts and "experts" in groups:
-        raise ConfigError(f"model.moe_matmul=megablox with model.quantization={m.quantization} on the experts: "
-                          "megablox's kernels multiply in the compute dtype; quantized experts run their own grouped "
-                          "matmul (model.moe_matmul=auto picks it), or leave experts out of model.quantized_matmuls")
 
 
 def moe_d_ff(m) -> int:

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (
     ("base", ("scaletrain.errors", "scaletrain.config", "scaletrain.config_bounds", "scaletrain.remat",
               "scaletrain.runtime", "scaletrain.config_window", "scaletrain.config_gemma", "scaletrain.config_deepseek",
-              "scaletrain.config_gpt_oss")),
+              "scaletrain.config_gpt_oss", "scaletrain.config_moe")),
     ("hardware", ("scaletrain.facts.hardware",)),
     ("parallel", ("scaletrain.parallel",)),
     ("kernels", ("scaletrain.kernels",)),
