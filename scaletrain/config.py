@@ -420,6 +420,10 @@ def _check_quantization(m: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"model.quantization={m.quantization} with model.norm=fused: the fused norm+matmul kernels "
                           f"multiply in the compute dtype, so the matmuls after a norm cannot be quantized; use "
                           f"model.norm=deferred (the same arithmetic in XLA, which quantizes its matmul)")
+    if m.moe_matmul == "megablox" and m.num_experts and "experts" in groups:
+        raise ConfigError(f"model.moe_matmul=megablox with model.quantization={m.quantization} on the experts: "
+                          "megablox's kernels multiply in the compute dtype; quantized experts run their own grouped "
+                          "matmul (model.moe_matmul=auto picks it), or leave experts out of model.quantized_matmuls")
 
 
 def moe_d_ff(m) -> int:

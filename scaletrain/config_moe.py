@@ -1,5 +1,5 @@
-"""The config checks of the mixture-of-experts keys (docs/moe.md): the routing's shape, and the grouped matmul
-(model.moe_matmul) against the experts' quantization."""
+"""The config checks of the mixture-of-experts keys (docs/moe.md): the routing's shape; the grouped matmul
+(model.moe_matmul) is checked against the experts' quantization with the other quantization keys (config.py)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,3 @@ def check(m: ml_collections.ConfigDict) -> None:
     if m.num_layers % m.moe_every:
         raise ConfigError(f"model.num_layers={m.num_layers} must be divisible by model.moe_every={m.moe_every}: "
                           f"the stack repeats groups of moe_every layers, the last of each a mixture of experts")
-    quantized = {name.strip() for name in m.quantized_matmuls.split(",")}
-    if m.moe_matmul == "megablox" and m.quantization != "none" and "experts" in quantized:
-        raise ConfigError(f"model.moe_matmul=megablox with model.quantization={m.quantization} on the experts: "
-                          "megablox's kernels multiply in the compute dtype; quantized experts run their own grouped "
-                          "matmul (model.moe_matmul=auto picks it), or leave experts out of model.quantized_matmuls")

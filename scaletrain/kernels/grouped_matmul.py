@@ -34,7 +34,7 @@ def kind(choice: str, platform: str) -> str:
     return choice
 
 
-def row_tile(rows: int, platform: str) -> int | None:
+def _row_tile(rows: int, platform: str) -> int | None:
     """megablox's row tile for `rows` rows: the largest divisor of rows up to 512 (the kernel takes whole tiles),
     or None where a TPU cannot tile them (a divisor that is not a multiple of 8)."""
     tile = math.gcd(rows, _TILES[0])
@@ -49,7 +49,7 @@ def megablox(x: jax.Array, w: jax.Array, group_sizes: jax.Array, platform: str) 
     biases give them none (unit.rows_of_groups). Masking them would cost the buffer's size again in memory
     (GPT-OSS-120B: +6 GiB a chip)."""
     m, k = x.shape
-    tile = row_tile(m, platform)
+    tile = _row_tile(m, platform)
     if tile is None:
         raise ConfigError(f"megablox's grouped matmul (model.moe_matmul, auto on a TPU) needs each device's routed "
                           f"rows ({m}) to be a multiple of {_SUBLANES}; choose a batch or sequence length that makes "

@@ -69,7 +69,7 @@ class ModelConfig:
     quantization_scale: str = "channel"  # config.QUANTIZATION_SCALES
     quantized_matmuls: str = config.DEFAULT_QUANTIZED  # which config.MATMUL_GROUPS, comma-separated
     context_attention: str = "allgather"  # config.CONTEXT_ATTENTIONS: with the sequence split over `context`
-    moe_matmul: str = "auto"  # config.MOE_MATMULS: the experts' grouped matmul (kernels/grouped_matmul.py)
+    moe_matmul: str = "auto"  # config_moe.MOE_MATMULS: the experts' grouped matmul (kernels/grouped_matmul.py)
     # GPT-OSS's pieces (config_gpt_oss.py): a learned logit per head in every softmax's denominator, biases on
     # Q/K/V/O, the router's logits and the experts' projections, the experts' activation.
     attention_sinks: bool = False

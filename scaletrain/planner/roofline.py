@@ -88,22 +88,24 @@ def attention_extra_flops(cfg, chip: str | None = None) -> float:
     return ((fwd + bwd) * scale - 3) * causal
 
 
-def buffer_flops(cfg, axes: Mapping[str, int], recompute: frozenset[str], ragged: bool) -> float:
+# The matmul groups of a mixture's routed experts (the families' `matmuls`).
+EXPERT_GROUPS = ("expert_gate_up", "expert_down")
+
+
+def buffer_flops(cfg, axes: Mapping[str, int], forward: Mapping[str, float], recompute: frozenset[str],
+                 ragged: bool) -> float:
     """Training FLOPs per token that XLA's estimate counts for the experts' grouped matmuls beyond their routed
     rows': both grouped matmuls (XLA's ragged dot and megablox's kernels) declare their cost for their whole
     input, and under dropless expert parallelism that is the receive buffer (memory.expert_rows' received rows
     per token: 64 at k 8 on expert 8), of which the device's routed rows fill k (kernels/grouped_matmul.py). The
-    forward pass, both backward matmuls and the recomputation where the policy recomputes them; the roofline
-    counts the routed rows, what the chip computes where the kernel skips the empty ones."""
+    forward pass (`forward`: forward_flops'), both backward matmuls and the recomputation where the policy
+    recomputes them; the roofline counts the routed rows, what the chip computes where the kernel skips the empty
+    ones."""
     m = cfg.model
     if not m.num_experts or m.capacity_factor:
         return 0.0
     beyond = memory.expert_rows(cfg, axes, ragged)[1] / m.experts_per_token - 1
-    forward = forward_flops(m, cfg.data.seq_len)
     return beyond * m.num_layers * sum(forward[g] * (3 + (g in recompute)) for g in EXPERT_GROUPS if g in forward)
-
-
-EXPERT_GROUPS = ("expert_gate_up", "expert_down")
 
 
 def flash_kernel_cost(cfg, axes: Mapping[str, int], chip: str) -> dict[str, float]:
@@ -312,7 +314,7 @@ def plan(cfg, hardware: str, dcn_bandwidth: float | None = None) -> dict:
     step_time = times[bound]
     kernels = flash_kernel_cost(cfg, axes, chip.name) if m.attention == "flash" and chip.torus_dims else None
     executed = (step_flops + recompute_flops + extra_flops
-                + tokens * buffer_flops(cfg, axes, recompute, ragged)) / topo.num_chips
+                + tokens * buffer_flops(cfg, axes, forward, recompute, ragged)) / topo.num_chips
     scores = xla_score_bytes(cfg, memory.replica_tokens(cfg, axes) * microbatches(cfg, axes), axes["tensor"])
     estimated = estimate.step(
         chip, matmul_flops=executed - (kernels["flops"] if kernels else 0.0),
