@@ -185,6 +185,18 @@ def test_the_chip_tables_xla_efficiencies_are_libtpus():
     assert (matmul, hbm) == pytest.approx((spec.xla_matmul_efficiency, spec.xla_hbm_efficiency), abs=0.002)
 
 
+def test_the_chip_tables_gather_and_exchange_passes_are_libtpus():
+    """hardware.yaml's xla_gather_passes and xla_exchange_passes, which the step estimate counts a dropless
+    mixture's transport at (planner/estimate.py), are the passes the pinned libtpu's cost model counts for a gather
+    and a ragged all-to-all (benchmarks/xla_cost_model.py)."""
+    from benchmarks import xla_cost_model
+    from scaletrain.facts import hardware
+
+    spec = hardware.spec("v5p")
+    assert xla_cost_model.gather_passes("v5p") == pytest.approx(spec.xla_gather_passes, abs=0.01)
+    assert xla_cost_model.exchange_passes("v5p") == pytest.approx(spec.xla_exchange_passes, abs=0.01)
+
+
 def test_a_mixture_of_experts_gathers_its_experts_again_for_the_backward_pass(capfd):
     """Under FSDP the per-device MoE block takes every expert gathered; with nothing rematerialised the backward
     pass still gathers them again rather than keeping each layer's from the forward pass (models/mixtral/moe.py):

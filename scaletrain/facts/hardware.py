@@ -203,6 +203,10 @@ class Chip:
     # passes on this chip (hardware.yaml: measured by benchmarks/xla_cost_model.py); 1 where not measured.
     xla_matmul_efficiency: float = 1.0
     xla_hbm_efficiency: float = 1.0
+    # The passes XLA's cost model counts for a gather (over its table, over the rows gathered) and for a ragged
+    # all-to-all (over the rows sent, over the buffer received into): hardware.yaml, the same benchmark.
+    xla_gather_passes: tuple[float, float] = (0.0, 2.0)
+    xla_exchange_passes: tuple[float, float] = (1.0, 1.0)
 
     @property
     def is_gpu(self) -> bool:
@@ -247,7 +251,9 @@ def spec(name: str) -> Chip:
                 max_pod=tuple(e["max_pod"]) if e["max_pod"] else None, dcn_bandwidth=e["dcn_bandwidth"],
                 chips_per_host=e["chips_per_host"], vmem_bytes=e["vmem_bytes"], mxu=e["mxu"],
                 xla_matmul_efficiency=e.get("xla_matmul_efficiency", 1.0),
-                xla_hbm_efficiency=e.get("xla_hbm_efficiency", 1.0))
+                xla_hbm_efficiency=e.get("xla_hbm_efficiency", 1.0),
+                xla_gather_passes=tuple(e.get("xla_gather_passes", Chip.xla_gather_passes)),
+                xla_exchange_passes=tuple(e.get("xla_exchange_passes", Chip.xla_exchange_passes)))
 
 
 def cpu(devices: int) -> Chip:

@@ -13,8 +13,9 @@ sums four parts, each counted from the model's code or the state's layout rather
   residuals the layer body saves: residuals.per_token) are written by the forward pass, read by the backward
   pass, and their gradients written and read there - four passes over them -, once more where a remat policy
   computes them again; each layer's weights gathered (forward and backward) and its weight gradient written and
-  reduced, once per microbatch; XLA's attention's scores; the float32 logits and their gradient; the optimizer's
-  update;
+  reduced, once per microbatch; a dropless mixture's transport of its routed rows (its gathers and ragged
+  all-to-alls, as XLA counts them: transport_bytes); XLA's attention's scores; the float32 logits and their
+  gradient; the optimizer's update;
 - the collectives of the tensor and expert axes, which the next operation waits for (EXPOSED).
 The other axes' collectives overlap all of it, as in the roofline. docs/planner.md has the measured accuracy.
 """
@@ -45,16 +46,18 @@ def recomputed_bytes(cfg, elements: Mapping[str, float], residual: float) -> flo
 
 
 def memory_bound_bytes(cfg, axes: Mapping[str, int], state: memory.State, score_bytes: float,
-                       logits_passes: int, ragged: bool) -> float:
+                       logits_passes: int, chip: Chip, experts_recomputed: bool) -> float:
     """HBM bytes per device and step of the passes no matmul hides (the module's third part). `score_bytes`: XLA
-    attention's per step and device (roofline.hbm_bytes); `logits_passes`: the float32 logits' passes; `ragged`:
-    expert parallelism's transport (memory.expert_rows).
+    attention's per step and device (roofline.hbm_bytes); `logits_passes`: the float32 logits' passes; `chip`'s
+    transport for expert parallelism (memory.expert_rows) and XLA's counts of it (transport_bytes);
+    `experts_recomputed`: whether the remat policy runs a mixture's layer forward again.
     A mixture-of-experts layer's routed rows - dispatched, computed by the grouped matmuls and combined - are
     residuals too (memory.routed_layer, as memory.predict holds them), and pay the same passes: a grouped matmul
     is a kernel XLA fuses nothing into, so the SwiGLU between the experts' matmuls writes and reads its whole
     hidden rows (benchmarks/moe_dispatch.py: Mixtral's block takes 9 ms more than one plain matmul of its rows)."""
     m = cfg.model
     t, ab = axes["tensor"], memory.DTYPE_BYTES[m.dtype]
+    ragged = chip.ragged_all_to_all
     stream, inner = residuals.per_token(state.layout.model_cfg)
     routed = memory.moe_share(m) * memory.routed_layer(cfg, axes, ab, ragged) if m.num_experts else 0.0
     residual = stream / (t if cfg.sharding.sequence_parallel else 1) + inner / t + routed
@@ -65,7 +68,33 @@ def memory_bound_bytes(cfg, axes: Mapping[str, int], state: memory.State, score_
     activations = tokens * layers * (RESIDUAL_PASSES * residual + recomputed_bytes(cfg, elements, residual))
     logits = logits_passes * 4 * tokens * m.vocab_size / t / axes["pipeline"]
     weights = microbatches(cfg, axes) * layers * weight_pass_bytes(cfg, state)
-    return activations + weights + score_bytes + logits + update_bytes(state, layers)
+    transport = transport_bytes(cfg, axes, chip, experts_recomputed) * tokens
+    return activations + weights + transport + score_bytes + logits + update_bytes(state, layers)
+
+
+def transport_bytes(cfg, axes: Mapping[str, int], chip: Chip, experts_recomputed: bool) -> float:
+    """HBM bytes per token of a device's share of the batch that XLA's cost model counts for moving a dropless
+    mixture's routed rows (models/mixtral/moe.py), in every pass over its MoE layers - forward, backward, and the
+    forward again where `experts_recomputed`. A pass sorts the rows a device sends by expert and puts them back (two
+    gathers; the backward pass's are the permutations' transposes, gathers too); under expert parallelism it sends
+    them (a ragged all-to-all into the receive buffer), sorts and unsorts the buffer's rows by local expert (two
+    gathers of the buffer) and returns them (an all-to-all the other way). XLA counts a gather at
+    `chip.xla_gather_passes` over its table and its rows and an all-to-all at `chip.xla_exchange_passes` over the
+    rows sent and the buffer received (benchmarks/xla_cost_model.py): on a v5p 14 passes a gather - GPT-OSS-120B
+    on expert 4 compiles to 163 GB of gathers per layer and chip, 28% of its bytes (docs/planner.md). The padded
+    transport off a TPU counts its gathers alone."""
+    m = cfg.model
+    if not m.num_experts or m.capacity_factor:
+        return 0.0
+    sent, received = memory.expert_rows(cfg, axes, chip.ragged_all_to_all)
+    gather = sum(chip.xla_gather_passes)
+    rows = 2 * gather * sent
+    if axes["expert"] > 1:
+        rows += 2 * gather * received
+        if chip.ragged_all_to_all:
+            rows += sum(chip.xla_exchange_passes) * (sent + received)  # each way: sent rows in, buffer out
+    layers = m.num_layers * memory.moe_share(m) / axes["pipeline"]
+    return (2 + experts_recomputed) * layers * rows * m.d_model * memory.DTYPE_BYTES[m.dtype]
 
 
 def update_bytes(state: memory.State, layers: float) -> float:

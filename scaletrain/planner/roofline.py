@@ -321,7 +321,7 @@ def plan(cfg, hardware: str, dcn_bandwidth: float | None = None) -> dict:
         kernel_seconds=max(kernels["flops"] / chip.bf16_flops, kernels["bytes"] / chip.hbm_bandwidth) if kernels
         else 0.0,
         memory_bytes=estimate.memory_bound_bytes(cfg, axes, state, scores * m.num_layers / axes["pipeline"],
-                                                 logits_passes(cfg), ragged),
+                                                 logits_passes(cfg), chip, "expert_down" in recompute),
         bubble=bubble, exposed_seconds=sum(seconds[a] for a in estimate.EXPOSED) + sum(t.exposed for t in transfers),
         comm_seconds=max(v for a, v in seconds.items() if a not in estimate.EXPOSED))
     mem = memory.predict(cfg, axes, state, ragged)
