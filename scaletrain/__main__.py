@@ -430,11 +430,18 @@ def status(args: argparse.Namespace) -> int:
 
     report = status_lib.status(args.run_dir)
     plot = args.plot or f"{os.path.basename(str(args.run_dir).rstrip('/')) or 'run'}-status.png"
-    status_lib.plot(report, plot)
+    try:
+        status_lib.plot(report, plot)
+    except (OSError, ValueError) as e:  # the report stands without its picture
+        report["warnings"].append(f"the loss curves cannot be written to {plot} ({str(e).splitlines()[0][:120]}); "
+                                  f"expected a writable --plot path")
+        plot = None
+    for warning in report["warnings"]:
+        print(f"warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps({**report, "plot": plot}, indent=1))
     else:
-        print(f"{status_lib.describe(report)}\n  loss curves: {plot}")
+        print(status_lib.describe(report) + (f"\n  loss curves: {plot}" if plot else ""))
     return 0
 
 

@@ -10,6 +10,7 @@ whatever `max_to_keep` says until a later run resumes from a newer one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -222,15 +223,24 @@ class Checkpointer:
         self.manager.close()
 
 
-def _read_only(directory: epath.Path) -> ocp.CheckpointManager:
+@contextlib.contextmanager
+def _absl_quiet(level: int):
+    """Orbax's absl log lines below `level` left out: ours say what went wrong, in one line."""
     absl = logging.getLogger("absl")
-    level = absl.level
-    absl.setLevel(logging.ERROR)  # Orbax warns, twice, that a read-only manager will not save
+    before = absl.level
+    absl.setLevel(level)
     try:
+        yield
+    finally:
+        absl.setLevel(before)
+
+
+def _read_only(directory: epath.Path) -> ocp.CheckpointManager:
+    # Orbax warns, twice, that a read-only manager will not save, and logs a damaged step's metadata file whole as an
+    # error: what is wrong with a step is reported where it is read, in one line.
+    with _absl_quiet(logging.CRITICAL):
         return ocp.CheckpointManager(directory, item_names=ITEMS,
                                      options=ocp.CheckpointManagerOptions(read_only=True, create=False))
-    finally:
-        absl.setLevel(level)
 
 
 def saved_steps(directory: epath.Path) -> list[int]:
@@ -251,9 +261,12 @@ def _metadata(manager: ocp.CheckpointManager, directory: epath.Path, step: int |
     if step not in steps:
         raise CheckpointError(f"no checkpoint at step {step} in {directory}; there are {sorted(steps)}")
     try:
-        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        with _absl_quiet(logging.CRITICAL):  # Orbax logs a damaged metadata file's whole text as an error
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     except Exception as e:  # noqa: BLE001 - reported as one line
-        raise CheckpointError(f"checkpoint at step {step} has no readable metadata ({type(e).__name__})") from None
+        raise CheckpointError(f"checkpoint at step {step} in {directory} has no readable metadata ({type(e).__name__}:"
+                              f" its folder is empty or damaged); expected a step a run committed - name another "
+                              f"with --step, or move this one aside") from None
     return step, dict(meta)
 
 
