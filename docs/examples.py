@@ -20,6 +20,16 @@ Each run of lines left out is shown as one `...` line.
     python docs/examples.py --check    # change nothing; exit 1 naming each stale block
     python docs/examples.py [--check] docs/planner.md ...   # these files only
 
+Every other command README.md and docs/*.md show - `python -m scaletrain ...` and `python train.py ...`, in a
+fenced block or inline - is checked as written with `--commands`: it parses (the arguments and flags exist),
+its `--config` loads with its `--set` overrides and passes the config checks, and a `plan` runs to exit status
+0. A synopsis is not a command and is left alone: any argument with a placeholder (`[...]`, `<...>`, `$VAR`,
+`...`, an upper-case name such as RUN_DIR), or a verb named in passing with one option or none (`python -m
+scaletrain compile --topology`; `train` is a command with one, `status` and `ckpt` with none); so is a config
+under runs/, which an earlier command on the page writes.
+
+    python docs/examples.py --commands  # exit 1 naming each command shown that does not work as written
+
 The commands run in this process (scaletrain.__main__.main, stdout captured) from the repository root, so a
 check takes seconds. Only deterministic commands are allowed: `plan` for TPU or GPU hardware - not `cpu:N`, whose
 peak and bandwidth are measured on the machine it runs on. A command that fails, a malformed marker or a `lines=`
@@ -219,6 +229,76 @@ def check_text(text: str, name: str) -> tuple[list[str], list[str], int]:
     return stale, [f"{name}:{e}" for e in errors], len(found) + len(errors)
 
 
+CLI = re.compile(r"python3? (?:-m scaletrain|train\.py)\b[^`\n]*")
+PLACEHOLDER = re.compile(r"[\[\]<>$|]|\.\.\.|^[A-Z][A-Z_]*$|^[A-Z]\.yaml$")
+
+
+def shown_commands(text: str) -> list[tuple[int, str]]:
+    """(line, command) of every scaletrain command `text` shows: in fenced blocks (shell continuations joined,
+    comments dropped) and in inline code spans (which may wrap across lines)."""
+    found, fence, joined = [], None, ""
+    lines = text.splitlines()
+    prose = []
+    for number, line in enumerate(lines, 1):
+        if line.lstrip().startswith("```"):
+            fence = None if fence else number
+            prose.append("")
+            continue
+        if fence is None:
+            prose.append(line)
+            continue
+        prose.append("")
+        joined += line[:-1] + " " if line.endswith("\\") else line
+        if not line.endswith("\\"):
+            found += [(number, re.sub(r"\s#.*", "", m.group())) for m in CLI.finditer(joined)]
+            joined = ""
+    flat = "\n".join(prose)
+    for m in re.finditer(r"`(python3? (?:-m scaletrain|train\.py)[^`]*)`", flat):
+        found.append((flat.count("\n", 0, m.start()) + 1, " ".join(m.group(1).split())))
+    return sorted(found)
+
+
+def check_commands(text: str, name: str) -> tuple[list[str], int]:
+    """(problems, commands checked) of the commands `text` shows (the module's `--commands`)."""
+    from scaletrain import config
+    from scaletrain.__main__ import parser
+    from scaletrain.errors import UserError
+
+    problems, checked = [], 0
+    for line, command in shown_commands(text):
+        try:
+            argv = shlex.split(command)
+        except ValueError as e:
+            problems.append(f"{name}:{line}: `{command}` cannot be split: {e}")
+            continue
+        argv = argv[3:] if argv[1] == "-m" else ["train", *argv[2:]]
+        options = sum(a.startswith("--") for a in argv)
+        in_passing = options < {"status": 0, "ckpt": 0, "train": 1}.get(argv[0] if argv else "", 2)
+        if not argv or in_passing or any(PLACEHOLDER.search(a) for a in argv):
+            continue  # a synopsis, or a verb named in passing with an option or none
+        checked += 1
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                args = parser().parse_args(argv)
+        except SystemExit:
+            problems.append(f"{name}:{line}: `{command}`: {err.getvalue().strip()}")
+            continue
+        if getattr(args, "config", None) and not args.config.startswith("runs/"):
+            try:
+                with contextlib.chdir(ROOT):
+                    config.validate(config.load(args.config, args.set))
+            except UserError as e:
+                problems.append(f"{name}:{line}: `{command}`: {e}")
+                continue
+        if argv[0] == "plan":
+            try:
+                output(tuple(argv))
+            except MarkerError as e:
+                problems.append(f"{name}:{line}: {e}")
+    return problems, checked
+
+
 def _files(paths: list[str]) -> list[Path]:
     if paths:
         return [Path(p).resolve() for p in paths]
@@ -228,8 +308,15 @@ def _files(paths: list[str]) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python docs/examples.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 naming each stale block")
+    p.add_argument("--commands", action="store_true", help="check every command README.md and docs/*.md show "
+                   "instead (exit 1 naming each that does not work as written)")
     p.add_argument("files", nargs="*", help="markdown files (default: every docs/*.md with a marker)")
     args = p.parse_args(argv)
+    if args.commands:
+        paths = [Path(f).resolve() for f in args.files] or [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+        problems = [p for path in paths for p in check_commands(path.read_text(), os.path.relpath(path, ROOT))[0]]
+        print("\n".join(problems) or "every command shown works as written")
+        return 1 if problems else 0
     stale_all, errors_all = [], []
     for path in _files(args.files):
         name = os.path.relpath(path, ROOT)

@@ -94,3 +94,26 @@ def test_an_empty_output_block_owns_nothing_after_it():
     next block (it once did, the lazy match reaching to the next fence)."""
     text = "```text\n```\n\nprose that stays\n\n```sh\nx\n```\n"
     assert examples.BLOCKS.match(text).group(0) == "```text\n```\n"
+
+
+def test_every_command_the_readme_and_docs_show_works_as_written():
+    """Every `python -m scaletrain ...` and `python train.py ...` README.md and docs/*.md show - not a synopsis -
+    parses, its config loads and passes the checks, and a `plan` runs (docs/examples.py --commands)."""
+    problems, checked = [], 0
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        found, count = examples.check_commands(page.read_text(), page.name)
+        problems += found
+        checked += count
+    assert not problems, "\n".join(problems)
+    assert checked >= 60  # a floor: the check cannot pass by finding no commands
+
+
+def test_a_command_shown_with_a_stale_key_or_flag_is_named():
+    text = ("Run `python -m scaletrain plan --config configs/llama_tiny.yaml --set mesh.fdsp=4 --hardware v5e:2x2`.\n"
+            "```sh\npython -m scaletrain tune --config configs/llama_tiny.yaml \\\n    --topology v5e:2x2 --budget 2\n"
+            "python train.py --config configs/llama_tiny.yaml  # a comment\n```\n"
+            "A synopsis: `python -m scaletrain status RUN_DIR [--json]`; in passing: `python -m scaletrain compile`.\n")
+    problems, checked = examples.check_commands(text, "page.md")
+    assert checked == 3 and len(problems) == 2, problems
+    assert problems[0].startswith("page.md:1: ") and "unknown config key 'mesh.fdsp'" in problems[0]
+    assert problems[1].startswith("page.md:4: ") and "required: --out" in problems[1]
