@@ -197,9 +197,10 @@ _POSITIVE = (
     "train.log_every_steps", "train.eval_batches", "checkpoint.every_steps", "checkpoint.max_to_keep",
     "model.rope_original_max_position", "pipeline.repeats", "model.experts_per_token", "model.moe_every",
     "model.rope_theta", "model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
-    "train.spike.window", "train.spike.limit", "dpo.beta", *config_deepseek.POSITIVE, *config_gpt_oss.POSITIVE,
+    "train.spike.window", "train.spike.limit", "dpo.beta", "train.hang.seconds", *config_deepseek.POSITIVE,
+    *config_gpt_oss.POSITIVE,
 )
-_NON_NEGATIVE = ("seed", "pipeline.microbatches", "train.hang.factor", "train.hang.seconds", "train.hang.straggler",
+_NON_NEGATIVE = ("seed", "pipeline.microbatches", "train.hang.factor", "train.hang.straggler",
                  "train.profile_start", "train.profile_steps", "train.eval_every_steps", "data.workers",
                  "checkpoint.every_minutes", "model.attention_block", "model.logits_block", "optim.learning_rate",
                  "optim.warmup_steps", "optim.schedule_steps", "optim.weight_decay", "optim.eps",
@@ -416,6 +417,9 @@ def _check_quantization(m: ml_collections.ConfigDict) -> None:
     if not groups:
         raise ConfigError(f"model.quantization={m.quantization} quantizes no matmul: model.quantized_matmuls is empty "
                           f"(name some of {', '.join(MATMUL_GROUPS)}, or set model.quantization=none)")
+    if groups == ("experts",) and not m.num_experts:
+        raise ConfigError("model.quantized_matmuls=experts on a dense model (model.num_experts=0) quantizes nothing; "
+                          "name its groups (attention, mlp, output) or set model.quantization=none")
     if m.norm == "fused" and {"attention", "mlp", "output"} & set(groups):
         raise ConfigError(f"model.quantization={m.quantization} with model.norm=fused: the fused norm+matmul kernels "
                           f"multiply in the compute dtype, so the matmuls after a norm cannot be quantized; use "

@@ -57,7 +57,9 @@ def test_a_step_that_does_not_fit_exits_3(capfd):
 
 
 @pytest.mark.parametrize("topology, says", [("v5x:2x2", "libtpu does not know topology"),
-                                            ("v5e", "GENERATION:AxBxC")])
+                                            ("v5e", "GENERATION:AxBxC"),
+                                            # libtpu takes it as given; `plan` and `tune` refuse it, and so here
+                                            ("v5p:2x2", "v5p is a 3D torus, so DIMS needs 3 sizes")])
 def test_bad_topology_is_one_error_line(topology, says, capfd):
     proc = _compile(capfd, "--config", "configs/llama_tiny.yaml", "--topology", topology)
     assert proc.returncode == 2

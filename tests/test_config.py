@@ -54,10 +54,15 @@ def test_unknown_key_names_the_closest_valid_key(tmp_path):
     ("train.spike.factor=1", "train.spike.factor must be > 1"),
     ("train.spike.action=restart", "train.spike.action must be one of off, warn, skip, rollback"),
     ("train.spike.window=0", "train.spike.window must be > 0"),
+    # 0 would dump the stacks (and with train.hang.exit, exit) in the first phase to take half a second.
+    ("train.hang.seconds=0", "train.hang.seconds must be > 0"),
+    # A dense model has no experts: the run would train unquantized without a word.
+    ("model.quantization=int8 model.quantized_matmuls=experts",
+     "model.quantized_matmuls=experts on a dense model \\(model.num_experts=0\\) quantizes nothing"),
 ])
 def test_bad_values_are_config_errors(override, message):
     with pytest.raises(ConfigError, match=message):
-        config.load(None, [override])
+        config.load(None, override.split())
 
 
 def test_resolved_config_round_trips(tmp_path):

@@ -93,6 +93,9 @@ def test_the_router_penalty_shows_in_the_gradient_norm(batches):
     (["mesh.pipeline=2", "pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2", "pipeline.microbatches=3"],
      "pipeline.microbatches=3 is not a multiple of mesh.pipeline=2: interleaved 1F1B sends microbatches round the "
      "stages in groups of 2"),
+    (["mesh.pipeline=2", "pipeline.schedule=interleaved_1f1b"],
+     "pipeline.schedule=interleaved_1f1b needs pipeline.repeats >= 2 \\(each stage's blocks of layers\\); with one "
+     "block it is pipeline.schedule=1f1b"),
     (["mesh.pipeline=2", "pipeline.schedule=interleaved_1f1b", "pipeline.repeats=4"],
      "model.num_layers=4 is not divisible by mesh.pipeline x pipeline.repeats = 8, the interleaved_1f1b schedule's"),
 ])

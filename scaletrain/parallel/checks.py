@@ -62,6 +62,9 @@ def problems(cfg, axis_sizes: Mapping[str, int]) -> list[str]:
         if schedule in pipeline.BLOCKED and layers % (stages * repeats):
             out.append(f"{what}={layers} is not divisible by mesh.pipeline x pipeline.repeats = "
                        f"{stages * repeats}, the {schedule} schedule's blocks of layers")
+        if schedule == "interleaved_1f1b" and repeats == 1:
+            out.append("pipeline.schedule=interleaved_1f1b needs pipeline.repeats >= 2 (each stage's blocks of "
+                       "layers); with one block it is pipeline.schedule=1f1b")
         if schedule == "interleaved_1f1b" and repeats > 1 and microbatches(cfg, axis_sizes) % stages:
             out.append(f"pipeline.microbatches={microbatches(cfg, axis_sizes)} is not a multiple of mesh.pipeline="
                        f"{stages}: interleaved 1F1B sends microbatches round the stages in groups of {stages}")

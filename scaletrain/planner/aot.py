@@ -40,6 +40,8 @@ def topology_devices(topology: str) -> list:
         raise ConfigError(f"topology '{topology}' is not [SLICESx]GENERATION:AxBxC; expected e.g. v5e:2x2, "
                           f"v5p:4x4x4, v6e:8x8, 2xv5p:4x4x4")
     slices, name = int(match.group(1) or 1), match.group(2)
+    if _known(name.split(":")[0]):
+        hardware.topology(topology)  # the shape checks `plan` and `tune` make (libtpu takes a v5p:2x2 as given)
     try:
         return list(topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=slices,
                                                  **_wrap(name)).devices)
@@ -51,6 +53,14 @@ def topology_devices(topology: str) -> list:
                           f"a TPU generation and chip grid, e.g. v5e:2x2, v5p:2x2x2, v6e:8x8") from None
 
 
+def _known(chip_name: str) -> bool:
+    try:
+        hardware.spec(chip_name)
+    except ConfigError:
+        return False
+    return True
+
+
 def _wrap(name: str) -> dict:
     """libtpu's `wrap` for a slice `CHIP:DIMS`: the wraparound links the rented slice has (hardware.wraparound,
     what the planner's collectives assume). libtpu's default is none, and without them it compiles a collective
@@ -58,10 +68,9 @@ def _wrap(name: str) -> dict:
     buffer, a dynamic-update-slice and an all-reduce, twice the bytes (docs/maxtext-comparison.md, DeepSeek-V3).
     Nothing for a chip the table lacks: libtpu then says what it does not know."""
     chip_name, dims_text = name.split(":")
-    try:
-        chip = hardware.spec(chip_name)
-    except ConfigError:
+    if not _known(chip_name):
         return {}
+    chip = hardware.spec(chip_name)
     dims = tuple(int(d) for d in dims_text.split("x"))
     if chip.is_gpu or len(dims) != chip.torus_dims:
         return {}
