@@ -128,13 +128,31 @@ def test_skip_drops_the_update_of_the_spike(tmp_path, monkeypatch, capfd, never_
 
 
 def test_rollbacks_past_the_limit_stop_the_run(tmp_path, monkeypatch, capfd):
+    """Two rollbacks to step 6's checkpoint, then the stop: every one recorded (a second rollback to the same
+    checkpoint once erased the first's record, and status counted 2 spikes of 3)."""
     result, records, events = _train(tmp_path, monkeypatch, capfd, "limit", set(range(BAD, 100)),
-                                     **{"train.spike.action": "rollback", "train.spike.limit": 1})
+                                     **{"train.spike.action": "rollback", "train.spike.limit": 2})
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "after 1 rollbacks (train.spike.limit=1)" in errors[0]
-    assert [e["event"] for e in events] == ["loss_spike_rollback", "loss_spike_stop"]
+    assert len(errors) == 1 and "after 2 rollbacks (train.spike.limit=2)" in errors[0]
+    assert "the newest checkpoint, step 6, holds the state from before it" in errors[0]
+    assert [e["event"] for e in events] == ["loss_spike_rollback"] * 2 + ["loss_spike_stop"]
+    report = run_main(["status", str(tmp_path / "limit"), "--plot", str(tmp_path / "loss.png")], capfd, module=True)
+    assert "  health: 3 loss spike(s) (rollback, stop; newest at step " in report.stdout
     # Nothing after the spike was saved: the newest checkpoint is step 6's, from before it.
     assert sorted(int(p.name) for p in (tmp_path / "limit" / "checkpoints").iterdir()) == [3, 6]
     # The step dispatched before step 7 was read ran too, and has its record; the run stopped at step 7.
     assert records[-1]["step"] == BAD + 1 and "stopped (loss spikes) at step 8" in result.stdout
+
+
+def test_a_stop_before_any_checkpoint_says_none_holds_the_state(tmp_path, monkeypatch, capfd):
+    """Spikes from step 5 on, the first save due at step 6: the rollback goes to the run's start, and the stop
+    says no checkpoint holds the state from before the spike."""
+    result, _, events = _train(tmp_path, monkeypatch, capfd, "early", set(range(5, 100)),
+                               **{"train.spike.action": "rollback", "train.spike.limit": 1,
+                                  "checkpoint.every_steps": 6})
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no checkpoint was saved before it" in errors[0], result.stderr
+    assert [e["event"] for e in events] == ["loss_spike_rollback", "loss_spike_stop"]
+    assert events[0]["to_step"] == 0

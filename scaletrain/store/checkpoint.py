@@ -135,6 +135,10 @@ class Checkpointer:
                                                         data=ocp.args.JsonSave(data_state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
+    def newest_before(self, step: int) -> int | None:
+        """The newest checkpoint's step from before `step` (None: none was saved)."""
+        return max((s for s in self.manager.all_steps() if s < step), default=None)
+
     def restore_latest(self, abstract_state: Any, before: int | None = None) -> tuple[int, Any, dict, dict] | None:
         """(step, state, data_state, metadata) from the newest readable and verified checkpoint (from before step
         `before`, if given), or None if there is none."""

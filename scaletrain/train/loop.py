@@ -103,9 +103,13 @@ class Loop:
                                f"good; the checkpoints hold only good updates")
         elif self.rollbacks >= limit:
             self.log.event(spike.record("stop", rollbacks=self.rollbacks))
+            before = self.ckpt.newest_before(spike.step)
             self.halted = (STOPPED_ON_SPIKES,
                            f"loss spike at {spike.describe()} after {self.rollbacks} rollbacks "
-                           f"(train.spike.limit={limit}); the checkpoints hold the state from before it")
+                           f"(train.spike.limit={limit}); " + (
+                               f"the newest checkpoint, step {before}, holds the state from before it" if before
+                               is not None else "no checkpoint was saved before it: a restart begins from the run's "
+                               "start (lower checkpoint.every_steps to keep one)"))
         else:
             self.spike = spike
 

@@ -18,6 +18,8 @@ from scaletrain.store import storage
 from scaletrain.train import goodput
 
 SYNC_EVERY_S = storage.SYNC_EVERY_S
+# A loss spike's rollback as spike.Spike.record names it.
+ROLLBACK_EVENT = "loss_spike_rollback"
 
 
 class StepClock:
@@ -155,10 +157,12 @@ class MetricsLog:
 
             self.tb = SummaryWriter(str(self.mirror.local / "tb"), flush_secs=10)
 
-    def _truncate_after(self, step: int) -> None:
+    def _truncate_after(self, step: int, rolled_back: bool = False) -> None:
         """A resumed (or rolled-back) run redoes the steps after its checkpoint: drop their old records so each
         step has one - and their events (records with an `event`: a loss spike, a straggler), which a run that
-        redoes them records again as they recur."""
+        redoes them records again as they recur. Not a rollback's record when `rolled_back`: its spike's batch is
+        left out of the redo, so it does not recur, and a second rollback to the same checkpoint must not erase
+        the first (status counts the spikes from these records)."""
         if not self.path.exists():
             return
         kept = []
@@ -167,7 +171,7 @@ class MetricsLog:
                 record = json.loads(line)
                 if "event" not in record:
                     self.last_logged = max(self.last_logged, record["step"])
-                if record["step"] <= step:
+                if record["step"] <= step or (rolled_back and record.get("event") == ROLLBACK_EVENT):
                     kept.append(line)
                     if "eval_loss" in record:
                         self.evals.append((record["step"], record["eval_loss"]))
@@ -181,7 +185,7 @@ class MetricsLog:
             return
         self.file.close()
         self.evals = []
-        self._truncate_after(step)
+        self._truncate_after(step, rolled_back=True)
         self.file = self.path.open("a")
         self.start_step, self.start_time = step, time.perf_counter()
 
