@@ -246,8 +246,10 @@ def _contents(directory):
 
 
 @pytest.mark.parametrize("change, message", [
+    # Not advised checkpoint.init_from, whose parameters of other shapes cannot start this model either.
     ({"model.d_model": 32}, "error: run_dir '{}' holds checkpoints (step {}) of another model: model.d_model is 64 "
-                            "there, 32 here. Nothing was changed."),
+                            "there, 32 here. Nothing was changed. To train this model, give it another run_dir; its "
+                            "parameters' shapes differ from this model's, so they cannot start it either"),
     ({"data.seq_len": 16384}, "error: the train step does not fit: 8 CPU devices need "),
 ])
 def test_a_run_that_cannot_proceed_changes_nothing(tmp_path, uninterrupted, change, message, capfd):
