@@ -17,11 +17,18 @@ from pathlib import Path
 
 from etils import epath
 
-from scaletrain.errors import first_line
+from scaletrain.errors import UserError, first_line
 
 REMOTE_PREFIX = "gs://"
 # Seconds between uploads of a gs:// run directory's growing files (metrics, goodput).
 SYNC_EVERY_S = 60
+# Seconds a bucket has to answer its first request, credentials found included. Cloud Storage's libraries retry an
+# unreachable endpoint with backoff for a minute and more, then raise from deep inside; a bucket that cannot answer
+# a one-object listing in this time is said to be unreachable at once.
+PROBE_TIMEOUT_S = 10.0
+_answered: set[str] = set()  # the buckets this process has heard from
+_EXPECTED = ("expected a bucket this machine can reach: check its name, the network, and the credentials (gcloud "
+             "auth application-default login, or the VM's service account)")
 
 
 def is_remote(location: str | os.PathLike) -> bool:
@@ -29,8 +36,55 @@ def is_remote(location: str | os.PathLike) -> bool:
 
 
 def path(location: str | os.PathLike) -> epath.Path:
-    """A gs:// location as is; a local one made absolute (Orbax wants absolute paths)."""
-    return epath.Path(location) if is_remote(location) else epath.Path(os.path.abspath(location))
+    """A gs:// location as is, once its bucket has answered (probe); a local one made absolute (Orbax wants
+    absolute paths)."""
+    if is_remote(location):
+        probe(location)
+        return epath.Path(location)
+    return epath.Path(os.path.abspath(location))
+
+
+def probe(location: str | os.PathLike) -> None:
+    """Nothing for a local location. For a gs:// one, UserError within PROBE_TIMEOUT_S unless its bucket answers a
+    one-object listing: it does not exist, it refuses these credentials, or nothing answers. Once per bucket and
+    process: the callers are the first touches of a path (a run directory, data.path, a tokenizer, init_from)."""
+    if not is_remote(location):
+        return
+    bucket = str(location)[len(REMOTE_PREFIX):].split("/", 1)[0]
+    if bucket in _answered:
+        return
+    import threading
+
+    import gcsfs
+    from fsspec import asyn
+
+    outcome: dict = {"stage": "finding credentials"}
+
+    def ask() -> None:  # in a thread of its own: finding credentials cannot be cut short from outside
+        try:  # a client of its own: fsspec's cached one keeps the endpoint and credentials it was made with
+            fs = gcsfs.GCSFileSystem(skip_instance_cache=True)
+            outcome["stage"] = "listing the bucket"
+            # One request, not _request's retries with backoff (a minute): its own error, or the answer, at once.
+            asyn.sync(fs.loop, gcsfs.GCSFileSystem._request.__wrapped__, fs, "GET", "b/{}/o", bucket, maxResults=1)
+            outcome["answered"] = True
+        except Exception as e:  # noqa: BLE001 - said below, in one line
+            outcome["error"] = e
+
+    asking = threading.Thread(target=ask, name="scaletrain-bucket-probe", daemon=True)
+    asking.start()
+    asking.join(PROBE_TIMEOUT_S)
+    if outcome.get("answered"):
+        _answered.add(bucket)
+        return
+    error = outcome.get("error")
+    if error is None:
+        raise UserError(f"{location}: Cloud Storage did not answer within {PROBE_TIMEOUT_S:g} s ({outcome['stage']}); "
+                        f"{_EXPECTED}")
+    if isinstance(error, FileNotFoundError):
+        raise UserError(f"{location}: there is no bucket gs://{bucket}; expected an existing bucket (gcloud storage "
+                        f"buckets create gs://{bucket})")
+    raise UserError(f"{location}: cannot reach gs://{bucket} ({type(error).__name__}: {first_line(error)[:160]}); "
+                    f"{_EXPECTED}")
 
 
 def resolve(location: str, base: str | os.PathLike) -> str:
