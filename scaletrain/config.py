@@ -417,9 +417,9 @@ def _check_quantization(m: ml_collections.ConfigDict) -> None:
     if not groups:
         raise ConfigError(f"model.quantization={m.quantization} quantizes no matmul: model.quantized_matmuls is empty "
                           f"(name some of {', '.join(MATMUL_GROUPS)}, or set model.quantization=none)")
-    if groups == ("experts",) and not m.num_experts:
-        raise ConfigError("model.quantized_matmuls=experts on a dense model (model.num_experts=0) quantizes nothing; "
-                          "name its groups (attention, mlp, output) or set model.quantization=none")
+    if set(groups) == {"experts"} and not m.num_experts:
+        raise ConfigError(f"model.quantized_matmuls={m.quantized_matmuls} on a dense model (model.num_experts=0) "
+                          "quantizes nothing; name its groups (attention, mlp, output) or set model.quantization=none")
     if m.norm == "fused" and {"attention", "mlp", "output"} & set(groups):
         raise ConfigError(f"model.quantization={m.quantization} with model.norm=fused: the fused norm+matmul kernels "
                           f"multiply in the compute dtype, so the matmuls after a norm cannot be quantized; use "

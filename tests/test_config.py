@@ -59,6 +59,8 @@ def test_unknown_key_names_the_closest_valid_key(tmp_path):
     # A dense model has no experts: the run would train unquantized without a word.
     ("model.quantization=int8 model.quantized_matmuls=experts",
      "model.quantized_matmuls=experts on a dense model \\(model.num_experts=0\\) quantizes nothing"),
+    ("model.quantization=int8 model.quantized_matmuls=experts,experts",
+     "model.quantized_matmuls=experts,experts on a dense model \\(model.num_experts=0\\) quantizes nothing"),
 ])
 def test_bad_values_are_config_errors(override, message):
     with pytest.raises(ConfigError, match=message):

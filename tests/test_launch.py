@@ -302,7 +302,8 @@ def test_a_run_dir_in_a_missing_bucket_is_one_error_line(bucket, capfd):
                        *(a for s in sets for a in ("--set", s))], capfd)
     assert result.returncode == 2, result.stderr
     [line] = [x for x in result.stderr.splitlines() if x.strip()]
-    assert line.startswith("error: run_dir 'gs://no-such-bucket/run': cannot write to the bucket (no such bucket)")
+    # The bucket is probed before anything is written (storage.probe): its absence said at once.
+    assert line.startswith("error: gs://no-such-bucket/run: there is no bucket gs://no-such-bucket")
 
 
 def test_a_pipeline_across_slices_is_launched_as_set(tmp_path, capsys):

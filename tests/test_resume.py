@@ -263,6 +263,28 @@ def test_a_run_that_cannot_proceed_changes_nothing(tmp_path, uninterrupted, chan
     assert _contents(tmp_path) == before
 
 
+def test_another_model_of_the_same_shapes_is_advised_init_from_with_another_run_dir(tmp_path, uninterrupted, capfd):
+    """Parameters of this model's shapes (another dtype) can start it - from another run_dir: checkpoint.init_from
+    starts only a run_dir without checkpoints, and this one, given init_from, refuses it the same."""
+    done, _ = uninterrupted
+    old = tmp_path / "old"
+    shutil.copytree(done, old)
+    before = _contents(old)
+    change = {"model.param_dtype": "bfloat16"}
+    message = (f"error: run_dir '{old}' holds checkpoints (step {STEPS}) of another model: model.param_dtype is "
+               f"float32 there, bfloat16 here. Nothing was changed. To train this model, give it another run_dir, and "
+               f"add checkpoint.init_from={old} to start it from those parameters (init_from starts only a run_dir "
+               f"that holds no checkpoints)")
+    for init in ({}, {"checkpoint.init_from": str(old)}):
+        result = run_main(_command(old, **change, **init), capfd)
+        assert result.returncode == 2
+        assert [x for x in result.stderr.splitlines() if x.strip()] == [message]
+        assert _contents(old) == before
+    result = run_main(_command(tmp_path / "new", steps=1, **change, **{"checkpoint.init_from": str(old)}), capfd)
+    assert result.returncode == 0, result.stderr
+    assert f"starting at step 0 from the parameters of {old} (step {STEPS})" in result.stdout
+
+
 def test_a_checkpoints_path_that_is_a_file_is_refused_before_compiling(tmp_path, capfd):
     (tmp_path / "checkpoints").write_text("not a folder")
     result = run_main(_command(tmp_path), capfd)

@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from scaletrain.train.spike import SpikeRule
+from scaletrain.train.metrics import MetricsLog
+from scaletrain.train.spike import Spike, SpikeRule
 from tests.conftest import run_main, tiny_overrides
 
 STEPS, EVERY, BAD = 9, 3, 7  # saves at 3, 6, 9; the 7th batch is the bad one: step 7's in a run that meets it
@@ -75,6 +76,42 @@ def test_the_rule_judges_each_step_by_the_window_two_steps_back():
     warn.judge(1, 1.0, applied=True)
     assert math.isinf(warn.dispatched(3))  # the step gets no ceiling; the host still judges it
     assert warn.judge(3, 2.5, applied=True) is not None
+
+
+def _step(log, step):
+    log.log({"step": step, "loss": 5.0, "tokens_per_sec": 1.0, "step_time_s": 1.0, "mfu": None})
+
+
+def test_a_rollback_keeps_every_event_and_drops_the_steps_it_redoes(tmp_path, capfd):
+    """Two rollbacks to step 6's checkpoint, a straggler named between them: the steps redone have one record
+    each, and every event stays - none recurs in the redo (the spike's batch is left out, the straggler stays
+    named) - so status counts them all. A resume drops the events of the steps it redoes, which record theirs
+    anew."""
+    log = MetricsLog(str(tmp_path), STEPS, 0, enabled=True, tensorboard=False)
+    straggler = {"step": BAD, "event": "straggler", "process": 1, "batch_s": 2.0, "median_batch_s": 0.1,
+                 "step_time_s": 0.5}
+    for step in range(1, BAD + 1):
+        _step(log, step)
+    log.event(straggler)
+    for spiked in (BAD, BAD + 1):
+        log.rewind(BAD - 1)
+        log.event(Spike(spiked, 9.0, 5.0, 5.5).record("rollback", to_step=BAD - 1))
+        for step in range(BAD, spiked + 1):
+            _step(log, step)
+    for step in range(BAD + 2, STEPS + 1):
+        _step(log, step)
+    log.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "event" not in r] == list(range(1, STEPS + 1))
+    assert [(r["event"], r["step"]) for r in records if "event" in r] == [
+        ("straggler", BAD), ("loss_spike_rollback", BAD), ("loss_spike_rollback", BAD + 1)]
+    (tmp_path / "config.yaml").write_text(f"steps: {STEPS}\n")  # what marks a run directory for status
+    report = run_main(["status", str(tmp_path), "--plot", str(tmp_path / "loss.png")], capfd, module=True)
+    assert "  health: 2 loss spike(s) (rollback; newest at step 8: loss 9.0000, 1.80x the median); straggler: " \
+           "process 1 at step 7 " in report.stdout, report.stdout
+    MetricsLog(str(tmp_path), STEPS, BAD - 1, enabled=True, tensorboard=False).close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, BAD))
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +190,8 @@ def test_a_stop_before_any_checkpoint_says_none_holds_the_state(tmp_path, monkey
                                   "checkpoint.every_steps": 6})
     assert result.returncode == 1, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "no checkpoint was saved before it" in errors[0], result.stderr
+    assert len(errors) == 1 and errors[0].endswith(
+        "after 1 rollbacks (train.spike.limit=1); no checkpoint was saved before it: a restart begins from the run's "
+        "start (lower checkpoint.every_steps to keep one)"), result.stderr
     assert [e["event"] for e in events] == ["loss_spike_rollback", "loss_spike_stop"]
     assert events[0]["to_step"] == 0

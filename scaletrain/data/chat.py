@@ -33,6 +33,7 @@ from etils import epath
 
 from scaletrain.data import tokenizer as tokenizer_lib
 from scaletrain.errors import DataError, UserError, first_line
+from scaletrain.store import storage
 
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # The names a message's reasoning goes by; templates read the first (and gpt-oss's, `thinking`).
@@ -209,6 +210,7 @@ def template_text(spec: str, tok: tokenizer_lib.Tokenizer) -> tuple[str, str] | 
     """(The template's text, how messages name it): data.chat_template's file when `spec` is set, else the
     tokenizer's own; None when the tokenizer has none."""
     if spec:
+        storage.probe(spec)  # an unreachable bucket said at once, not after a minute of retries
         path = epath.Path(spec)
         if not path.is_file():
             raise UserError(f"data.chat_template '{spec}' not found; expected a Jinja file (.jinja) holding a chat "

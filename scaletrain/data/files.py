@@ -69,8 +69,7 @@ def _files(folder: epath.Path) -> Iterator[epath.Path]:
 def input_files(path: str, what: str = "data.path") -> list[epath.Path]:
     """The files a path names, local or gs://: a glob's matches or a folder's .txt/.jsonl/.parquet files (sorted),
     or the file itself. `what` names the setting in the error when there are none."""
-    if storage.is_remote(path):
-        storage.probe(path)  # an unreachable bucket said at once, not after a minute of the listing's retries
+    storage.probe(path)  # an unreachable bucket said at once, not after a minute of the listing's retries
     p = epath.Path(path)
     if glob.has_magic(path):
         files = sorted(_glob(path))

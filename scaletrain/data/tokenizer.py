@@ -18,6 +18,7 @@ import numpy as np
 from etils import epath
 
 from scaletrain.errors import UserError, first_line
+from scaletrain.store import storage
 
 # The byte tokenizer's ids: 0-255 are bytes, then BOS, EOS and PAD.
 BOS, EOS, PAD = 256, 257, 258
@@ -227,6 +228,7 @@ def load(spec: str) -> Tokenizer:
     """The tokenizer `spec` names (cached: config validation, data and generation all load it)."""
     if spec == "bytes":
         return ByteTokenizer()
+    storage.probe(spec)  # an unreachable bucket said at once, not after a minute of retries
     path = epath.Path(spec)
     if path.is_dir():
         for name, kind in (("tokenizer.json", HFTokenizer), ("tokenizer.model", SentencePieceTokenizer)):

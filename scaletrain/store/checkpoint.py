@@ -311,14 +311,16 @@ def check_resumable(directory: epath.Path, meta: dict, run_dir: str) -> bool:
         path = next(p for p in sorted(layout(saved).keys() | layout(meta).keys())
                     if layout(saved).get(p) != layout(meta).get(p))
         what = f"array {path} is {layout(saved).get(path)} there, {layout(meta).get(path)} here"
-    # checkpoint.init_from reads parameters of the shapes this model has: advised only where none differs.
+    # checkpoint.init_from reads parameters of the shapes this model has: advised only where none differs - and
+    # with another run_dir, as init_from starts only a run_dir without checkpoints (this one would refuse it again).
     shared = layout(saved).keys() & layout(meta).keys()
     if any(layout(saved)[p][0] != layout(meta)[p][0] for p in shared):
-        advice = "its parameters' shapes differ from this model's, so they cannot start it either"
+        advice = "; its parameters' shapes differ from this model's, so they cannot start it either"
     else:
-        advice = f"to start it from those parameters, add checkpoint.init_from={run_dir}"
+        advice = (f", and add checkpoint.init_from={run_dir} to start it from those parameters (init_from starts "
+                  f"only a run_dir that holds no checkpoints)")
     raise CheckpointError(f"run_dir '{run_dir}' holds checkpoints (step {step}) of another model: {what}. Nothing "
-                          f"was changed. To train this model, give it another run_dir; {advice}")
+                          f"was changed. To train this model, give it another run_dir{advice}")
 
 
 def params_source(path: str | os.PathLike, abstract_params: Any, what: str = "checkpoint.init_from",

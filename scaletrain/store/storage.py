@@ -55,17 +55,17 @@ def probe(location: str | os.PathLike) -> None:
         return
     import threading
 
-    import gcsfs
     from fsspec import asyn
+    from gcsfs.core import GCSFileSystem  # the JSON API alone, without the extended one's gRPC clients
 
-    outcome: dict = {"stage": "finding credentials"}
+    outcome: dict = {"stage": "while finding credentials"}
 
     def ask() -> None:  # in a thread of its own: finding credentials cannot be cut short from outside
         try:  # a client of its own: fsspec's cached one keeps the endpoint and credentials it was made with
-            fs = gcsfs.GCSFileSystem(skip_instance_cache=True)
-            outcome["stage"] = "listing the bucket"
+            fs = GCSFileSystem(skip_instance_cache=True)
+            outcome["stage"] = "to a one-object listing"
             # One request, not _request's retries with backoff (a minute): its own error, or the answer, at once.
-            asyn.sync(fs.loop, gcsfs.GCSFileSystem._request.__wrapped__, fs, "GET", "b/{}/o", bucket, maxResults=1)
+            asyn.sync(fs.loop, GCSFileSystem._request.__wrapped__, fs, "GET", "b/{}/o", bucket, maxResults=1)
             outcome["answered"] = True
         except Exception as e:  # noqa: BLE001 - said below, in one line
             outcome["error"] = e

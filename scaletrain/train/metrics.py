@@ -18,8 +18,6 @@ from scaletrain.store import storage
 from scaletrain.train import goodput
 
 SYNC_EVERY_S = storage.SYNC_EVERY_S
-# A loss spike's rollback as spike.Spike.record names it.
-ROLLBACK_EVENT = "loss_spike_rollback"
 
 
 class StepClock:
@@ -159,10 +157,10 @@ class MetricsLog:
 
     def _truncate_after(self, step: int, rolled_back: bool = False) -> None:
         """A resumed (or rolled-back) run redoes the steps after its checkpoint: drop their old records so each
-        step has one - and their events (records with an `event`: a loss spike, a straggler), which a run that
-        redoes them records again as they recur. Not a rollback's record when `rolled_back`: its spike's batch is
-        left out of the redo, so it does not recur, and a second rollback to the same checkpoint must not erase
-        the first (status counts the spikes from these records)."""
+        step has one. A resumed run drops their events too (records with an `event`: a loss spike, a straggler),
+        which it records again as they recur. A rolled-back one keeps them: they do not recur - the spike's batch
+        is left out of the redo, a straggler named stays named until it catches up - and status counts what the
+        run went through from them (a second rollback to the same checkpoint once erased the first's record)."""
         if not self.path.exists():
             return
         kept = []
@@ -171,7 +169,7 @@ class MetricsLog:
                 record = json.loads(line)
                 if "event" not in record:
                     self.last_logged = max(self.last_logged, record["step"])
-                if record["step"] <= step or (rolled_back and record.get("event") == ROLLBACK_EVENT):
+                if record["step"] <= step or (rolled_back and "event" in record):
                     kept.append(line)
                     if "eval_loss" in record:
                         self.evals.append((record["step"], record["eval_loss"]))
@@ -180,7 +178,7 @@ class MetricsLog:
         self.path.write_text("".join(k + "\n" for k in kept))
 
     def rewind(self, step: int) -> None:
-        """The run rolled back to `step`: the records of the steps after it go (as at a resume)."""
+        """The run rolled back to `step`: the step records after it go, the events stay (`_truncate_after`)."""
         if not self.enabled:
             return
         self.file.close()
