@@ -101,3 +101,26 @@ def test_the_command_refuses_one_slice(capfd):
     result = run_main(["plan", "--config", str(CONFIG), "--hardware", HARDWARE, "--across-slices", "--tokens",
                        "1e12"], capfd, module=True)
     assert result.returncode == 2 and "error: --across-slices compares layouts for one step" in result.stderr
+
+
+@pytest.mark.parametrize("accumulation", [(), ("train.grad_accum_steps=1",)])
+def test_data_parallelism_and_fsdp_get_microbatches_as_a_pipeline_does(accumulation, capfd):
+    """The README's Llama 3 8B on two v5p-64 slices. As the config is (4 microbatches), every pipeline was refused
+    - its microbatches replace accumulation - and 32 sequences a microbatch do not divide over 64 chips; at one
+    microbatch, data parallelism and FSDP did not fit (162 GiB), so a pipeline won by default. Every family has
+    its microbatches - accumulated or scheduled - and FSDP over 2 of them fits and wins."""
+    llama_8b = ROOT / "configs" / "llama3_8b.yaml"
+    records = slices.planned(llama_8b, accumulation, HARDWARE)
+    for family in slices.FAMILIES:
+        assert slices.best(records, (family,))["status"] == "fits", family
+    assert all(r["layout"]["train.grad_accum_steps"] == 1 for r in records if r["family"] == "pipeline")
+    winner = slices.best(records)
+    assert winner["family"] == "fsdp" and winner["layout"]["train.grad_accum_steps"] == 2
+    with pytest.MonkeyPatch.context() as mp:  # the README's command, on a coarser search for the flip
+        mp.setattr(slices, "FACTORS", (1 / 64, 1 / 16, 4.0))
+        mp.setattr(slices, "BISECTIONS", 2)
+        mp.setattr(slices, "SLICE_COUNTS", (2,))
+        result = run_main(["plan", "--config", str(llama_8b), "--hardware", HARDWARE, "--across-slices",
+                           *(a for o in accumulation for a in ("--set", o))], capfd, module=True)
+    assert result.returncode == 0, result.stderr
+    assert "Verdict: fsdp across the slices, 2 microbatches" in result.stdout

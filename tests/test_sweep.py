@@ -84,6 +84,27 @@ def test_checks_flag_only_differences_over_the_tolerance():
     assert flags == ["step time: plan 1 s vs run 1.5 s (-33%)"]
 
 
+def test_a_step_time_the_compile_calls_not_comparable_is_not_ranked_as_xlas(monkeypatch):
+    """A zero-bubble compile's step time is not the step's (aot.time_warning): the compile stage keeps its
+    warning, the checks show it in place of a plan-against-XLA flag, and the variant is ranked by the plan's
+    estimate of the compiled step."""
+    from scaletrain.planner import aot
+
+    warning = "XLA's step time is not comparable"
+    monkeypatch.setattr(aot, "compile_step", lambda cfg, topology, loop_correction: {
+        "topology": topology, "fits": True, "hbm_per_device_bytes": 100.0, "hbm_capacity_bytes": 1e9,
+        "xla_flops": 1.0, "xla_optimal_seconds": 11.0, "xla_roofline_seconds": 9.0, "xla_with_kernels_seconds": None,
+        "loop_corrected": True, "collectives": {}, "compile_seconds": 1.0, "xla_time_comparable": False,
+        "warnings": [warning]})
+    spec = sweep_lib.Sweep(base=Path("x"), common=(), stages=("plan", "compile"), hardware="v5p:2x2x1",
+                           topology="v5p:2x2x1", loop_correction=True, steps=1, variants=({},))
+    record = {"plan": {"chip": "v5p", "step_time_s": 0.5, "step_estimate_s": 1.0, "memory_per_device_bytes": 100.0},
+              "compile": sweep_lib._compile(None, spec)}
+    assert sweep_lib.xla_time(record["compile"]) is None
+    assert sweep_lib.checks(record, spec) == [f"compile: {warning}"]
+    assert sweep_lib.best_time(record) == (1.0, "plan's estimate")
+
+
 @pytest.mark.parametrize("text, says", [
     ("base: a.yaml\nvariants: [{mesh.fsdp: 2}]\nstagez: [plan]", "unknown key(s) stagez"),
     ("base: a.yaml\nstages: [plan]\nvariants: [{mesh.fsdp: 2}]", "needs 'hardware'"),

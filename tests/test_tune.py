@@ -121,6 +121,36 @@ def test_a_compiled_tie_goes_to_the_less_memory():
     assert tune.winner([tight, slow]) is tight and tune.winner([]) is None
 
 
+def test_zero_bubble_is_ranked_by_the_plans_estimate_not_xlas(tmp_path):
+    """XLA's step time of a zero-bubble step is not the step's - its cost analysis counts every branch of the
+    per-slot conditionals every tick, 11x the plan's estimate on the tiny step, where 1F1B's is 1.6x - and the
+    compile says so (aot.time_warning). Ranked by it, zero-bubble could never win; it is ranked by the plan's
+    estimate of the compiled step instead, and the table, the verdicts and best.yaml say so."""
+    from scaletrain.planner import aot
+    from scaletrain.train.runner import Runner
+
+    warning = aot.time_warning(Runner(schedule="zero_bubble", stages=2, microbatches=4))
+
+    def compiled(name, seconds, planned, comparable=True):
+        return {"name": name, "status": "ok", "overrides": [f"pipeline.schedule={name}"],
+                "plan": {"step_estimate_s": planned, "step_time_s": planned / 2, "memory_per_device_bytes": 2**30},
+                "compile": {"fits": True, "xla_with_kernels_seconds": seconds, "hbm_per_device_bytes": 2**30,
+                            "hbm_capacity_bytes": 2**33, "loop_corrected": True, "xla_time_comparable": comparable,
+                            "warnings": [] if comparable else [warning]}}
+
+    one_f_one_b, zero_bubble = compiled("1f1b", 1.6, 1.0), compiled("zero_bubble", 9.9, 0.9, comparable=False)
+    assert tune.winner([one_f_one_b, zero_bubble]) is zero_bubble
+    assert tune.verdict(one_f_one_b, zero_bubble) == "+77.8% slower (the plan's estimate for zero-bubble)"
+    assert tune.winner([compiled("1f1b", 0.8, 1.0), zero_bubble])["name"] == "1f1b"
+    spec = sweep_lib.Sweep(base=BASE, common=(), stages=("plan", "compile"), hardware="2xv5p:2x2x1",
+                           topology="2xv5p:2x2x1", loop_correction=True, steps=1, variants=())
+    report = tune.report([], [one_f_one_b, zero_bubble], zero_bubble, spec, 2)
+    assert "| 1 | zero_bubble | 0.9 | 1.00 | 0.9 (the plan's) | 1.00 | **best** |" in report
+    assert f"it is ranked by that: {warning}." in report
+    header = tune.best_yaml(BASE, (), zero_bubble, "2xv5p:2x2x1", 2)
+    assert "0.9 s per step (the plan's estimate: XLA's is not this schedule's step)" in header
+
+
 def test_a_search_where_nothing_fits_says_so(tmp_path, monkeypatch):
     monkeypatch.setitem(sweep_lib._STAGE_FNS, "compile", lambda cfg, spec: {
         "topology": spec.topology, "fits": False, "hbm_per_device_bytes": 1 << 31, "hbm_capacity_bytes": 1 << 30,
@@ -131,6 +161,32 @@ def test_a_search_where_nothing_fits_says_so(tmp_path, monkeypatch):
     assert code == cli.EXIT_DOES_NOT_FIT
     assert not (tmp_path / "out" / tune.BEST).exists()
     assert "does not fit" in (tmp_path / "out" / tune.REPORT).read_text()
+
+
+def test_an_out_of_another_search_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """docs/tune.md: another search's results in --out - here another --set, which makes another base config as
+    much as an edited file does - are refused with one error line before the search, nothing there changed; so
+    are another search's plans where it compiled nothing (the compiles' results.jsonl gone here)."""
+    monkeypatch.setitem(sweep_lib._STAGE_FNS, "compile", lambda cfg, spec: {
+        "topology": spec.topology, "fits": True, "hbm_per_device_bytes": 1 << 20, "hbm_capacity_bytes": 1 << 30,
+        "xla_flops": 1.0, "xla_optimal_seconds": 1.0, "xla_roofline_seconds": None, "xla_with_kernels_seconds": None,
+        "loop_corrected": False, "collectives": {}, "compile_seconds": 0.0})
+    out = tmp_path / "out"
+    args = ["tune", "--config", str(BASE), *[a for s in TINY for a in ("--set", s)], "--topology", "cpu:8",
+            "--budget", "1", "--out", str(out)]
+    assert cli.main(args) == 0
+    capsys.readouterr()
+    written = {p.name: p.read_bytes() for p in out.iterdir()}
+    another = [*args, "--set", "optim.learning_rate=0.001"]
+    assert cli.main(another) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == (f"error: {out / sweep_lib.RESULTS} holds the results of another sweep "
+                                       "(different common); use a new --out or delete the folder\n")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == written
+    (out / sweep_lib.RESULTS).unlink()
+    assert cli.main(another) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == (f"error: {out / tune.PLANS} holds the plans of another search (different "
+                                       "common); use a new --out or delete the folder\n")
+    assert cli.main(args) == 0  # the same search resumes
 
 
 def test_bad_input_is_one_error_line(tmp_path, capsys):

@@ -304,21 +304,29 @@ def wraparound(chip: Chip, dims: tuple[int, ...]) -> tuple[bool, ...]:
     return tuple(d == 16 for d in dims)
 
 
-def topology(text: str) -> Topology:
-    """Parse `[SLICESx]CHIP:DIMS`. TPU DIMS name every torus axis (v5p:4x4x2, v5e:8x16); a GPU's DIMS is a count
-    of GPUs: up to one node (h100:4), or whole nodes (h100:32 is 4 nodes of 8), the nodes playing slices. Raises
-    ConfigError for a malformed string, an unknown chip, or a slice the chip's pods cannot form."""
+def parse(text: str) -> tuple[int, str, tuple[int, ...]]:
+    """`[SLICESx]CHIP:DIMS` as (slices, chip name, dims), the chip not looked up: `topology` checks it against the
+    table, `compile` (planner/aot.py) leaves a chip the table lacks to libtpu. Raises ConfigError for a malformed
+    string or a count below 1."""
     match = _TOPOLOGY.fullmatch(text.strip().lower())
     if not match:
         raise ConfigError(f"hardware '{text}' is not of the form {_FORM}")
     prefix, name, dims_text = match.groups()
     if name == "cpu" and (not dims_text.isdigit() or int(dims_text) < 1 or prefix):
         raise ConfigError(f"hardware '{text}': this machine's CPU is cpu:N, N >= 1 simulated devices, e.g. cpu:8")
-    chip = cpu(int(dims_text)) if name == "cpu" else spec(name)
     dims = tuple(int(d) for d in dims_text.split("x"))
     slices = int(prefix) if prefix else 1
     if slices < 1 or min(dims) < 1:
         raise ConfigError(f"hardware '{text}': slice counts and dims must be positive; expected {_FORM}")
+    return slices, name, dims
+
+
+def topology(text: str) -> Topology:
+    """Parse `[SLICESx]CHIP:DIMS`. TPU DIMS name every torus axis (v5p:4x4x2, v5e:8x16); a GPU's DIMS is a count
+    of GPUs: up to one node (h100:4), or whole nodes (h100:32 is 4 nodes of 8), the nodes playing slices. Raises
+    ConfigError for a malformed string, an unknown chip, or a slice the chip's pods cannot form."""
+    slices, name, dims = parse(text)
+    chip = cpu(dims[0]) if name == "cpu" else spec(name)
     if chip.is_gpu:
         per_node = chip.chips_per_host
         if len(dims) != 1 or (dims[0] > per_node and dims[0] % per_node):

@@ -21,6 +21,7 @@ import time
 
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.facts import fit, hardware
+from scaletrain.parallel import pipeline_zb
 from scaletrain.planner import hlo
 from scaletrain.train.runner import Runner
 
@@ -35,13 +36,10 @@ def topology_devices(topology: str) -> list:
     (`2xv5p:4x4x4`, as the planner writes them: each device then has its slice_index), described by libtpu."""
     from jax.experimental import topologies
 
-    match = re.fullmatch(r"(?:(\d+)x)?([a-z][a-z0-9]*:\d+(?:x\d+)*)", topology.strip().lower())
-    if not match or int(match.group(1) or 1) < 1 or "x0" in f"x{match.group(2).split(':')[1]}":
-        raise ConfigError(f"topology '{topology}' is not [SLICESx]GENERATION:AxBxC; expected e.g. v5e:2x2, "
-                          f"v5p:4x4x4, v6e:8x8, 2xv5p:4x4x4")
-    slices, name = int(match.group(1) or 1), match.group(2)
-    if _known(name.split(":")[0]):
+    slices, chip_name, dims = hardware.parse(topology)
+    if _known(chip_name):
         hardware.topology(topology)  # the shape checks `plan` and `tune` make (libtpu takes a v5p:2x2 as given)
+    name = f"{chip_name}:{'x'.join(map(str, dims))}"
     try:
         return list(topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=slices,
                                                  **_wrap(name)).devices)
@@ -140,6 +138,20 @@ def _loop_corrected(cfg, devices, runner: Runner = Runner()) -> dict[str, float]
     return {k: accum * (two[k] + (units - 2) * (three[k] - two[k])) for k in _COSTS}
 
 
+def time_warning(runner: Runner) -> str | None:
+    """Why XLA's step time of `runner`'s program is not the step's, or None where it is. Zero-bubble's tick runs
+    one slot on each stage, the stage's row of a static table choosing it by one conditional a kind of slot; XLA's
+    cost analysis counts every conditional's work whichever branch runs - each tick three slots, and the buffers
+    each carries (the tiny model on v5p:2x2x1, 2 stages of 4 microbatches, loop-corrected: 11x the plan's
+    estimate, where 1F1B's is 1.6x). No compile can correct it: every stage runs the one SPMD program, and which
+    branch a stage takes is known only when it runs."""
+    if runner.schedule != pipeline_zb.SCHEDULE:
+        return None
+    return ("XLA's step time is not comparable for the zero_bubble schedule: its cost analysis counts every "
+            "tick's three per-slot conditionals whichever one runs (docs/pipeline.md, \"Not yet\"); compare it by "
+            "the plan's estimate (`plan`). The memory is the step's")
+
+
 def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
     """The `compile` command's result (docs/planner.md) for `cfg` on `topology` (a TPU topology, or `cpu`:
     devices_for). Raises ConfigError for a config or topology the step cannot be built for."""
@@ -168,6 +180,7 @@ def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
         estimate = None
     chip = _chip(devices)
     capacity = int(chip.hbm_bytes) if chip else None
+    warning = time_warning(setup.runner)
     text = compiled.as_text()
     collectives = hlo.summary(hlo.inventory(text, setup.mesh))
     kernels = _kernels(cfg, setup.mesh, chip)
@@ -201,6 +214,9 @@ def compile_step(cfg, topology: str, loop_correction: bool = True) -> dict:
                 for kind, v in hlo.dcn(text).items()},
         "compile_seconds": compile_seconds,
         "jax_version": jax.__version__,
+        # False where the step time above is not the step's (time_warning): then rank by the plan's estimate
+        "xla_time_comparable": warning is None,
+        "warnings": [warning] if warning else [],
     }
 
 
@@ -238,7 +254,7 @@ def _does_not_fit(topology: str, devices, needed: int | None, seconds: float, me
             "xla_roofline_seconds": None,
             "kernel_flops": None, "kernel_bytes": None, "xla_with_kernels_seconds": None,
             "loop_corrected": False, "xla_raw": None, "collectives": None, "dcn": None, "compile_seconds": seconds,
-            "error": message}
+            "xla_time_comparable": True, "warnings": [], "error": message}
 
 
 def _seconds(value: float | None) -> str:
@@ -279,6 +295,7 @@ def describe(result: dict) -> str:
     if result.get("dcn"):
         lines += ["over DCN per chip and step (sends, bytes; libtpu's transfers by the collective they serve):"]
         lines += _counts(result["dcn"])
+    lines += [f"warning: {w}" for w in result["warnings"]]
     return "\n".join(lines)
 
 

@@ -4,10 +4,11 @@ across the slices - which wins, by how much, and where the answer flips (docs/pi
 Every layout keeps the config's own mesh inside each slice and puts one mesh axis across the slices:
 - data: each slice a replica, the gradients reduced over DCN once a step;
 - fsdp: the state split over every chip, FSDP's gathers and reductions crossing DCN at every layer;
+  both accumulating the gradients of MICROBATCHES microbatches (and of the config's train.grad_accum_steps);
 - pipeline: a stage of the layer stack on each slice, only stage activations crossing DCN, at the price of a
   bubble - every schedule the trainer runs (GPipe, circular, 1F1B, interleaved 1F1B, zero-bubble; all but GPipe
   and circular also gathering the FSDP weights once a step, 1F1B and interleaved keeping only stage inputs), with
-  the blocks a stage of SCHEDULES and MICROBATCHES per stage.
+  the blocks a stage of SCHEDULES and MICROBATCHES per stage (its microbatches replacing accumulation).
 Each layout is planned by roofline.plan - the plan `plan` prints and `tune` ranks, the trainer's own checks
 refusing what it would refuse - and ranked as `tune` ranks (tune.rank_key: fit first, then the plan's estimate of
 the compiled step).
@@ -33,7 +34,7 @@ from scaletrain.planner.roofline import _seconds, _si
 FAMILIES = tune.ACROSS
 SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4),
              ("zero_bubble", 1))
-MICROBATCHES = (1, 2, 4, 8)  # per stage
+MICROBATCHES = (1, 2, 4, 8)  # a pipeline's per stage; data parallelism's and FSDP's accumulated
 FACTORS = tuple(2.0 ** k for k in range(-12, 7))  # of the chip's DCN bandwidth, where the flip is looked for
 BISECTIONS = 10  # halvings of the bracket, in log space: within 2^(1/1024) of the flip
 SLICE_COUNTS = (2, 4, 8)
@@ -45,11 +46,15 @@ def layouts(cfg, slices: int) -> list[tuple[str, dict[str, Any]]]:
     def across(axis: str) -> dict[str, Any]:
         return {f"mesh.dcn_{a}": slices if a == axis else 1 for a in MESH_AXES}
 
-    out = [(family, across(family)) for family in FAMILIES if family != "pipeline"]
+    # Microbatches for every family, or the comparison is rigged: data parallelism and FSDP accumulate
+    # gradients over them (a step that fits no other way), a pipeline schedules them instead of accumulating.
+    accumulations = sorted({*MICROBATCHES, cfg.train.grad_accum_steps})
+    out = [(family, {**across(family), "train.grad_accum_steps": n})
+           for family in FAMILIES if family != "pipeline" for n in accumulations]
     for schedule, repeats in SCHEDULES:
         for per_stage in MICROBATCHES:
-            choices = {**across("pipeline"), "pipeline.schedule": schedule, "pipeline.repeats": repeats,
-                       "pipeline.microbatches": per_stage * slices}
+            choices = {**across("pipeline"), "train.grad_accum_steps": 1, "pipeline.schedule": schedule,
+                       "pipeline.repeats": repeats, "pipeline.microbatches": per_stage * slices}
             out.append(("pipeline", choices))
             if schedule in pipeline_1f1b.OWN_GRADIENTS:  # gathering once: faster, more memory
                 out.append(("pipeline", {**choices, "pipeline.gather_weights": "once"}))
@@ -153,7 +158,8 @@ def verdict(path: str | Path, common: tuple[str, ...], hardware: str) -> dict:
 def _describe(r: dict) -> str:
     c = r["layout"]
     if r["family"] != "pipeline":
-        return f"{r['family']} across the slices"
+        n = c["train.grad_accum_steps"]
+        return f"{r['family']} across the slices, {n} microbatch{'es' if n > 1 else ''}"
     once = (", gathering once" if c.get("pipeline.gather_weights") == "once" else "") + (
         ", keeping stage inputs" if c.get("pipeline.keep") == "stage_inputs" else "")
     repeats = f" x{c['pipeline.repeats']}" if c["pipeline.repeats"] > 1 else ""

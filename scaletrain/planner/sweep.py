@@ -162,7 +162,8 @@ def _compile(cfg, sweep: Sweep) -> dict:
     c = aot.compile_step(cfg, sweep.topology, loop_correction=sweep.loop_correction)
     return {k: c[k] for k in ("topology", "fits", "hbm_per_device_bytes", "hbm_capacity_bytes", "xla_flops",
                               "xla_optimal_seconds", "xla_roofline_seconds", "xla_with_kernels_seconds",
-                              "loop_corrected", "collectives", "compile_seconds")}
+                              "loop_corrected", "collectives", "compile_seconds", "xla_time_comparable",
+                              "warnings")}
 
 
 def _run(cfg, sweep: Sweep) -> dict:
@@ -221,7 +222,7 @@ def checks(record: dict, sweep: Sweep) -> list[str]:
                    run["memory_per_device_bytes"])]
     if comp and run and comp["topology"].startswith("cpu") and run["chip"] == "cpu":
         pairs.append(("step time", "compile (XLA)", xla_time(comp), "run", run["step_time_s"]))
-    flags = []
+    flags = [f"compile: {w}" for w in (comp or {}).get("warnings", [])]
     for what, a_name, a, b_name, b in pairs:
         if a is not None and b and abs(a - b) / b > TOLERANCE:
             flags.append(f"{what}: {a_name} {_fmt(what, a)} vs {b_name} {_fmt(what, b)} ({a / b - 1:+.0%})")
@@ -230,7 +231,10 @@ def checks(record: dict, sweep: Sweep) -> list[str]:
 
 def xla_time(comp: dict) -> float | None:
     """XLA's own estimate - with the flash kernels' time added, which XLA counts as nothing (aot.compile_step) -,
-    else the chip's roofline of XLA's counts (libtpu's estimate is sometimes missing)."""
+    else the chip's roofline of XLA's counts (libtpu's estimate is sometimes missing); None where the compile says
+    neither is the step's (zero-bubble: aot.time_warning)."""
+    if comp.get("xla_time_comparable") is False:
+        return None
     return comp.get("xla_with_kernels_seconds") or comp.get("xla_optimal_seconds") or comp.get("xla_roofline_seconds")
 
 
@@ -239,12 +243,15 @@ def _fmt(what: str, value: float) -> str:
 
 
 def best_time(record: dict) -> tuple[float, str] | None:
-    """The most trustworthy step time a variant has: measured, else XLA's, else the roofline's."""
+    """The most trustworthy step time a variant has: measured, else XLA's, else - where XLA's is not the step's -
+    the plan's estimate of it, else the roofline's."""
     if record.get("run"):
         return record["run"]["step_time_s"], "measured"
     comp = record.get("compile") or {}
     if xla_time(comp):
         return xla_time(comp), "XLA"
+    if record.get("plan") and comp.get("xla_time_comparable") is False:
+        return record["plan"]["step_estimate_s"], "plan's estimate"
     if record.get("plan"):
         return record["plan"]["step_time_s"], "roofline"
     return None
@@ -300,9 +307,12 @@ def _measure(sweep: Sweep, overrides: list[str]) -> dict:
 
 
 def identity(sweep: Sweep) -> dict:
-    """What a sweep's results depend on besides each variant's overrides. Every record carries it, so that a
-    rerun into the same folder can tell its own sweep's results from another's."""
-    return {"base_sha256": hashlib.sha256(sweep.base.read_bytes()).hexdigest(), "stages": list(sweep.stages),
+    """What a sweep's results depend on besides each variant's own overrides: the base config as the common
+    overrides change it (`set`, tune's --set: another base as much as an edited file is), the stages and their
+    settings. Every record carries it, so that a rerun into the same folder can tell its own sweep's results from
+    another's."""
+    return {"base_sha256": hashlib.sha256(sweep.base.read_bytes()).hexdigest(), "common": list(sweep.common),
+            "stages": list(sweep.stages),
             **{field: getattr(sweep, field) for stage in sweep.stages for field in _STAGE_FIELDS[stage]}}
 
 

@@ -18,6 +18,7 @@ fits T, found ahead of time, on any machine (docs/tune.md).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 import json
@@ -276,23 +277,32 @@ def winner(fitting: list[dict]) -> dict | None:
 
 
 def _compiled_time(record: dict) -> float | None:
-    comp = record.get("compile") or {}
-    return sweep_lib.xla_time(comp)
+    """The step time a compiled candidate is ranked by: XLA's estimate, or the plan's estimate of it where the
+    compile says XLA's is not the step's (zero-bubble: aot.time_warning) - XLA's would rank it last whatever its
+    step."""
+    if _by_plan(record):
+        return (record.get("plan") or {}).get("step_estimate_s")
+    return sweep_lib.xla_time(record.get("compile") or {})
+
+
+def _by_plan(record: dict) -> bool:
+    return (record.get("compile") or {}).get("xla_time_comparable") is False
 
 
 def run(path: str | Path, common: tuple[str, ...], topology: str, budget: int, out: str | Path,
         loop_correction: bool = True, log: Callable = print) -> dict | None:
     """The whole search (module docstring). Returns the best compiled record, or None when none fits."""
     path, out = Path(path).resolve(), Path(out)
+    spec = sweep_lib.Sweep(base=path, common=tuple(common), stages=("plan", "compile"), hardware=topology,
+                           topology=topology, loop_correction=loop_correction, steps=1, variants=())
+    earlier(spec, out)
     ranked = search(path, common, topology, budget, log)
     chosen = select(ranked, budget)
-    spec = sweep_lib.Sweep(base=path, common=tuple(common), stages=("plan", "compile"), hardware=topology,
-                           topology=topology, loop_correction=loop_correction, steps=1,
-                           variants=tuple(r["choices"] for r in chosen))
-    sweep_lib.earlier(spec, out)  # another search's results there: refused before any compile
+    spec = dataclasses.replace(spec, variants=tuple(r["choices"] for r in chosen))
     out.mkdir(parents=True, exist_ok=True)
+    search_id = sweep_lib.identity(spec)
     with (out / PLANS).open("w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in ranked)
+        f.writelines(json.dumps({**r, "search": search_id}) + "\n" for r in ranked)
     if not chosen:
         (out / REPORT).write_text(report(ranked, [], None, spec, budget))
         return None
@@ -309,6 +319,25 @@ def run(path: str | Path, common: tuple[str, ...], topology: str, budget: int, o
     return best
 
 
+def earlier(spec: sweep_lib.Sweep, out: Path) -> None:
+    """Refuses (ConfigError), before the search, an `out` that holds another search's results - another base
+    config, --set, topology or loop correction: its compiles (sweep.earlier), or its plans where it compiled
+    nothing. Its best.yaml and tune.md would be left beside this search's, or replaced by them."""
+    sweep_lib.earlier(spec, out)
+    plans = out / PLANS
+    first = plans.read_text().partition("\n")[0] if plans.is_file() else ""
+    if not first:
+        return
+    try:
+        other = json.loads(first)["search"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        other = None
+    differ = [k for k, v in sweep_lib.identity(spec).items() if not isinstance(other, dict) or other.get(k) != v]
+    if differ:
+        raise ConfigError(f"{plans} holds the plans of another search (different {', '.join(differ)}); use a new "
+                          f"--out or delete the folder")
+
+
 def best_yaml(path: Path, common: tuple[str, ...], best: dict, topology: str, budget: int) -> str:
     """The base config file's own mapping with the common overrides and the winner's choices set: a config to
     train with as it is, its choices and the search's figures in a comment."""
@@ -323,12 +352,13 @@ def best_yaml(path: Path, common: tuple[str, ...], best: dict, topology: str, bu
             node = node.setdefault(part, {})
         node[leaf] = value
     comp, plan = best["compile"], best["plan"]
+    how = ("the plan's estimate: XLA's is not this schedule's step" if _by_plan(best) else
+           f"XLA's estimate{', loop-corrected' if comp['loop_corrected'] else ''}, kernels counted")
     header = [f"Found by `python -m scaletrain tune --config {path.name} --topology {topology} --budget {budget}` "
               f"on {datetime.date.today()} (docs/tune.md).",
               f"Choices over {path.name}: {' '.join(best['overrides']) or 'none (the config as it is)'}.",
               f"Compiled for {topology}: {comp['hbm_per_device_bytes'] / 2**30:.2f} GiB per chip, "
-              f"{_compiled_time(best):.4g} s per step (XLA's estimate"
-              f"{', loop-corrected' if comp['loop_corrected'] else ''}, kernels counted); "
+              f"{_compiled_time(best):.4g} s per step ({how}); "
               f"planned {plan['memory_per_device_bytes'] / 2**30:.2f} GiB, "
               f"{plan.get('step_estimate_s', plan['step_time_s']):.4g} s."]
     return "".join(f"# {line}\n" for line in header) + yaml.safe_dump(tree, sort_keys=False)
@@ -355,10 +385,11 @@ def verdict(record: dict, best: dict | None) -> str:
     if best is None or _compiled_time(record) is None:
         return "no estimate"
     change = _compiled_time(record) / _compiled_time(best) - 1
+    how = "compiled" if not (_by_plan(record) or _by_plan(best)) else "the plan's estimate for zero-bubble"
     if change < COMPILED_TIE:
-        return (f"{change:+.1%} (compiled): within {COMPILED_TIE:.0%}, and the best needs "
+        return (f"{change:+.1%} ({how}): within {COMPILED_TIE:.0%}, and the best needs "
                 f"{_gib(best['compile']['hbm_per_device_bytes'])} GiB, not {_gib(comp['hbm_per_device_bytes'])}")
-    return f"{change:+.1%} slower (compiled)"
+    return f"{change:+.1%} slower ({how})"
 
 
 def across_slices(ranked: list[dict]) -> list[str]:
@@ -398,9 +429,14 @@ def report(ranked: list[dict], compiled: list[dict], best: dict | None, spec: sw
                                             _compiled_time(r) or math.inf))
     for rank, r in enumerate(order, 1):
         plan, comp = r.get("plan") or {}, r.get("compile") or {}
+        compiled_s = f"{_s(_compiled_time(r))} (the plan's)" if _by_plan(r) else _s(_compiled_time(r))
         lines.append(f"| {rank} | {r['name']} | {_s(plan.get('step_estimate_s', plan.get('step_time_s')))} | "
-                     f"{_gib(plan.get('memory_per_device_bytes'))} | {_s(_compiled_time(r))} | "
+                     f"{_gib(plan.get('memory_per_device_bytes'))} | {compiled_s} | "
                      f"{_gib(comp.get('hbm_per_device_bytes'))} | {verdict(r, best)} |")
+    warning = next((r["compile"]["warnings"][0] for r in compiled if _by_plan(r)), None)
+    if warning:
+        lines += ["", f"Zero-bubble's compiled s is the plan's estimate of the compiled step, and it is ranked by "
+                      f"that: {warning}."]
     names = {r["name"] for r in compiled}
     layouts = {_layout(r) for r in ranked if r["name"] in names}
     rest = [(k, r) for k, r in enumerate(ranked, 1) if r["status"] == "fits" and r["name"] not in names][:SHOWN]
